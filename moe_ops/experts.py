@@ -1,0 +1,133 @@
+"""Experts: the two grouped GEMMs (gather + GEMM1 + activation, GEMM2 + routing weight + combine).
+
+This stage checks its arguments against the kernel layout (moe_ops.layout.plan_layout says what
+each quant mode and activation needs) and hands the work to a backend: the plain-torch oracle
+(reference.py) or the Triton kernels (kernels/experts.py).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from moe_ops import quant as q
+from moe_ops.errors import check
+from moe_ops.layout import ACTIVATIONS, FLOAT_DTYPES, is_gated, plan_layout
+
+BACKENDS = ("auto", "reference", "triton", "cpu")
+KERNEL_ROLES = ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale", "b13", "b2")
+TOPK_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """`auto` -> the best backend for the device; checks that the asked one can run there."""
+    check(backend in BACKENDS, "backend", f"one of {BACKENDS}", repr(backend))
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    if backend == "triton":
+        check(device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1", "backend",
+              "'triton' on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1 set before "
+              "import (the Triton interpreter)", f"'triton' with tensors on {device}")
+    if backend == "cpu":
+        check(False, "backend", "'auto', 'reference' or 'triton': the C++ CPU kernels are not "
+              "built in this version", "'cpu'")
+    return backend
+
+
+def validate_experts_args(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    optional: dict[str, Optional[torch.Tensor]],
+    activation: str,
+    quant: str,
+) -> None:
+    """Everything SPEC §3 asks of an experts call, from metadata only (no device sync)."""
+    check(activation in ACTIVATIONS, "activation", f"one of {ACTIVATIONS}", repr(activation))
+    check(quant in q.QUANT_MODES, "quant", f"one of {q.QUANT_MODES}", repr(quant))
+    x = hidden_states
+    check(x.dim() == 2, "hidden_states", "a 2-D tensor [num_tokens, hidden_size]", list(x.shape))
+    check(x.dtype in FLOAT_DTYPES, "hidden_states", "dtype bfloat16, float16 or float32", x.dtype)
+    if quant in ("nvfp4", "mxfp4"):
+        check(x.dtype != torch.float32, "hidden_states",
+              f"bfloat16 or float16 for quant={quant!r} (W4A16)", x.dtype)
+    check(topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0], "topk_ids",
+          f"a 2-D tensor [num_tokens={x.shape[0]}, top_k]", list(topk_ids.shape))
+    check(topk_ids.dtype in TOPK_ID_DTYPES, "topk_ids", "dtype int32 or int64", topk_ids.dtype)
+    check(tuple(topk_weights.shape) == tuple(topk_ids.shape), "topk_weights",
+          f"the shape of topk_ids {list(topk_ids.shape)}", list(topk_weights.shape))
+    check(topk_weights.dtype in FLOAT_DTYPES, "topk_weights", "a float dtype", topk_weights.dtype)
+    check(w13.dim() == 3, "w13", "a 3-D kernel-layout tensor [E, N13, H]", list(w13.shape))
+    check(w2.dim() == 3, "w2", "a 3-D kernel-layout tensor [E, H, I]", list(w2.shape))
+    fp4 = quant in ("nvfp4", "mxfp4")
+    num_experts, hidden = w13.shape[0], x.shape[1]
+    intermediate = w2.shape[2] * (2 if fp4 else 1)
+    check(w2.shape[0] == num_experts, "w2", f"{num_experts} experts like w13", w2.shape[0])
+    check(w2.shape[1] == hidden, "w2", f"{hidden} rows (hidden_size of hidden_states)", w2.shape[1])
+    specs = plan_layout(quant=quant, activation=activation, num_local_experts=num_experts,
+                        hidden_size=hidden, intermediate_size=intermediate,
+                        bias=optional.get("b13") is not None, dtype=x.dtype, device=x.device)
+    given = {"w13": w13, "w2": w2, **optional}
+    for role, tensor in given.items():
+        spec = specs.get(role)
+        if spec is None:
+            check(tensor is None, role, f"None for quant={quant!r}, activation={activation!r}",
+                  "a tensor")
+            continue
+        check(tensor is not None, role, f"a tensor for quant={quant!r}", None)
+        check(tuple(tensor.shape) == spec.shape, role, f"shape {list(spec.shape)} "
+              f"(kernel layout, gated={is_gated(activation)})", list(tensor.shape))
+        check(tensor.dtype == spec.dtype, role, f"dtype {spec.dtype}", tensor.dtype)
+        check(tensor.device == x.device, role, f"device {x.device} (that of hidden_states)",
+              tensor.device)
+    for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        check(tensor.device == x.device, name, f"device {x.device} (that of hidden_states)",
+              tensor.device)
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: Optional[torch.Tensor],
+    w2_scale: Optional[torch.Tensor],
+    w13_global_scale: Optional[torch.Tensor],
+    w2_global_scale: Optional[torch.Tensor],
+    b13: Optional[torch.Tensor],
+    b2: Optional[torch.Tensor],
+    activation: str,
+    quant: str,
+    alpha: float,
+    limit: float,
+    local_expert_offset: int,
+    backend: str,
+) -> torch.Tensor:
+    """Validated experts computation on the resolved backend. Returns [T, H] in x.dtype."""
+    optional = dict(w13_scale=w13_scale, w2_scale=w2_scale, w13_global_scale=w13_global_scale,
+                    w2_global_scale=w2_global_scale, b13=b13, b2=b2)
+    validate_experts_args(hidden_states, topk_ids, topk_weights, w13, w2, optional, activation, quant)
+    backend = resolve_backend(backend, hidden_states.device)
+    topk_weights = topk_weights.float()
+    if hidden_states.shape[0] == 0:
+        return hidden_states.new_empty((0, hidden_states.shape[1]))
+    if backend == "triton":
+        check(quant in ("none", "fp8", "fp8_block"), "quant",
+              "none, fp8 or fp8_block for backend='triton' (4-bit Triton kernels are not in "
+              "this version; use backend='reference')", repr(quant))
+        from moe_ops.kernels.experts import triton_experts
+
+        return triton_experts(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
+                              b13, b2, activation=activation, quant=quant, alpha=alpha,
+                              limit=limit, local_expert_offset=local_expert_offset)
+    from moe_ops.reference import fused_experts_reference
+
+    return fused_experts_reference(
+        hidden_states, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, b13, b2,
+        activation=activation, quant=quant, alpha=alpha, limit=limit,
+        local_expert_offset=local_expert_offset, w13_global_scale=w13_global_scale,
+        w2_global_scale=w2_global_scale)

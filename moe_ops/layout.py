@@ -1,0 +1,370 @@
+"""Checkpoint layout -> kernel layout, through cached row-permutation indices (SPEC §5).
+
+The checkpoint gives gate `w1 [E, I, H]`, up `w3 [E, I, H]` and down `w2 [E, H, I]`, each with
+its own scales. The kernels want gate and up rows *interleaved* in one tensor
+`w13 [E, 2I, H]` (row 2i = gate i, row 2i+1 = up i), so that one GEMM1 output tile holds gate and
+up of the same intermediate columns and the activation runs in the GEMM's epilogue with no
+second pass. Every per-row companion of w13 (its scales, nvfp4's global scale expanded per row,
+its bias) follows the same row order; fp8_block's scales have one row per 128 weight rows and
+interleave at that granularity.
+
+Each kernel-layout tensor (a *role*: "w13", "w13_scale", ...) is filled by one `index_copy_` per
+source along the row axis, driven by an int64 index `destination_rows` that says where each
+source row lands. The index depends only on the `LayoutKey` (role, shapes, dtype/packing,
+interleave granularity, scale block, layout version, device) and is computed once per key and
+cached. A FusedMoE holds the indices it used as non-persistent buffers, so reloading weights
+(an RL weight sync) is one device-side copy per tensor and never recomputes an index.
+
+Quantize-on-load (high-precision checkpoint into a quantized mode) happens here too, before the
+permutation: the kernel layout is always what the kernels (and the reference) read.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from moe_ops import quant as q
+from moe_ops.errors import check
+
+# Bump when the meaning of a LayoutKey's index changes: cached indices then never match.
+LAYOUT_VERSION = 1
+
+# Gate and up rows alternate one by one: the fused GEMM1 epilogue splits an accumulator tile
+# [BM, BN] into [BM, BN/2, 2] whatever BN is, so the layout needs no tile size.
+GATE_UP_INTERLEAVE_ROWS = 1
+
+ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai", "relu2")
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def is_gated(activation: str) -> bool:
+    return activation != "relu2"
+
+
+@dataclass(frozen=True)
+class LayoutKey:
+    """Every input of one row-permutation index. Two different layouts never share an entry."""
+
+    role: str  # kernel-layout tensor: "w13", "w13_scale", "w13_global_scale", "b13", "w2", ...
+    source_rows: tuple[int, ...]  # rows of each source along the permuted axis (gate, up)
+    row_shape: tuple[int, ...]  # shape of one row (elements after packing), () for scalars
+    dtype: str  # storage dtype of the kernel-layout tensor
+    packing: str  # "e2m1x2" for two fp4 values per byte, "none" otherwise
+    interleave_rows: int  # gate/up alternate every this many rows; 0 = sources concatenated
+    rows_per_entry: int  # weight rows one row of this tensor stands for (128 for block scales)
+    layout_version: int
+    device: str
+
+
+_PERMUTATION_CACHE: dict[LayoutKey, torch.Tensor] = {}
+# Counts index computations (not cache hits): tests use it to prove reloads recompute nothing.
+permutation_computations = 0
+
+
+def _compute_destination_rows(key: LayoutKey) -> torch.Tensor:
+    """int64 [sum(source_rows)]: the kernel-layout row each source row (in source order) lands on."""
+    global permutation_computations
+    permutation_computations += 1
+    if key.interleave_rows == 0 or len(key.source_rows) == 1:
+        return torch.arange(sum(key.source_rows), dtype=torch.int64, device=key.device)
+    gate_rows, up_rows = key.source_rows
+    check(gate_rows == up_rows, "w3", f"as many rows as w1 ({gate_rows})", up_rows)
+    g = key.interleave_rows
+    row = torch.arange(gate_rows, dtype=torch.int64)
+    chunk, offset = row // g, row % g
+    # A chunk holds g gate rows then g up rows; the last chunk may be shorter.
+    chunk_len = torch.clamp(gate_rows - chunk * g, max=g)
+    gate_dst = chunk * 2 * g + offset
+    up_dst = gate_dst + chunk_len
+    return torch.cat((gate_dst, up_dst)).to(key.device)
+
+
+def row_permutation(key: LayoutKey) -> torch.Tensor:
+    """The cached destination-row index of `key` (computed on first use)."""
+    index = _PERMUTATION_CACHE.get(key)
+    if index is None:
+        index = _compute_destination_rows(key)
+        _PERMUTATION_CACHE[key] = index
+    return index
+
+
+def clear_permutation_cache() -> None:
+    _PERMUTATION_CACHE.clear()
+
+
+def apply_permutation(
+    destination: torch.Tensor, sources: list[torch.Tensor], destination_rows: torch.Tensor
+) -> None:
+    """Write `sources` (concatenated along dim 1) into `destination` in place, row i of the
+    concatenation to row destination_rows[i]. In place, so parameters keep their addresses
+    (CUDA graphs captured before a weight sync stay valid)."""
+    start = 0
+    for source in sources:
+        rows = source.shape[1]
+        source = source.to(device=destination.device, dtype=destination.dtype)
+        target = destination
+        if destination.dtype == q.FP8_DTYPE:
+            # index_copy_ has no float8 kernel; the bytes are what we move, bit for bit.
+            target, source = destination.view(torch.uint8), source.contiguous().view(torch.uint8)
+        target.index_copy_(1, destination_rows[start:start + rows], source)
+        start += rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel layout of one layer configuration
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorSpec:
+    """One kernel-layout tensor: its shape, dtype and the key of its row permutation."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    key: LayoutKey
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def plan_layout(
+    *,
+    quant: str,
+    activation: str,
+    num_local_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    bias: bool,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> dict[str, TensorSpec]:
+    """The kernel-layout tensors (role -> spec) for one layer configuration."""
+    e, h, i = num_local_experts, hidden_size, intermediate_size
+    gated = is_gated(activation)
+    device = str(torch.device(device))
+    specs: dict[str, TensorSpec] = {}
+
+    def add(role: str, rows: int, row_shape: tuple[int, ...], dtype_: torch.dtype,
+            interleaved: bool, packing: str = "none", rows_per_entry: int = 1) -> None:
+        sources = (rows, rows) if interleaved else (rows,)
+        key = LayoutKey(role, sources, row_shape, _dtype_name(dtype_), packing,
+                        GATE_UP_INTERLEAVE_ROWS if interleaved else 0, rows_per_entry,
+                        LAYOUT_VERSION, device)
+        specs[role] = TensorSpec((e, sum(sources)) + row_shape, dtype_, key)
+
+    fp4 = quant in ("nvfp4", "mxfp4")
+    if fp4:
+        block = q.fp4_scale_block(quant)
+        check(h % block == 0, "hidden_size", f"a multiple of {block} for quant={quant!r}", h)
+        check(i % block == 0, "intermediate_size", f"a multiple of {block} for quant={quant!r}", i)
+    weight_dtype = {"none": dtype, "fp8": q.FP8_DTYPE, "fp8_block": q.FP8_DTYPE}.get(quant, torch.uint8)
+    packing = "e2m1x2" if fp4 else "none"
+    add("w13", i, (h // 2 if fp4 else h,), weight_dtype, gated, packing)
+    add("w2", h, (i // 2 if fp4 else i,), weight_dtype, False, packing)
+    if quant == "fp8":
+        # Per-tensor scales expanded to one per row: the kernel reads a per-channel vector.
+        add("w13_scale", i, (), torch.float32, gated)
+        add("w2_scale", h, (), torch.float32, False)
+    elif quant == "fp8_block":
+        b = q.FP8_BLOCK
+        add("w13_scale", -(-i // b), (-(-h // b),), torch.float32, gated, rows_per_entry=b)
+        add("w2_scale", -(-h // b), (-(-i // b),), torch.float32, False, rows_per_entry=b)
+    elif fp4:
+        b = q.fp4_scale_block(quant)
+        scale_dtype = q.FP8_DTYPE if quant == "nvfp4" else torch.uint8
+        add("w13_scale", i, (h // b,), scale_dtype, gated)
+        add("w2_scale", h, (i // b,), scale_dtype, False)
+        if quant == "nvfp4":
+            add("w13_global_scale", i, (), torch.float32, gated)
+            add("w2_global_scale", h, (), torch.float32, False)
+    if bias:
+        add("b13", i, (), torch.float32, gated)
+        add("b2", h, (), torch.float32, False)
+    return specs
+
+
+def allocate(specs: dict[str, TensorSpec], device: torch.device | str) -> dict[str, torch.Tensor]:
+    return {role: torch.empty(spec.shape, dtype=spec.dtype, device=device) for role, spec in specs.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint tensors -> per-role sources (validated; quantized when given in high precision)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Checkpoint:
+    """What `load_weights` takes, in the checkpoint layout of SPEC §1."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w3: Optional[torch.Tensor] = None
+    w1_scale: Optional[torch.Tensor] = None
+    w2_scale: Optional[torch.Tensor] = None
+    w3_scale: Optional[torch.Tensor] = None
+    w1_global_scale: Optional[torch.Tensor] = None
+    w2_global_scale: Optional[torch.Tensor] = None
+    w3_global_scale: Optional[torch.Tensor] = None
+    b1: Optional[torch.Tensor] = None
+    b2: Optional[torch.Tensor] = None
+    b3: Optional[torch.Tensor] = None
+
+
+def _check_tensor(value, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
+    check(isinstance(value, torch.Tensor), name, "a torch.Tensor", type(value).__name__)
+    check(tuple(value.shape) == shape, name, f"shape {list(shape)}", list(value.shape))
+    check(value.dtype in dtypes, name, "dtype " + " or ".join(_dtype_name(d) for d in dtypes),
+          _dtype_name(value.dtype))
+
+
+def _is_prequantized(weight: torch.Tensor, quant: str) -> bool:
+    if quant in ("fp8", "fp8_block"):
+        return weight.dtype == q.FP8_DTYPE
+    if quant in ("nvfp4", "mxfp4"):
+        return weight.dtype == torch.uint8
+    return False
+
+
+def _weight_sources(ckpt: Checkpoint, name: str, quant: str, rows: int, cols: int) -> dict[str, torch.Tensor]:
+    """One checkpoint matrix (w1, w2 or w3) -> its kernel-layout pieces, validated."""
+    weight = getattr(ckpt, name)
+    scale = getattr(ckpt, name + "_scale")
+    global_scale = getattr(ckpt, name + "_global_scale")
+    e = weight.shape[0]
+    prequantized = _is_prequantized(weight, quant)
+    if not prequantized:
+        _check_tensor(weight, name, (e, rows, cols), FLOAT_DTYPES)
+        check(scale is None, name + "_scale", f"None: {name} is given in high precision and is "
+              "quantized on load", "a tensor")
+        check(global_scale is None, name + "_global_scale", f"None: {name} is given in high "
+              "precision and is quantized on load", "a tensor")
+    if quant == "none":
+        return {"value": weight}
+    if quant == "fp8":
+        if not prequantized:
+            value, scale = q.quantize_fp8_per_tensor(weight)
+            return {"value": value, "scale": scale[:, None].expand(e, rows)}
+        _check_tensor(scale, name + "_scale", (e,), (torch.float32,))
+        return {"value": weight, "scale": scale[:, None].expand(e, rows)}
+    if quant == "fp8_block":
+        if not prequantized:
+            value, scale = q.quantize_fp8_block(weight)
+            return {"value": value, "scale": scale}
+        b = q.FP8_BLOCK
+        _check_tensor(scale, name + "_scale", (e, -(-rows // b), -(-cols // b)), (torch.float32,))
+        return {"value": weight, "scale": scale}
+    # nvfp4 / mxfp4
+    block = q.fp4_scale_block(quant)
+    if not prequantized:
+        if quant == "nvfp4":
+            value, scale, global_scale = q.quantize_nvfp4(weight)
+            return {"value": value, "scale": scale, "global_scale": global_scale[:, None].expand(e, rows)}
+        value, scale = q.quantize_mxfp4(weight)
+        return {"value": value, "scale": scale}
+    _check_tensor(weight, name, (e, rows, cols // 2), (torch.uint8,))
+    scale_dtype = q.FP8_DTYPE if quant == "nvfp4" else torch.uint8
+    _check_tensor(scale, name + "_scale", (e, rows, cols // block), (scale_dtype,))
+    pieces = {"value": weight, "scale": scale}
+    if quant == "nvfp4":
+        _check_tensor(global_scale, name + "_global_scale", (e,), (torch.float32,))
+        pieces["global_scale"] = global_scale[:, None].expand(e, rows)
+    return pieces
+
+
+def checkpoint_sources(
+    ckpt: Checkpoint,
+    *,
+    quant: str,
+    activation: str,
+    num_local_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    bias: bool,
+) -> dict[str, list[torch.Tensor]]:
+    """Validate a checkpoint and return, per kernel-layout role, its sources in row order."""
+    e, h, i = num_local_experts, hidden_size, intermediate_size
+    gated = is_gated(activation)
+    for name, rows, cols in (("w1", i, h), ("w2", h, i)) + ((("w3", i, h),) if gated else ()):
+        weight = getattr(ckpt, name)
+        check(isinstance(weight, torch.Tensor), name, "a torch.Tensor", type(weight).__name__)
+        check(weight.dim() == 3 and weight.shape[0] == e, name,
+              f"a 3-D tensor with {e} experts (num_local_experts) first", list(weight.shape))
+    if not gated:
+        check(ckpt.w3 is None, "w3", "None with activation='relu2' (not gated)", "a tensor")
+        check(ckpt.w3_scale is None, "w3_scale", "None with activation='relu2'", "a tensor")
+    prequantized = {_is_prequantized(getattr(ckpt, n), quant) for n in (("w1", "w2", "w3") if gated else ("w1", "w2"))}
+    check(len(prequantized) == 1, "w1, w2, w3", "all quantized or all high precision", "a mix")
+
+    pieces = {name: _weight_sources(ckpt, name, quant, rows, cols)
+              for name, rows, cols in (("w1", i, h), ("w2", h, i)) + ((("w3", i, h),) if gated else ())}
+    up = ("w1", "w3") if gated else ("w1",)
+    sources: dict[str, list[torch.Tensor]] = {
+        "w13": [pieces[n]["value"] for n in up],
+        "w2": [pieces["w2"]["value"]],
+    }
+    if "scale" in pieces["w1"]:
+        sources["w13_scale"] = [pieces[n]["scale"] for n in up]
+        sources["w2_scale"] = [pieces["w2"]["scale"]]
+    if "global_scale" in pieces["w1"]:
+        sources["w13_global_scale"] = [pieces[n]["global_scale"] for n in up]
+        sources["w2_global_scale"] = [pieces["w2"]["global_scale"]]
+    biases = (("b1", (e, i)), ("b2", (e, h))) + ((("b3", (e, i)),) if gated else ())
+    if bias:
+        for name, shape in biases:
+            _check_tensor(getattr(ckpt, name), name, shape, FLOAT_DTYPES)
+        sources["b13"] = [getattr(ckpt, n) for n in (("b1", "b3") if gated else ("b1",))]
+        sources["b2"] = [ckpt.b2]
+    else:
+        for name, _ in biases:
+            check(getattr(ckpt, name) is None, name, "None: the layer was built with bias=False", "a tensor")
+    return sources
+
+
+def load_into(
+    destination: dict[str, torch.Tensor],
+    sources: dict[str, list[torch.Tensor]],
+    permutations: dict[str, torch.Tensor],
+) -> None:
+    """Fill every kernel-layout tensor from its sources through its permutation."""
+    for role, tensor in destination.items():
+        apply_permutation(tensor, sources[role], permutations[role])
+
+
+def prepare_weights(
+    *,
+    quant: str = "none",
+    activation: str = "swiglu",
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    **checkpoint: Optional[torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors (the keywords of `load_weights`) -> the kernel-layout tensors that
+    `moe_ops.fused_moe` takes, for callers that keep their own weights."""
+    unknown = set(checkpoint) - {f.name for f in dataclasses.fields(Checkpoint)}
+    check(not unknown, "prepare_weights", "checkpoint tensors named as in load_weights", sorted(unknown))
+    ckpt = Checkpoint(**checkpoint)
+    check(isinstance(ckpt.w1, torch.Tensor) and ckpt.w1.dim() == 3, "w1", "a 3-D tensor [E, I, H]",
+          getattr(ckpt.w1, "shape", ckpt.w1))
+    e, i, h = ckpt.w1.shape
+    if quant in ("nvfp4", "mxfp4") and ckpt.w1.dtype == torch.uint8:
+        h *= 2
+    device = torch.device(device) if device is not None else ckpt.w1.device
+    config = dict(quant=quant, activation=activation, num_local_experts=e, hidden_size=h,
+                  intermediate_size=i, bias=ckpt.b1 is not None)
+    specs = plan_layout(**config, dtype=dtype, device=device)
+    sources = checkpoint_sources(ckpt, **config)
+    destination = allocate(specs, device)
+    load_into(destination, sources, {role: row_permutation(s.key) for role, s in specs.items()})
+    return destination
+
+
+def w13_scale_rows(num_rows: int, gated: bool, rows_per_entry: int) -> torch.Tensor:
+    """For each w13 row of the kernel layout, the row of its block-scale tensor (fp8_block).
+
+    Kernel row r is gate/up row r//2 (gated); block b of gate rows sits at scale row 2b, of up
+    rows at 2b+1. Used by the reference to dequantize; the kernels compute the same inline.
+    """
+    row = torch.arange(num_rows)
+    if not gated:
+        return row // rows_per_entry
+    return 2 * ((row // 2) // rows_per_entry) + row % 2

@@ -1,0 +1,192 @@
+"""The quantized formats of SPEC §1: quantize, dequantize, pack, and their constants.
+
+Everything here is plain torch and runs on any device; the GPU kernels quantize activations with
+their own Triton code (kernels/act_quant.py) following exactly the rules written here.
+
+Formats
+- fp8       float8_e4m3fn weights, one float32 scale per expert per tensor; activations
+            quantized per token: s_t = amax(row) / 448.
+- fp8_block float8_e4m3fn weights, one float32 scale per 128x128 block; activations per token
+            per 128-column group.
+- nvfp4     e2m1 values packed two per uint8 (element 2i in the low nibble), an e4m3 scale per
+            16 elements along K, and a float32 global scale per expert.
+- mxfp4     e2m1 packed the same way, an e8m0 scale (2^(s-127)) per 32 elements along K.
+"""
+from __future__ import annotations
+
+import torch
+
+QUANT_MODES = ("none", "fp8", "fp8_block", "nvfp4", "mxfp4")
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_BLOCK = 128  # DeepSeek-V3's weight block and activation group size
+NVFP4_BLOCK = 16
+MXFP4_BLOCK = 32
+E2M1_MAX = 6.0
+E8M0_BIAS = 127
+
+# e2m1 code (low 3 bits) -> magnitude; bit 3 is the sign.
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between neighbouring magnitudes, and whether a value exactly on the midpoint rounds
+# up (to the code with an even mantissa: round-to-nearest-even on the e2m1 grid).
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_TIE_ROUNDS_UP = (False, True, False, True, False, True, False)
+
+
+def fp4_scale_block(quant: str) -> int:
+    return NVFP4_BLOCK if quant == "nvfp4" else MXFP4_BLOCK
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8
+# ---------------------------------------------------------------------------------------------
+def _to_fp8(scaled: torch.Tensor) -> torch.Tensor:
+    # Casting a value past 448 to e4m3fn gives NaN (the format has no inf): clamp first. The
+    # division by amax/448 can land a hair above 448 after float32 rounding.
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _inverse_scale(amax: torch.Tensor) -> torch.Tensor:
+    """448 / amax, and 0 where amax is 0: a zero block quantizes to zeros, never to NaN."""
+    return torch.where(amax > 0, FP8_MAX / amax, torch.zeros_like(amax))
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q float8 [M, K], scale float32 [M]) with x ~= q * scale[:, None]."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    q = _to_fp8(xf * _inverse_scale(amax)[:, None])
+    return q, amax / FP8_MAX
+
+
+def quantize_fp8_per_token_group(
+    x: torch.Tensor, group: int = FP8_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q float8 [M, K], scale float32 [M, ceil(K/group)]), one scale per group."""
+    m, k = x.shape
+    groups = -(-k // group)
+    xf = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    amax = xf.abs().amax(dim=-1)
+    q = _to_fp8(xf * _inverse_scale(amax)[:, :, None]).view(m, groups * group)[:, :k]
+    return q.contiguous(), amax / FP8_MAX
+
+
+def quantize_fp8_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> (q float8 [E, N, K], scale float32 [E]): one scale per expert."""
+    wf = w.float()
+    amax = wf.abs().amax(dim=(1, 2))
+    q = _to_fp8(wf * _inverse_scale(amax)[:, None, None])
+    return q, amax / FP8_MAX
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> (q float8 [E, N, K], scale float32 [E, ceil(N/b), ceil(K/b)])."""
+    e, n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    padded = torch.nn.functional.pad(w.float(), (0, kb * block - k, 0, nb * block - n))
+    blocks = padded.view(e, nb, block, kb, block)
+    amax = blocks.abs().amax(dim=(2, 4))
+    q = _to_fp8(blocks * _inverse_scale(amax)[:, :, None, :, None])
+    q = q.view(e, nb * block, kb * block)[:, :n, :k].contiguous()
+    return q, amax / FP8_MAX
+
+
+def expand_block_scales(scale: torch.Tensor, n: int, k: int, block: int = FP8_BLOCK) -> torch.Tensor:
+    """Block scales [..., ceil(N/b), ceil(K/b)] -> one scale per element [..., N, K]."""
+    return scale.repeat_interleave(block, dim=-2)[..., :n, :].repeat_interleave(block, dim=-1)[..., :k]
+
+
+# ---------------------------------------------------------------------------------------------
+# e2m1 (fp4) values, packed two per byte
+# ---------------------------------------------------------------------------------------------
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round float values to the nearest e2m1 code (ties to even, saturating at 6): uint8 in 0..15."""
+    xf = x.float()
+    magnitude = xf.abs()
+    code = torch.zeros_like(magnitude, dtype=torch.uint8)
+    for midpoint, tie_up in zip(_E2M1_MIDPOINTS, _E2M1_TIE_ROUNDS_UP):
+        above = magnitude >= midpoint if tie_up else magnitude > midpoint
+        code += above.to(torch.uint8)
+    sign = (xf < 0).to(torch.uint8) << 3
+    # -0 keeps code 0: a negative value that rounds to zero is stored as +0.
+    return torch.where(code == 0, code, code | sign)
+
+
+def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 -> float32 values."""
+    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=code.device)
+    magnitude = table[(code & 7).long()]
+    return torch.where((code & 8) != 0, -magnitude, magnitude)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """codes [..., K] (K even) -> uint8 [..., K/2], element 2i in the low nibble."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> codes uint8 [..., K]."""
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# nvfp4 and mxfp4
+# ---------------------------------------------------------------------------------------------
+def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> (packed uint8 [E, N, K/2], block scale e4m3 [E, N, K/16], global f32 [E]).
+
+    The global scale maps the tensor's amax to the largest block scale times the largest e2m1
+    value (448 * 6), so block scales use e4m3's whole range.
+    """
+    e, n, k = w.shape
+    wf = w.float()
+    global_scale = wf.abs().amax(dim=(1, 2)) / (FP8_MAX * E2M1_MAX)
+    blocks = wf.view(e, n, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    block_amax = blocks.abs().amax(dim=-1)
+    inv_global = torch.where(global_scale > 0, 1.0 / global_scale, torch.zeros_like(global_scale))
+    block_scale = _to_fp8(block_amax / E2M1_MAX * inv_global[:, None, None])
+    full_scale = block_scale.float() * global_scale[:, None, None]
+    inv_full = torch.where(full_scale > 0, 1.0 / full_scale, torch.zeros_like(full_scale))
+    codes = e2m1_encode(blocks * inv_full[..., None]).view(e, n, k)
+    return pack_e2m1(codes), block_scale, global_scale
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> (packed uint8 [E, N, K/2], e8m0 scale uint8 [E, N, K/32]).
+
+    The block exponent is ceil(log2(amax / 6)), so the largest element maps to at most 6 and
+    nothing saturates (OCP's floor(log2(amax)) - 2 can clip up to a third of the largest value).
+    """
+    e, n, k = w.shape
+    blocks = w.float().view(e, n, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    exponent = torch.ceil(torch.log2(amax / E2M1_MAX))
+    exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, -E8M0_BIAS))
+    exponent = exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
+    codes = e2m1_encode(blocks * torch.exp2(-exponent)[..., None]).view(e, n, k)
+    return pack_e2m1(codes), (exponent + E8M0_BIAS).to(torch.uint8)
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(scale.float() - E8M0_BIAS)
+
+
+def dequantize_fp4(
+    packed: torch.Tensor,
+    block_scale: torch.Tensor,
+    quant: str,
+    row_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed e2m1 [..., N, K/2] with its block scales -> float32 [..., N, K].
+
+    `row_scale` [..., N] is nvfp4's global scale, expanded per row by the kernel layout.
+    """
+    values = e2m1_decode(unpack_e2m1(packed))
+    block = fp4_scale_block(quant)
+    scale = block_scale.float() if quant == "nvfp4" else e8m0_to_float(block_scale)
+    values = values * scale.repeat_interleave(block, dim=-1)
+    if row_scale is not None:
+        values = values * row_scale[..., None].float()
+    return values
