@@ -36,8 +36,7 @@ def align_tokens_fake(topk_ids, num_local_experts, local_expert_offset, block_m,
     max_padded = dispatch.max_padded_pairs(topk_ids.numel(), num_local_experts, block_m)
     return (topk_ids.new_empty((max_padded,), dtype=torch.int32),
             topk_ids.new_empty((max_padded // block_m,), dtype=torch.int32),
-            topk_ids.new_empty((1,), dtype=torch.int32),
-            topk_ids.new_empty((num_local_experts,), dtype=torch.int32))
+            topk_ids.new_empty((1,), dtype=torch.int32))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::fused_experts")

@@ -21,13 +21,14 @@ class AlignedPairs(NamedTuple):
     sorted_pair_ids: torch.Tensor  # int32 [max_padded]: pair ids, expert-major, sentinel T*k
     block_expert_ids: torch.Tensor  # int32 [max_padded / block_m]: local expert, -1 unused
     num_padded: torch.Tensor  # int32 [1]: live length of sorted_pair_ids
-    expert_counts: torch.Tensor  # int32 [E]: pairs routed to each local expert
 
 
-def max_padded_pairs(num_pairs: int, num_local_experts: int, block_m: int) -> int:
-    """Upper bound of the padded length: every expert may waste block_m - 1 slots."""
-    bound = num_pairs + num_local_experts * (block_m - 1)
-    return -(-bound // block_m) * block_m
+def max_padded_pairs(num_pairs, num_local_experts: int, block_m: int):
+    """Upper bound of the padded length, from shapes alone: each expert that can receive a pair
+    (at most min(E, T*k) of them) may waste block_m - 1 slots. SymInt-safe for the fakes."""
+    live_experts = torch.sym_min(num_local_experts, num_pairs)
+    bound = num_pairs + live_experts * (block_m - 1)
+    return (bound + block_m - 1) // block_m * block_m
 
 
 def local_expert_of_pairs(topk_ids: torch.Tensor, num_local_experts: int,
@@ -38,6 +39,16 @@ def local_expert_of_pairs(topk_ids: torch.Tensor, num_local_experts: int,
     return torch.where(valid, local, torch.full_like(local, num_local_experts))
 
 
+def expert_counts(topk_ids: torch.Tensor, num_local_experts: int,
+                  local_expert_offset: int) -> torch.Tensor:
+    """int64 [E]: the pairs routed to each local expert."""
+    expert = local_expert_of_pairs(topk_ids, num_local_experts, local_expert_offset)
+    # scatter_add, not bincount: bincount's output size depends on the data (a host sync).
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=topk_ids.device)
+    counts.scatter_add_(0, expert, torch.ones_like(expert))
+    return counts[:num_local_experts]
+
+
 def align_tokens_reference(
     topk_ids: torch.Tensor, num_local_experts: int, local_expert_offset: int, block_m: int
 ) -> AlignedPairs:
@@ -45,10 +56,7 @@ def align_tokens_reference(
     e = num_local_experts
     device = topk_ids.device
     expert = local_expert_of_pairs(topk_ids, e, local_expert_offset)
-    # scatter_add, not bincount: bincount's output size depends on the data (a host sync).
-    counts = torch.zeros(e + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, expert, torch.ones_like(expert))
-    counts = counts[:e]
+    counts = expert_counts(topk_ids, e, local_expert_offset)
     padded_counts = (counts + block_m - 1) // block_m * block_m
     padded_ends = torch.cumsum(padded_counts, 0)
     padded_starts = padded_ends - padded_counts
@@ -71,8 +79,7 @@ def align_tokens_reference(
     block_expert = torch.searchsorted(padded_ends, block_start, right=True)
     num_padded = padded_ends[-1:] if e > 0 else torch.zeros(1, dtype=torch.int64, device=device)
     block_expert = torch.where(block_start < num_padded, block_expert, torch.full_like(block_expert, -1))
-    return AlignedPairs(sorted_pair_ids, block_expert.to(torch.int32), num_padded.to(torch.int32),
-                        counts.to(torch.int32))
+    return AlignedPairs(sorted_pair_ids, block_expert.to(torch.int32), num_padded.to(torch.int32))
 
 
 def validate_align_args(topk_ids: torch.Tensor, num_local_experts: int, block_m: int) -> None:
@@ -91,8 +98,8 @@ def align_tokens(
 ) -> AlignedPairs:
     """Align pairs per expert with the implementation of `backend` (already resolved)."""
     if backend == "triton" and topk_ids.numel() > 0:
-        from moe_ops.kernels.align import triton_align_tokens
+        from moe_ops.kernels.align import moe_align
 
-        return AlignedPairs(*triton_align_tokens(topk_ids, num_local_experts, local_expert_offset,
-                                                 block_m))
+        aligned = moe_align(topk_ids, num_local_experts, block_m, local_expert_offset)
+        return AlignedPairs(aligned.sorted_pair_ids, aligned.block_expert_ids, aligned.num_padded)
     return align_tokens_reference(topk_ids, num_local_experts, local_expert_offset, block_m)

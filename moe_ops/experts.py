@@ -65,6 +65,9 @@ def validate_experts_args(
     fp4 = quant in ("nvfp4", "mxfp4")
     num_experts, hidden = w13.shape[0], x.shape[1]
     intermediate = w2.shape[2] * (2 if fp4 else 1)
+    w13_hidden = w13.shape[2] * (2 if fp4 else 1)
+    check(hidden == w13_hidden, "hidden_states", f"{w13_hidden} columns (hidden_size, from w13 "
+          f"{list(w13.shape)})", list(x.shape))
     check(w2.shape[0] == num_experts, "w2", f"{num_experts} experts like w13", w2.shape[0])
     check(w2.shape[1] == hidden, "w2", f"{hidden} rows (hidden_size of hidden_states)", w2.shape[1])
     specs = plan_layout(quant=quant, activation=activation, num_local_experts=num_experts,

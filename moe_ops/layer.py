@@ -161,6 +161,12 @@ class FusedMoE(nn.Module):
               "the first forward", "a layer with no weights loaded")
         check(hidden_states.dtype == self.dtype, "hidden_states", f"dtype {self.dtype} (the "
               "layer's dtype)", hidden_states.dtype)
+        if router_logits is not None:
+            # The ops see only the local experts: a wrong expert count would route to experts
+            # that do not exist (silently dropped), so the layer checks it against its own.
+            check(router_logits.dim() == 2 and router_logits.shape[-1] == self.num_experts,
+                  "router_logits", f"a 2-D tensor [num_tokens, num_experts={self.num_experts}]",
+                  list(router_logits.shape))
         return fused_moe(
             hidden_states, router_logits, **self.kernel_weights(), top_k=self.top_k,
             routing=self.routing, routing_bias=self.routing_bias, n_group=self.n_group,

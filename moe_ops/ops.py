@@ -26,7 +26,7 @@ _ROUTING_ARGS = ("str routing, int top_k, Tensor? routing_bias, int n_group, int
 SCHEMAS = {
     "route": "route(Tensor router_logits, " + _ROUTING_ARGS + ", str backend) -> (Tensor, Tensor)",
     "align_tokens": ("align_tokens(Tensor topk_ids, int num_local_experts, int local_expert_offset, "
-                     "int block_m, str backend) -> (Tensor, Tensor, Tensor, Tensor)"),
+                     "int block_m, str backend) -> (Tensor, Tensor, Tensor)"),
     "fused_experts": ("fused_experts(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, "
                       + _WEIGHTS + ", " + _EXPERT_ARGS + ") -> Tensor"),
     "fused_moe": ("fused_moe(Tensor hidden_states, Tensor router_logits, " + _WEIGHTS + ", "
@@ -88,4 +88,35 @@ for _name, _schema in SCHEMAS.items():
     for _device in ("CPU", "CUDA"):
         _library.impl(_name, IMPLEMENTATIONS[_name], _device)
 
-import moe_ops.meta  # noqa: E402,F401  (registers the fakes of every op above)
+
+
+def _register_fakes() -> None:
+    """Import moe_ops.meta, which registers the fake of every op above.
+
+    Installed, `moe_ops.meta` is the top-level meta/ folder mapped into the package. In a source
+    checkout used without installing (PYTHONPATH=.), meta/ sits beside moe_ops/ and is loaded
+    from there under the same name.
+    """
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    try:
+        importlib.import_module("moe_ops.meta")
+        return
+    except ModuleNotFoundError as error:
+        if error.name != "moe_ops.meta":
+            raise
+    source = Path(__file__).resolve().parent.parent / "meta" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("moe_ops.meta", source,
+                                                  submodule_search_locations=[str(source.parent)])
+    if spec is None or not source.is_file():
+        raise ImportError("moe_ops.meta (the fake implementations) is missing: reinstall moe_ops")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["moe_ops.meta"] = module
+    spec.loader.exec_module(module)
+    sys.modules["moe_ops"].meta = module
+
+
+_register_fakes()

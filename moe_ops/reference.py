@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from moe_ops import quant as q
-from moe_ops.dispatch import align_tokens_reference
+from moe_ops.dispatch import align_tokens_reference, expert_counts
 from moe_ops.layout import GATE_UP_INTERLEAVE_ROWS, is_gated, w13_scale_rows
 
 
@@ -99,7 +99,7 @@ def fused_experts_reference(
     pair_weights = topk_weights.reshape(-1).float()
     start = 0
     # The oracle may sync: it walks the experts with their counts on the host.
-    for expert, count in enumerate(aligned.expert_counts.tolist()):
+    for expert, count in enumerate(expert_counts(topk_ids, num_experts, local_expert_offset).tolist()):
         if count == 0:
             continue
         pairs = aligned.sorted_pair_ids[start:start + count].long()

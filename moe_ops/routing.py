@@ -93,6 +93,8 @@ def validate_route_call(
 
 def validate_logits_match(router_logits: torch.Tensor, hidden_states: torch.Tensor) -> None:
     """The logits of a layer call belong to its tokens: one row per token, same device."""
+    check(hidden_states.dim() == 2, "hidden_states", "a 2-D tensor [num_tokens, hidden_size]",
+          list(hidden_states.shape))
     check(router_logits.dim() == 2 and router_logits.shape[0] == hidden_states.shape[0],
           "router_logits", f"a 2-D tensor with {hidden_states.shape[0]} rows (num_tokens)",
           list(router_logits.shape))
@@ -145,7 +147,8 @@ def route_reference(
     elif method == "deepseek_v3":
         scores = torch.sigmoid(logits)
         biased = scores if routing_bias is None else scores + routing_bias.float()
-        grouped = torch.nan_to_num(biased, nan=float("-inf")).view(num_tokens, n_group, -1)
+        grouped = torch.nan_to_num(biased, nan=float("-inf")).view(num_tokens, n_group,
+                                                                 num_experts // n_group)
         # Group score: the sum of the two best biased scores of the group. A sorted top-2 is
         # enough here: equal values give equal sums whichever index wins the tie.
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
@@ -160,7 +163,10 @@ def route_reference(
         weights = weights * routed_scaling_factor
     else:  # validate_routing rejects this before we get here
         raise ValueError(f"routing: unknown method {method!r}")
-    return ids.to(torch.int32), weights.contiguous()
+    # Row-major outputs whatever the logits' layout (a transposed logits tensor makes sort and
+    # gather return column-major results): the fake promises (T, k) strides (k, 1).
+    return (ids.to(torch.int32, memory_format=torch.contiguous_format),
+            weights.clone(memory_format=torch.contiguous_format))
 
 
 def route(

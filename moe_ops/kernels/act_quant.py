@@ -1,0 +1,99 @@
+"""Dynamic fp8 quantization of the activations that enter each grouped GEMM.
+
+quant="fp8":       one scale per row,            s = amax(|row|) / 448
+quant="fp8_block": one scale per row per 128 columns along K, s[r, g] = amax(|x[r, 128g:128g+128]|) / 448
+q = round-to-e4m3(x * 448/amax), and a zero row (or group) gives s = 0, q = 0, never NaN.
+
+The token rows of x are quantized once per token (not once per routed pair): GEMM1 gathers
+the quantized rows by token. For GEMM2's input (the intermediate, one row per sorted position)
+padding rows are skipped by reading sorted_pair_ids: those rows are masked out by GEMM2 anyway,
+and at decode sizes they are most of the buffer.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_ops.kernels.common import FP8_BLOCK, cdiv, fp8_quantize, next_power_of_2
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr,
+    num_pairs, K,
+    stride_xm, stride_qm, stride_sm,
+    GROUP_K: tl.constexpr,      # 0: one scale per row; 128: one per 128 columns
+    BLOCK_K: tl.constexpr,      # columns per step; a multiple of GROUP_K when grouped
+    SKIP_PAD_ROWS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    if SKIP_PAD_ROWS:
+        # A sentinel (pair id == num_pairs) marks a padding row of the sorted layout.
+        if tl.load(sorted_pair_ids_ptr + row) >= num_pairs:
+            return
+    row64 = row.to(tl.int64)
+    x_row = x_ptr + row64 * stride_xm
+    q_row = q_ptr + row64 * stride_qm
+    s_row = scale_ptr + row64 * stride_sm
+    offs = tl.arange(0, BLOCK_K)
+    if GROUP_K == 0:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        row_amax = tl.max(amax, axis=0)
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + offs < K
+            x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            q, scale = fp8_quantize(x, row_amax)
+            tl.store(q_row + k0 + offs, q, mask=mask)
+        tl.store(s_row, row_amax / 448.0)
+    else:
+        GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+        offs_g = tl.arange(0, GROUPS)
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + offs < K
+            x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.reshape(x, (GROUPS, GROUP_K))
+            amax = tl.max(tl.abs(x2), axis=1)
+            q, scale = fp8_quantize(x2, amax[:, None])
+            tl.store(q_row + k0 + offs, tl.reshape(q, (BLOCK_K,)), mask=mask)
+            g = k0 // GROUP_K + offs_g
+            tl.store(s_row + g, tl.reshape(scale, (GROUPS,)), mask=g * GROUP_K < K)
+
+
+def act_quant(
+    x: torch.Tensor,
+    quant: str,
+    sorted_pair_ids: Optional[torch.Tensor] = None,
+    num_pairs: int = 0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the rows of x [M, K] to (q float8_e4m3fn [M, K], scales float32).
+
+    scales: [M] for quant="fp8", [M, ceil(K/128)] for "fp8_block". With sorted_pair_ids given,
+    rows whose pair id is the sentinel (>= num_pairs) are skipped and left unwritten.
+    """
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    if quant == "fp8":
+        scales = torch.empty((M,), dtype=torch.float32, device=x.device)
+        group_k, block_k, stride_sm = 0, min(next_power_of_2(K), 2048), 1
+    else:
+        scales = torch.empty((M, cdiv(K, FP8_BLOCK)), dtype=torch.float32, device=x.device)
+        group_k = FP8_BLOCK
+        block_k = FP8_BLOCK * min(next_power_of_2(cdiv(K, FP8_BLOCK)), 8)
+        stride_sm = scales.stride(0)
+    if M == 0:
+        return q, scales
+    skip = sorted_pair_ids is not None
+    _act_quant_kernel[(M,)](
+        x, q, scales, sorted_pair_ids if skip else x,
+        num_pairs, K,
+        x.stride(0), q.stride(0), stride_sm,
+        GROUP_K=group_k, BLOCK_K=block_k, SKIP_PAD_ROWS=skip,
+        num_warps=4 if block_k >= 512 else 1,
+    )
+    return q, scales

@@ -1,0 +1,244 @@
+"""Dispatch: topk_ids -> (token, slot) pairs grouped by local expert, padded to block_m.
+
+Outputs, all on the device and sized from shapes only (no host sync: CUDA-graph safe):
+  sorted_pair_ids  int32 [max_padded]  flat pair index t*k+j, grouped by local expert (ascending;
+                                       inside an expert, ascending pair index), each expert's run
+                                       padded to a multiple of block_m with the sentinel T*k
+  block_expert_ids int32 [max_blocks]  local expert of each block_m block, -1 past the live ones
+  num_padded       int32 [1]           live length of sorted_pair_ids (sum of padded runs)
+
+At most min(E, T*k) experts are non-empty, each wasting < block_m slots, so
+max_padded = ceil((T*k + min(E, T*k) * (block_m - 1)) / block_m) * block_m bounds num_padded;
+every slot past num_padded holds the sentinel, so a GEMM block can tell it is dead from its
+first pair id alone. Pairs whose local expert is outside [0, E) (id -1, other shards) get no
+slot: they contribute nothing downstream.
+
+Two paths, both deterministic (a per-chunk sort, no atomics, so the order inside an expert
+never depends on timing):
+- small (T*k <= SMALL_PATH_MAX_PAIRS, i.e. decode and small prefill): one program does
+  everything in registers: one launch.
+- large: count (per-chunk histograms) -> offsets (one program: prefix sums over chunks and
+  experts, block ids) -> scatter (per-chunk sort and store). Three launches, all parallel over
+  chunks except the scan, whose loop is over chunk tiles, not pairs.
+For the smallest batches (T*k small next to E) the GEMMs can skip dispatch altogether: see
+`grouped_gemm.py` ("direct" mode, one pair per block).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_ops.dispatch import max_padded_pairs
+from moe_ops.kernels.common import cdiv, next_power_of_2
+
+# Up to this many (token, slot) pairs the single-program path holds them all in registers.
+SMALL_PATH_MAX_PAIRS = 1024
+# Pairs per program in the large path: one in-register sort per chunk.
+CHUNK_PAIRS = 1024
+
+
+class Dispatch(NamedTuple):
+    sorted_pair_ids: torch.Tensor   # int32 [max_padded]
+    block_expert_ids: torch.Tensor  # int32 [max_blocks]
+    num_padded: torch.Tensor        # int32 [1]
+    block_m: int
+
+
+def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
+    return max_padded_pairs(num_pairs, num_experts, block_m) // block_m
+
+
+@triton.jit
+def _fill(ptr, value, start, stop, FILL: tl.constexpr):
+    offs = tl.arange(0, FILL)
+    for p0 in range(start, stop, FILL):
+        tl.store(ptr + p0 + offs, value, mask=p0 + offs < stop)
+
+
+@triton.jit
+def _local_experts(topk_ids_ptr, offs, num_pairs, num_experts, local_expert_offset):
+    """(local expert as int32 with invalid -> 0, validity) of the pairs at offs."""
+    in_range = offs < num_pairs
+    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1)
+    # Subtract in the ids' own width: an int64 id far outside int32 must not wrap into range.
+    local = ids - local_expert_offset
+    valid = in_range & (local >= 0) & (local < num_experts)
+    return tl.where(valid, local, 0).to(tl.int32), valid
+
+
+@triton.jit
+def _align_single_program_kernel(
+    topk_ids_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
+    num_pairs, num_experts, local_expert_offset, max_padded, max_blocks,
+    BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr,
+):
+    # Sentinels first; the barrier orders them before this program's own stores below
+    # (bar.sync makes a CTA's global writes visible to all its threads).
+    _fill(sorted_pair_ids_ptr, num_pairs, 0, max_padded, FILL)
+    _fill(block_expert_ids_ptr, -1, 0, max_blocks, FILL)
+    tl.debug_barrier()
+
+    offs = tl.arange(0, PAIRS)
+    expert, valid = _local_experts(topk_ids_ptr, offs, num_pairs, num_experts,
+                                   local_expert_offset)
+    counts = tl.histogram(expert, EXPERTS, mask=valid)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    expert_ends = tl.cumsum(padded, 0)
+    expert_starts = expert_ends - padded
+    pairs_before = tl.cumsum(counts, 0) - counts  # valid pairs of lower experts
+
+    # Sort (expert, pair) keys; invalid pairs get expert EXPERTS and sort last. The rank of a
+    # pair inside its expert's run is its sorted position minus pairs_before[expert].
+    key = tl.where(valid, expert, EXPERTS) * PAIRS + offs
+    key = tl.sort(key, 0)
+    expert_s = key // PAIRS
+    valid_s = expert_s < EXPERTS
+    dest = tl.gather(expert_starts - pairs_before, tl.minimum(expert_s, EXPERTS - 1), 0) + offs
+    tl.store(sorted_pair_ids_ptr + dest, key % PAIRS, mask=valid_s)
+
+    expert_idx = tl.arange(0, EXPERTS)
+    first_block = expert_starts // BLOCK_M
+    num_blocks = padded // BLOCK_M
+    for j in range(0, tl.max(num_blocks, 0)):
+        tl.store(block_expert_ids_ptr + first_block + j, expert_idx, mask=j < num_blocks)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+
+
+@triton.jit
+def _align_count_kernel(
+    topk_ids_ptr, chunk_counts_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
+    num_pairs, num_experts, local_expert_offset, max_padded, max_blocks,
+    fill_per_program, blocks_per_program,
+    CHUNK: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    # Every slot starts as the sentinel and every block as -1; the scatter kernel (a later
+    # launch) overwrites the live slots, the offsets kernel the live blocks.
+    p0 = chunk * fill_per_program
+    _fill(sorted_pair_ids_ptr, num_pairs, p0,
+                      tl.minimum(p0 + fill_per_program, max_padded), FILL)
+    b0 = chunk * blocks_per_program
+    _fill(block_expert_ids_ptr, -1, b0,
+                      tl.minimum(b0 + blocks_per_program, max_blocks), FILL)
+
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    expert, valid = _local_experts(topk_ids_ptr, offs, num_pairs, num_experts,
+                                   local_expert_offset)
+    counts = tl.histogram(expert, EXPERTS, mask=valid)
+    tl.store(chunk_counts_ptr + chunk * EXPERTS + tl.arange(0, EXPERTS), counts)
+
+
+@triton.jit
+def _align_offsets_kernel(
+    chunk_counts_ptr, chunk_base_ptr, block_expert_ids_ptr, num_padded_ptr,
+    num_chunks,
+    BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK_TILE: tl.constexpr,
+):
+    expert_idx = tl.arange(0, EXPERTS)
+    chunk_idx = tl.arange(0, CHUNK_TILE)
+    totals = tl.zeros([EXPERTS], dtype=tl.int32)
+    for c0 in range(0, num_chunks, CHUNK_TILE):
+        rows = c0 + chunk_idx
+        tile = tl.load(chunk_counts_ptr + rows[:, None] * EXPERTS + expert_idx[None, :],
+                       mask=(rows < num_chunks)[:, None], other=0)
+        totals += tl.sum(tile, 0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    expert_ends = tl.cumsum(padded, 0)
+    expert_starts = expert_ends - padded
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+
+    first_block = expert_starts // BLOCK_M
+    num_blocks = padded // BLOCK_M
+    for j in range(0, tl.max(num_blocks, 0)):
+        tl.store(block_expert_ids_ptr + first_block + j, expert_idx, mask=j < num_blocks)
+
+    # chunk_base[c, e] = where chunk c's first pair of expert e lands, minus the number of
+    # chunk c's valid pairs of lower experts (the scatter adds the pair's sorted position).
+    carry = tl.zeros([EXPERTS], dtype=tl.int32)
+    for c0 in range(0, num_chunks, CHUNK_TILE):
+        rows = c0 + chunk_idx
+        row_ok = (rows < num_chunks)[:, None]
+        tile = tl.load(chunk_counts_ptr + rows[:, None] * EXPERTS + expert_idx[None, :],
+                       mask=row_ok, other=0)
+        before_in_expert = tl.cumsum(tile, 0) - tile + carry[None, :]
+        lower_in_chunk = tl.cumsum(tile, 1) - tile
+        base = expert_starts[None, :] + before_in_expert - lower_in_chunk
+        tl.store(chunk_base_ptr + rows[:, None] * EXPERTS + expert_idx[None, :], base,
+                 mask=row_ok)
+        carry += tl.sum(tile, 0)
+
+
+@triton.jit
+def _align_scatter_kernel(
+    topk_ids_ptr, chunk_base_ptr, sorted_pair_ids_ptr,
+    num_pairs, num_experts, local_expert_offset,
+    CHUNK: tl.constexpr, EXPERTS: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    local_idx = tl.arange(0, CHUNK)
+    expert, valid = _local_experts(topk_ids_ptr, chunk * CHUNK + local_idx, num_pairs,
+                                   num_experts, local_expert_offset)
+    key = tl.where(valid, expert, EXPERTS) * CHUNK + local_idx
+    key = tl.sort(key, 0)
+    expert_s = key // CHUNK
+    valid_s = expert_s < EXPERTS
+    base = tl.load(chunk_base_ptr + chunk * EXPERTS + expert_s, mask=valid_s, other=0)
+    tl.store(sorted_pair_ids_ptr + base + local_idx, chunk * CHUNK + key % CHUNK, mask=valid_s)
+
+
+def moe_align(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    local_expert_offset: int = 0,
+    small_path_max_pairs: Optional[int] = None,
+    chunk_pairs: Optional[int] = None,
+) -> Dispatch:
+    """Group the pairs of topk_ids [T, k] (global ids) by local expert, padded to block_m."""
+    if small_path_max_pairs is None:
+        small_path_max_pairs = SMALL_PATH_MAX_PAIRS
+    if chunk_pairs is None:
+        chunk_pairs = CHUNK_PAIRS
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    max_blocks = max_blocks_for(num_pairs, num_experts, block_m)
+    max_padded = max_blocks * block_m
+    sorted_pair_ids = torch.empty((max_padded,), dtype=torch.int32, device=device)
+    block_expert_ids = torch.empty((max_blocks,), dtype=torch.int32, device=device)
+    num_padded = torch.empty((1,), dtype=torch.int32, device=device)
+    experts_p2 = next_power_of_2(num_experts)
+    ids = topk_ids.reshape(-1)
+    if num_pairs <= small_path_max_pairs:
+        pairs_p2 = next_power_of_2(max(num_pairs, 1))
+        _align_single_program_kernel[(1,)](
+            ids, sorted_pair_ids, block_expert_ids, num_padded,
+            num_pairs, num_experts, local_expert_offset, max_padded, max_blocks,
+            BLOCK_M=block_m, PAIRS=pairs_p2, EXPERTS=experts_p2, FILL=1024,
+            num_warps=4 if pairs_p2 * experts_p2 <= 1 << 16 else 8,
+        )
+        return Dispatch(sorted_pair_ids, block_expert_ids, num_padded, block_m)
+
+    num_chunks = cdiv(num_pairs, chunk_pairs)
+    chunk_counts = torch.empty((num_chunks, experts_p2), dtype=torch.int32, device=device)
+    chunk_base = torch.empty((num_chunks, experts_p2), dtype=torch.int32, device=device)
+    _align_count_kernel[(num_chunks,)](
+        ids, chunk_counts, sorted_pair_ids, block_expert_ids,
+        num_pairs, num_experts, local_expert_offset, max_padded, max_blocks,
+        cdiv(max_padded, num_chunks), cdiv(max_blocks, num_chunks),
+        CHUNK=chunk_pairs, EXPERTS=experts_p2, FILL=1024, num_warps=4,
+    )
+    _align_offsets_kernel[(1,)](
+        chunk_counts, chunk_base, block_expert_ids, num_padded, num_chunks,
+        BLOCK_M=block_m, EXPERTS=experts_p2,
+        CHUNK_TILE=max(1, min(next_power_of_2(num_chunks), 4096 // experts_p2)),
+        num_warps=8,
+    )
+    _align_scatter_kernel[(num_chunks,)](
+        ids, chunk_base, sorted_pair_ids,
+        num_pairs, num_experts, local_expert_offset,
+        CHUNK=chunk_pairs, EXPERTS=experts_p2, num_warps=4,
+    )
+    return Dispatch(sorted_pair_ids, block_expert_ids, num_padded, block_m)

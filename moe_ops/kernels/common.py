@@ -1,0 +1,127 @@
+"""Helpers shared by the Triton kernels of moe_ops: the interpreter flag, small host-side
+arithmetic, and the device functions (activations, fp8 rounding) used by more than one kernel.
+
+`TRITON_INTERPRET` is read once, at import: Triton decides at decoration time whether a kernel
+runs in the interpreter, so the launchers must agree with that same snapshot.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# True when the kernels run in Triton's CPU interpreter (CI without a GPU).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# Largest finite float8_e4m3fn value: the per-token scale maps amax onto it.
+FP8_E4M3_MAX = 448.0
+# Scale-block edge of the fp8_block format (128 x 128 weights, 1 x 128 activations).
+FP8_BLOCK = 128
+
+ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai", "relu2")
+QUANT_MODES = ("none", "fp8", "fp8_block")
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1): tl.arange sizes must be powers of two."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_gated(activation: str) -> bool:
+    return activation != "relu2"
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """The interpreter's tl.dot gives wrong results on 16-bit floats: feed it fp32 instead.
+
+    fp8 dots are right in the interpreter (it widens e4m3 to fp16, exactly), so they keep their
+    operands. On the GPU nothing is upcast.
+    """
+    return INTERPRET and dtype in (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def apply_activation(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
+    """act(gate, up) in fp32. For "relu2" (not gated) `up` is ignored and gate is h."""
+    if ACTIVATION == "swiglu":
+        out = gate * tl.sigmoid(gate) * up
+    elif ACTIVATION == "geglu":
+        # exact gelu: 0.5 * g * (1 + erf(g / sqrt(2)))
+        out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
+    elif ACTIVATION == "swiglu_oai":
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        out = (u + 1.0) * g * tl.sigmoid(alpha * g)
+    else:  # relu2
+        r = tl.maximum(gate, 0.0)
+        out = r * r
+    return out
+
+
+@triton.jit
+def round_to_e4m3_grid(v):
+    """Round fp32 values (|v| <= 448) to the nearest float8_e4m3fn value, ties to even, in fp32.
+
+    Why not just `.to(tl.float8e4nv)`: the Triton 3.6 interpreter's float->fp8 conversion drops
+    the carry when the mantissa rounds up (126.1 -> 64 instead of 128) and rounds ties up, so
+    interpreter runs would not match the GPU. Rounding here makes the final cast exact on both.
+    Trick: adding 2^23 * ulp forces fp32's round-to-nearest-even to drop every bit below ulp,
+    and subtracting it back is exact. ulp = 2^(e-3) for |v| in [2^e, 2^(e+1)), e >= -6;
+    below 2^-6 e4m3 is subnormal with the fixed step 2^-9.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    biased_exp = tl.maximum((bits >> 23) & 0xFF, 121)  # 121 = 127 - 6: smallest normal e4m3
+    magic = ((biased_exp + 20) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3 + 23)
+    mag = tl.abs(v)
+    rounded = (mag + magic) - magic
+    return tl.where(v < 0, -rounded, rounded)
+
+
+@triton.jit
+def fp8_quantize(v, amax):
+    """Quantize fp32 values with a per-row (or per-group) amax to e4m3; returns (q, scale).
+
+    scale = amax / 448; a zero row gets scale 0 and q 0 (never 0 * inf = NaN).
+    """
+    # (v * 448) / amax, not v * (448 / amax): v * 448 is exact for bf16/fp16 inputs and the
+    # division is correctly rounded, so a value exactly on an e4m3 midpoint stays there and
+    # rounds to even, as x / s does in SPEC; a rounded reciprocal would break such ties (about
+    # one element in a thousand of bf16 activations) the wrong way.
+    scaled = tl.where(amax > 0, tl.div_rn(v * 448.0, tl.maximum(amax, 1e-30)), 0.0)
+    scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
+    q = round_to_e4m3_grid(scaled).to(tl.float8e4nv)
+    return q, amax / 448.0
+
+
+@triton.jit
+def round_to_dtype(v, DTYPE: tl.constexpr):
+    """Cast fp32 -> DTYPE (float32, bfloat16 or float16) rounding to nearest even.
+
+    The Triton 3.6 interpreter truncates fp32 -> bf16/fp16 casts (up to 2^-7 relative error,
+    always toward zero), and its round-to-nearest mode drops the mantissa carry; rounding onto
+    the target grid in fp32 first (same trick as round_to_e4m3_grid) makes the cast exact on
+    the interpreter and on the GPU alike. Inf and NaN pass through unchanged.
+    """
+    if DTYPE == tl.float32:
+        return v
+    else:
+        if DTYPE == tl.bfloat16:
+            MANTISSA: tl.constexpr = 7
+            MIN_BIASED_EXP: tl.constexpr = 1      # bf16 shares fp32's exponent range
+        else:
+            MANTISSA: tl.constexpr = 10
+            MIN_BIASED_EXP: tl.constexpr = 113    # 2^-14: below it fp16 steps by 2^-24
+        bits = v.to(tl.int32, bitcast=True)
+        biased_exp = (bits >> 23) & 0xFF
+        grid_exp = tl.minimum(tl.maximum(biased_exp, MIN_BIASED_EXP), 254 - (23 - MANTISSA))
+        magic = ((grid_exp + (23 - MANTISSA)) << 23).to(tl.float32, bitcast=True)
+        mag = tl.abs(v)
+        rounded = (mag + magic) - magic
+        rounded = tl.where(v < 0, -rounded, rounded)
+        return tl.where(biased_exp == 255, v, rounded).to(DTYPE)

@@ -1,0 +1,368 @@
+"""The Triton experts kernels (moe_ops.kernels): dispatch, grouped GEMMs, activation quant.
+
+On a machine without CUDA the kernels run in the Triton interpreter on CPU tensors: the flag
+must be set before torch/triton are imported, hence the first lines. Results are compared with
+a float64 evaluation written here from the same kernel-layout tensors (gate/up interleave
+decoded, scale rules applied, activations quantized as specified), and with
+moe_ops.reference.fused_experts_reference once that module exists.
+"""
+import os
+
+try:  # decide the device without importing torch first: the flag must precede triton's import
+    import subprocess
+    _HAS_CUDA = subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+except OSError:
+    _HAS_CUDA = False
+if not _HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from moe_ops.quant import quantize_fp8_per_token, quantize_fp8_per_token_group  # noqa: E402
+
+from moe_ops.kernels import align as align_mod  # noqa: E402
+from moe_ops.kernels import experts as experts_mod  # noqa: E402
+from moe_ops.kernels.act_quant import act_quant  # noqa: E402
+from moe_ops.kernels.align import moe_align  # noqa: E402
+from moe_ops.kernels.common import next_power_of_2  # noqa: E402
+from moe_ops.kernels.experts import triton_experts  # noqa: E402
+from moe_ops.kernels.grouped_gemm import (  # noqa: E402
+    GemmConfig, GemmProblem, config_problems, config_space, default_config,
+)
+
+DEVICE = "cuda" if _HAS_CUDA and torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
+TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+FP8_TOL = 1e-2
+
+
+# ---------------------------------------------------------------- float64 evaluation (oracle)
+
+def _quant_rows(a: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """Dynamic e4m3 quantization of rows by the package's rule (SPEC: q = e4m3(x / s),
+    s = amax/448 per row or per `group` columns), returned dequantized in float64."""
+    if group:
+        q, s = quantize_fp8_per_token_group(a, group)
+        return q.double() * s.double().repeat_interleave(group, dim=1)[:, : a.shape[1]]
+    q, s = quantize_fp8_per_token(a)
+    return q.double() * s.double()[:, None]
+
+
+def _dequant_weight(w, scale, quant, gated_w13):
+    if quant == "none":
+        return w.double()
+    if quant == "fp8":
+        return w.double() * scale.double()[:, :, None]
+    rows = torch.arange(w.shape[1], device=w.device)
+    scale_rows = 2 * ((rows // 2) // 128) + rows % 2 if gated_w13 else rows // 128
+    cols = torch.arange(w.shape[2], device=w.device) // 128
+    return w.double() * scale.double()[:, scale_rows][:, :, cols]
+
+
+def _act64(h, activation, alpha, limit):
+    if activation == "relu2":
+        return torch.relu(h) ** 2
+    gate, up = h[:, 0::2], h[:, 1::2]  # w13 row 2i = gate i, 2i+1 = up i
+    if activation == "swiglu":
+        return torch.nn.functional.silu(gate) * up
+    if activation == "geglu":
+        return torch.nn.functional.gelu(gate) * up
+    g = gate.clamp(max=limit)
+    u = up.clamp(-limit, limit)
+    return (u + 1) * g * torch.sigmoid(alpha * g)
+
+
+def experts_f64(x, topk_ids, topk_weights, w13, w2, w13_scale=None, w2_scale=None, b13=None,
+                b2=None, *, activation="swiglu", quant="none", alpha=1.702, limit=7.0,
+                local_expert_offset=0):
+    T, H = x.shape
+    E = w13.shape[0]
+    gated = activation != "relu2"
+    group = 128 if quant == "fp8_block" else 0
+    W13 = _dequant_weight(w13, w13_scale, quant, gated)
+    W2 = _dequant_weight(w2, w2_scale, quant, False)
+    xa = x.double() if quant == "none" else _quant_rows(x, group)
+    out = torch.zeros(T, H, dtype=torch.float64, device=x.device)
+    local = topk_ids.long() - local_expert_offset
+    for e in range(E):
+        tok, slot = torch.nonzero(local == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = xa[tok] @ W13[e].T
+        if b13 is not None:
+            h = h + b13[e].double()
+        a = _act64(h, activation, alpha, limit).to(x.dtype)  # the kernels store a in x.dtype
+        a = a.double() if quant == "none" else _quant_rows(a, group)
+        y = a @ W2[e].T
+        if b2 is not None:
+            y = y + b2[e].double()
+        out.index_add_(0, tok, topk_weights[tok, slot].double()[:, None] * y)
+    return out
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------- problem generation
+
+def make_problem(T, H, I, E, k, *, activation="swiglu", quant="none", dtype=torch.bfloat16,
+                 bias=False, local_expert_offset=0, num_global_experts=None, seed=0,
+                 all_to_one=False, invalid_ids=False):
+    g = torch.Generator().manual_seed(seed)
+    gated = activation != "relu2"
+    N13 = 2 * I if gated else I
+    num_global = num_global_experts or (E + local_expert_offset)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    x = randn(T, H).to(dtype)
+    if all_to_one:
+        ids = torch.full((T, k), local_expert_offset, dtype=torch.int64)
+        ids[:, 1:] = local_expert_offset + 1 + torch.arange(k - 1)
+        ids[:, 0] = local_expert_offset  # every token hits the same expert
+    else:
+        ids = torch.stack([torch.randperm(num_global, generator=g)[:k] for _ in range(T)]
+                          ) if T else torch.zeros(0, k, dtype=torch.int64)
+    if invalid_ids and T > 0:
+        ids[0, 0] = -1
+        ids[-1, -1] = num_global + 3  # beyond every local range
+        if T > 2:
+            ids[1, :] = -1           # a token with no valid pair at all
+    ids = ids.to(torch.int32 if seed % 2 else torch.int64)
+    weights = torch.rand(T, k, generator=g) + 0.1
+    w_scale13 = 1.0 / math.sqrt(H)
+    w_scale2 = 1.0 / math.sqrt(I)
+    w13_scale = w2_scale = None
+    if quant == "none":
+        w13 = randn(E, N13, H, scale=w_scale13).to(dtype)
+        w2 = randn(E, H, I, scale=w_scale2).to(dtype)
+    else:
+        w13 = randn(E, N13, H).clamp(-6, 6).to(FP8)
+        w2 = randn(E, H, I).clamp(-6, 6).to(FP8)
+        if quant == "fp8":
+            w13_scale = (torch.rand(E, N13, generator=g) + 0.5) * w_scale13
+            w2_scale = (torch.rand(E, H, generator=g) + 0.5) * w_scale2
+        else:
+            nb_i, nb_h = math.ceil(I / 128), math.ceil(H / 128)
+            w13_scale = (torch.rand(E, (2 if gated else 1) * nb_i, nb_h, generator=g) + 0.5) * w_scale13
+            w2_scale = (torch.rand(E, nb_h, nb_i, generator=g) + 0.5) * w_scale2
+    b13 = randn(E, N13, scale=0.5) if bias else None
+    b2 = randn(E, H, scale=0.5) if bias else None
+    tensors = [x, ids, weights, w13, w2, w13_scale, w2_scale, b13, b2]
+    tensors = [t.to(DEVICE) if t is not None else None for t in tensors]
+    return tensors, dict(activation=activation, quant=quant, local_expert_offset=local_expert_offset)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty returns NaN-filled floats and garbage ints, so unwritten elements show."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.dtype.is_floating_point:
+            t.fill_(float("nan"))
+        elif t.dtype in (torch.int32, torch.int64):
+            t.fill_(1 << 30)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def check_experts(tensors, kwargs, tol, **call_kwargs):
+    out = triton_experts(*tensors, **kwargs, **call_kwargs)
+    ref = experts_f64(*tensors, **kwargs)
+    x = tensors[0]
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output elements"
+    err = rel_err(out, ref)
+    assert err <= tol, f"relative Frobenius error {err:.3e} > {tol}"
+    try:
+        from moe_ops.reference import fused_experts_reference
+    except ImportError:
+        return out
+    ref2 = fused_experts_reference(*tensors, **kwargs)
+    err2 = rel_err(out, ref2.double())
+    assert err2 <= tol, f"vs moe_ops.reference: relative Frobenius error {err2:.3e} > {tol}"
+    return out
+
+
+# ---------------------------------------------------------------- dispatch
+
+def check_dispatch(topk_ids, num_experts, block_m, offset, dispatch):
+    ids = topk_ids.reshape(-1).long().cpu()
+    num_pairs = ids.numel()
+    sorted_ids = dispatch.sorted_pair_ids.cpu().long()
+    blocks = dispatch.block_expert_ids.cpu().long()
+    num_padded = int(dispatch.num_padded.cpu()[0])
+    assert sorted_ids.numel() == blocks.numel() * block_m
+    local = ids - offset
+    valid = (local >= 0) & (local < num_experts)
+    live = sorted_ids[sorted_ids < num_pairs]
+    # every valid pair exactly once, no invalid pair, everything else the sentinel
+    assert torch.equal(live.sort().values, torch.nonzero(valid).flatten())
+    assert ((sorted_ids == num_pairs) | (sorted_ids < num_pairs)).all()
+    assert (sorted_ids[num_padded:] == num_pairs).all()
+    counts = torch.bincount(local[valid], minlength=num_experts)
+    assert num_padded == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert num_padded % block_m == 0
+    live_blocks = num_padded // block_m
+    assert (blocks[live_blocks:] == -1).all()
+    assert (blocks[:live_blocks] >= 0).all() and (blocks[:live_blocks] < num_experts).all()
+    assert (blocks[:live_blocks].diff() >= 0).all()  # runs in expert order
+    for b in range(live_blocks):
+        chunk = sorted_ids[b * block_m:(b + 1) * block_m]
+        real = chunk[chunk < num_pairs]
+        assert (local[real] == blocks[b]).all()
+        # inside a block: pairs first, then padding
+        n = real.numel()
+        assert (chunk[:n] < num_pairs).all() and (chunk[n:] == num_pairs).all()
+
+
+@pytest.mark.parametrize("path", ["small", "large"])
+@pytest.mark.parametrize("T,k,E,block_m,offset,case", [
+    (1, 2, 8, 16, 0, "random"),
+    (37, 4, 8, 16, 0, "random"),
+    (37, 4, 8, 64, 3, "invalid"),
+    (100, 8, 128, 16, 0, "random"),
+    (50, 2, 6, 32, 0, "one_expert"),
+    (300, 4, 16, 64, 16, "invalid"),
+])
+def test_dispatch(path, T, k, E, block_m, offset, case, poisoned_empty):
+    tensors, _ = make_problem(T, 16, 16, E, k, local_expert_offset=offset,
+                              num_global_experts=E + 2 * offset + 1,
+                              all_to_one=case == "one_expert", invalid_ids=case == "invalid",
+                              seed=T)
+    ids = tensors[1]
+    small_max = 1 << 20 if path == "small" else 0
+    dispatch = moe_align(ids, E, block_m, offset, small_path_max_pairs=small_max, chunk_pairs=64)
+    check_dispatch(ids, E, block_m, offset, dispatch)
+
+
+# ---------------------------------------------------------------- activation quant
+
+@pytest.mark.parametrize("quant,K", [("fp8", 40), ("fp8", 3000), ("fp8_block", 192),
+                                     ("fp8_block", 1100)])
+def test_act_quant(quant, K):
+    g = torch.Generator().manual_seed(K)
+    x = (torch.randn(5, K, generator=g) * torch.exp(torch.randn(5, 1, generator=g))).to(torch.bfloat16)
+    x[2] = 0  # a zero row: scale 0, q 0, never NaN
+    if quant == "fp8_block":
+        x[3, 128:256] = 0
+    x = x.to(DEVICE)
+    q, s = act_quant(x, quant)
+    group = 128 if quant == "fp8_block" else 0
+    assert torch.isfinite(q.float()).all() and torch.isfinite(s).all()
+    deq = q.double() * (s.double()[:, None] if not group
+                        else s.double().repeat_interleave(128, 1)[:, :K])
+    ref = _quant_rows(x, group)
+    assert torch.equal(deq, ref), "kernel quantization differs from round-to-nearest-even e4m3"
+    assert (q[2].float() == 0).all()
+
+
+# ---------------------------------------------------------------- experts: every mode
+
+ACTIVATIONS = ["swiglu", "geglu", "swiglu_oai", "relu2"]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("quant,dtype", [("none", torch.bfloat16), ("none", torch.float32),
+                                         ("fp8", torch.bfloat16), ("fp8_block", torch.bfloat16)])
+def test_experts_modes(activation, quant, dtype, poisoned_empty):
+    bias = activation in ("swiglu_oai", "geglu")
+    if quant == "fp8_block":
+        T, H, I, E, k = 6, 256, 192, 4, 2
+    else:
+        T, H, I, E, k = 12, 48, 40, 6, 2
+    tensors, kwargs = make_problem(T, H, I, E, k, activation=activation, quant=quant,
+                                   dtype=dtype, bias=bias, seed=ACTIVATIONS.index(activation) + 4 * len(quant))
+    tol = FP8_TOL if quant != "none" else TOL[dtype]
+    check_experts(tensors, kwargs, tol)
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8", "fp8_block"])
+def test_experts_invalid_ids_offset_bias(quant, poisoned_empty):
+    H, I = (256, 192) if quant == "fp8_block" else (48, 40)
+    tensors, kwargs = make_problem(9, H, I, 4, 3, quant=quant, bias=True, local_expert_offset=4,
+                                   num_global_experts=12, invalid_ids=True, seed=5)
+    out = check_experts(tensors, kwargs, FP8_TOL if quant != "none" else 1e-2)
+    ids = tensors[1]
+    local = ids.long() - 4
+    no_local = ~((local >= 0) & (local < 4)).any(1)
+    assert no_local.any() and (out[no_local] == 0).all()
+
+
+@pytest.mark.parametrize("dispatch_path", ["direct", "small", "large"])
+def test_experts_dispatch_paths(dispatch_path, monkeypatch, poisoned_empty):
+    # direct: no dispatch; small: one-program dispatch; large: count/offsets/scatter
+    if dispatch_path == "direct":
+        monkeypatch.setattr(experts_mod, "DIRECT_MAX_PAIRS", 1 << 20)
+        monkeypatch.setattr(experts_mod, "DIRECT_MAX_PAIRS_PER_EXPERT", 1e9)
+    else:
+        monkeypatch.setattr(experts_mod, "DIRECT_MAX_PAIRS", 0)
+    if dispatch_path == "large":
+        monkeypatch.setattr(align_mod, "SMALL_PATH_MAX_PAIRS", 0)
+        monkeypatch.setattr(align_mod, "CHUNK_PAIRS", 16)
+    tensors, kwargs = make_problem(10, 48, 40, 5, 3, local_expert_offset=2,
+                                   num_global_experts=9, invalid_ids=True, seed=11)
+    check_experts(tensors, kwargs, 1e-2)
+
+
+def test_experts_all_tokens_one_expert(poisoned_empty):
+    tensors, kwargs = make_problem(40, 48, 40, 4, 2, all_to_one=True, seed=3)
+    check_experts(tensors, kwargs, 1e-2, gemm1_config=GemmConfig(16, 32, 32, 8, 4, 2),
+                  gemm2_config=GemmConfig(16, 32, 16, 1, 4, 2))
+
+
+def test_experts_single_token(poisoned_empty):
+    tensors, kwargs = make_problem(1, 48, 40, 8, 4, activation="swiglu_oai", bias=True, seed=1)
+    check_experts(tensors, kwargs, 1e-2)
+
+
+def test_experts_no_tokens():
+    tensors, kwargs = make_problem(0, 48, 40, 4, 2)
+    out = triton_experts(*tensors, **kwargs)
+    assert out.shape == (0, 48) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8_block"])
+def test_experts_swap_ab_and_mixed_block_m(quant, poisoned_empty):
+    # GEMM1 and GEMM2 with different block_m (the dispatch takes the larger), swap-AB on one
+    H, I = (256, 192) if quant == "fp8_block" else (48, 40)
+    tensors, kwargs = make_problem(20, H, I, 3, 2, quant=quant, seed=7)
+    tol = FP8_TOL if quant != "none" else 1e-2
+    check_experts(tensors, kwargs, tol,
+                  gemm1_config=GemmConfig(32, 64, 32, 1, 4, 2, swap_ab=True),
+                  gemm2_config=GemmConfig(16, 32, 64, 8, 4, 2))
+
+
+@pytest.mark.parametrize("combine,dtype", [("atomic", torch.float32), ("atomic", torch.bfloat16),
+                                           ("rows", torch.float32)])
+def test_experts_combine_modes(combine, dtype, monkeypatch, poisoned_empty):
+    monkeypatch.setattr(experts_mod, "COMBINE", combine)
+    tensors, kwargs = make_problem(8, 48, 40, 4, 2, dtype=dtype, bias=True,
+                                   invalid_ids=True, seed=2)
+    check_experts(tensors, kwargs, TOL[dtype])
+
+
+# ---------------------------------------------------------------- configs
+
+def test_config_space_and_defaults():
+    for quant in ("none", "fp8", "fp8_block"):
+        for rows in (0.03, 1, 20, 100, 1000):
+            for gemm, (n, k) in ((1, (2 * 768, 2048)), (2, (2048, 768))):
+                problem = GemmProblem(gemm, 128, n, k, rows, torch.bfloat16, quant)
+                default = default_config(problem)
+                assert config_problems(problem, default) == []
+                space = config_space(problem)
+                assert space and all(config_problems(problem, c) == [] for c in space)
+                if quant == "fp8_block":
+                    assert all(128 % c.block_k == 0 for c in space)
+    bad = GemmConfig(block_k=256)
+    assert config_problems(GemmProblem(1, 8, 64, 256, 1, torch.bfloat16, "fp8_block"), bad)
+    assert next_power_of_2(1) == 1 and next_power_of_2(17) == 32
