@@ -88,7 +88,7 @@ def test_relu2_flops_and_weight_bytes_per_format():
 def test_tolerances_per_quant_mode():
     args = bench.parse_args([])
     assert bench.ours_tolerance("none", args) == 1e-2
-    assert bench.ours_tolerance("fp8", args) == bench.ours_tolerance("fp8_block", args) == 2e-2
+    assert bench.ours_tolerance("fp8", args) == bench.ours_tolerance("fp8_block", args) == 1e-2
     strict = bench.parse_args(["--fp8-tolerance", "1e-2"])
     assert bench.ours_tolerance("fp8_block", strict) == 1e-2
     assert bench.baseline_tolerance("none", 1e-2) == 1e-2

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
+# compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
+# ${OUT:-benchmarks/results}. Usage on an H200 from the repository root:
+#     bash benchmarks/h200_run.sh [check|bench|all]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+out="${OUT:-benchmarks/results}"
+mkdir -p "$out"
+what="${1:-all}"
+status=0
+if [[ "$what" == check || "$what" == all ]]; then
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 benchmarks/gpu_check.py --json "$out/gpu_check.json" > "$out/gpu_check.log" 2>&1 || status=1
+  tail -n 45 "$out/gpu_check.log"
+  python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_routing.py \
+    tests/test_kernels_experts.py tests/test_triton_layer.py > "$out/pytest_gpu.log" 2>&1 || status=1
+  tail -n 3 "$out/pytest_gpu.log"
+  compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/gpu_check.py --sanitize \
+    > "$out/sanitize.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|PASS|FAIL" "$out/sanitize.log" | tail -n 12
+fi
+if [[ "$what" == bench || "$what" == all ]]; then
+  python3 benchmarks/bench.py --out "$out/h200.json" --plot "$out/h200.png" --deadline-s "${DEADLINE_S:-420}" \
+    2> "$out/bench.log" || status=1
+fi
+exit $status
