@@ -1,0 +1,447 @@
+"""Hugging Face transformers integration: "moe_ops" as an experts implementation.
+
+    import moe_ops.integrations.transformers as moe_ops_hf
+    moe_ops_hf.register()
+    model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="moe_ops")
+    model.set_experts_implementation("moe_ops")          # or switch a loaded model
+
+Any experts class decorated with transformers' `@use_experts_implementation` (Mixtral, Qwen2/3-MoE,
+DeepSeek-V3, gpt-oss, OLMoE, Nemotron-H, ...) then runs its routed experts through
+`moe_ops.fused_moe` with the router's pre-computed (top_k_index, top_k_weights).
+
+How a module is read (once per experts module, then cached on it):
+
+* Layout. Gated experts hold `gate_up_proj` `[E, 2I, H]` (`[E, H, 2I]` when transposed) with
+  gate and up either concatenated (halves) or interleaved column by column (gpt-oss); gate-less
+  experts hold `up_proj` `[E, I, H]`. `down_proj` is `[E, H, I]` (`[E, I, H]` when transposed).
+  Optional `gate_up_proj_bias`/`up_proj_bias` and `down_proj_bias`. `is_transposed` (or the older
+  `experts_are_transposed`) is read from the module, falling back on the weight shapes.
+* Activation. What the module computes between its two projections is *measured*, not guessed
+  from names: its `_apply_gate` (or `act_fn` for gate-less experts) is evaluated once on a probe
+  tensor and compared with every activation moe_ops has — swiglu (silu), geglu (exact gelu),
+  swiglu_oai (gpt-oss's clamped swiglu, with `alpha`/`limit` or `swiglu_alpha`/`swiglu_limit`
+  read from the module), relu2 (gate-less) — in both gate/up orders (concatenated, interleaved).
+  The one that matches is used; if none does (a tanh gelu, a clamped silu, a custom gate, a
+  post-expert norm) a NotImplementedError names the module and its activation. A model is never
+  silently run with a different function.
+
+Kernel-layout weights are prepared once per module (`moe_ops.prepare_weights`, layer dtype =
+hidden_states.dtype) and cached on the module, keyed by the identity, data_ptr, `_version`,
+shape, stride, dtype and device of every expert parameter: an in-place update under no_grad
+(`param.copy_`, `load_state_dict`), a replaced parameter, `.to(...)` or a dtype change re-prepares
+on the next forward. Writes through `param.data` do not bump `_version`; call `invalidate(model)`
+after those.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import weakref
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from moe_ops.experts import BACKENDS
+from moe_ops.functional import fused_moe
+from moe_ops.layout import prepare_weights
+
+IMPLEMENTATION_NAME = "moe_ops"
+
+_SPEC_ATTR = "_moe_ops_experts_spec"
+_CACHE_ATTR = "_moe_ops_weight_cache"
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------------------------
+def register(name: str = IMPLEMENTATION_NAME, *, backend: str = "auto") -> None:
+    """Add `name` ("moe_ops") to transformers' experts-implementation registry.
+
+    Afterwards `from_pretrained(..., experts_implementation=name)`, `from_config(...)` with the
+    same keyword, or `model.set_experts_implementation(name)` route every experts module that
+    uses `@use_experts_implementation` through `moe_ops.fused_moe(..., backend=backend)`.
+    Registering again (e.g. with another backend) replaces the entry.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "moe_ops.integrations.transformers.register() needs transformers with an experts "
+            "implementation registry (transformers.integrations.moe.ExpertsInterface, "
+            "transformers >= 5)") from exc
+    forward = functools.partial(experts_forward, backend=backend)
+    functools.update_wrapper(forward, experts_forward)
+    ExpertsInterface.register(name, forward)
+
+
+def invalidate(module: torch.nn.Module) -> None:
+    """Drop the cached kernel-layout weights (and the measured layout/activation) of every
+    experts module under `module`: the next forward re-prepares them. Needed only after writes
+    that bypass autograd's version counter (`param.data.copy_(...)`)."""
+    for sub in module.modules():
+        sub.__dict__.pop(_CACHE_ATTR, None)
+        sub.__dict__.pop(_SPEC_ATTR, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# What an experts module computes
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ExpertsSpec:
+    """How one transformers experts module maps onto moe_ops."""
+
+    gated: bool  # gate_up_proj (gate and up) or only up_proj
+    concatenated: bool  # gate/up as halves of the 2I axis (True) or interleaved (False)
+    transposed: bool  # weights stored [E, in, out] instead of [E, out, in]
+    has_bias: bool
+    activation: str  # a moe_ops activation
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+
+_GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai")
+
+
+def _config_value(config, key: str):
+    """A config attribute, or None (heterogeneous configs raise on per-layer attributes)."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - e.g. transformers' AmbiguousGlobalPerLayerAttributeError
+        return None
+
+
+def _tensor_attr(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
+    value = getattr(module, name, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _activation_name(module: torch.nn.Module) -> str:
+    """A readable name of what the module applies, for error messages."""
+    parts = []
+    act = getattr(module, "act_fn", None)
+    if act is not None:
+        parts.append(f"act_fn={getattr(act, '__name__', type(act).__name__)}")
+    config = getattr(module, "config", None)
+    for key in ("hidden_act", "hidden_activation", "mlp_hidden_act", "activation_function"):
+        value = _config_value(config, key)
+        if isinstance(value, str):
+            parts.append(f"config.{key}={value!r}")
+            break
+    gate = getattr(type(module), "_apply_gate", None)
+    if gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate":
+        parts.append(f"custom {type(module).__name__}._apply_gate")
+    return ", ".join(parts) or "unknown activation"
+
+
+def _oai_parameters(module: torch.nn.Module) -> list[tuple[float, float]]:
+    """(alpha, limit) pairs the module declares (gpt-oss: alpha/limit; others: swiglu_*)."""
+    pairs = []
+    config = getattr(module, "config", None)
+    for owner, a_name, l_name in ((module, "alpha", "limit"),
+                                  (module, "swiglu_alpha", "swiglu_limit"),
+                                  (config, "swiglu_alpha", "swiglu_limit")):
+        alpha, limit = _config_value(owner, a_name), _config_value(owner, l_name)
+        if isinstance(alpha, (int, float)) and isinstance(limit, (int, float)):
+            pair = (float(alpha), float(limit))
+            if pair not in pairs:
+                pairs.append(pair)
+    return pairs
+
+
+def _declared_limits(module: torch.nn.Module) -> list[float]:
+    """Every numeric clamp-like attribute of the module, so the probe reaches past it."""
+    values = []
+    for name in ("limit", "swiglu_limit", "clamp_limit", "activation_limit"):
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            values.append(abs(float(value)))
+    return values
+
+
+def _probe(module: torch.nn.Module, width: int) -> torch.Tensor:
+    """float32 [rows, width], rows spanning magnitudes 0.05 .. past any declared clamp."""
+    reach = min(max([16.0] + [4.0 * v for v in _declared_limits(module)]), 1e4)
+    generator = torch.Generator().manual_seed(0)
+    rows = 64
+    scales = torch.logspace(math.log10(0.05), math.log10(reach), rows, dtype=torch.float64)
+    return (torch.randn(rows, width, generator=generator, dtype=torch.float64)
+            * scales[:, None]).float()
+
+
+def _evaluate(fn: Callable[[torch.Tensor], torch.Tensor], module: torch.nn.Module,
+              probe: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        try:
+            return fn(probe).float().cpu()
+        except RuntimeError:
+            # A gate that touches a tensor on the module's device: probe there.
+            device = next((p.device for p in module.parameters()), probe.device)
+            return fn(probe.to(device)).float().cpu()
+
+
+def _matches(candidate: torch.Tensor, reference: torch.Tensor) -> bool:
+    return (candidate.shape == reference.shape
+            and torch.allclose(candidate, reference, rtol=1e-5, atol=1e-6, equal_nan=True))
+
+
+def _gated_candidates(module: torch.nn.Module):
+    yield "swiglu", {}, lambda g, u: F.silu(g) * u
+    yield "geglu", {}, lambda g, u: F.gelu(g) * u
+    for alpha, limit in _oai_parameters(module):
+        def oai(g, u, alpha=alpha, limit=limit):
+            g = g.clamp(max=limit)
+            u = u.clamp(min=-limit, max=limit)
+            return (u + 1) * g * torch.sigmoid(alpha * g)
+        yield "swiglu_oai", {"swiglu_alpha": alpha, "swiglu_limit": limit}, oai
+
+
+def _is_transposed(module: torch.nn.Module, up: torch.Tensor, down: torch.Tensor,
+                   hidden_size: Optional[int]) -> bool:
+    for name in ("is_transposed", "experts_are_transposed"):
+        flag = getattr(module, name, None)
+        if isinstance(flag, bool):
+            return flag
+    # Older transformers without the flag: the hidden size tells [E, H, I] from [E, I, H].
+    if hidden_size is not None and down.dim() == 3:
+        if down.shape[1] == hidden_size and down.shape[2] != hidden_size:
+            return False
+        if down.shape[2] == hidden_size and down.shape[1] != hidden_size:
+            return True
+    return False
+
+
+def describe_experts(module: torch.nn.Module, hidden_size: Optional[int] = None) -> ExpertsSpec:
+    """Read (and measure) how `module` computes its experts. Raises NotImplementedError for what
+    moe_ops cannot compute, naming the module and the activation."""
+    cls = type(module).__name__
+    if getattr(module, "has_post_expert_norm", False):
+        raise NotImplementedError(
+            f"moe_ops: {cls} applies a norm after each expert (has_post_expert_norm=True), "
+            "which moe_ops.fused_moe does not compute; use another experts_implementation "
+            "(e.g. 'grouped_mm' or 'eager') for this model")
+    gate_up = _tensor_attr(module, "gate_up_proj")
+    up_only = _tensor_attr(module, "up_proj")
+    down = _tensor_attr(module, "down_proj")
+    has_gate = getattr(module, "has_gate", None)
+    gated = gate_up is not None if has_gate is None else bool(has_gate)
+    up = gate_up if gated else up_only
+    if up is None or down is None or up.dim() != 3 or down.dim() != 3:
+        raise NotImplementedError(
+            f"moe_ops: {cls} does not hold its experts as 3-D tensors "
+            f"{'gate_up_proj' if gated else 'up_proj'} and down_proj (got "
+            f"{None if up is None else list(up.shape)}, {None if down is None else list(down.shape)}); "
+            "quantized or otherwise packed experts are not supported by this integration")
+    if not (up.is_floating_point() and down.is_floating_point()) or {up.dtype, down.dtype} - {
+            torch.float32, torch.bfloat16, torch.float16}:
+        raise NotImplementedError(
+            f"moe_ops: {cls} holds quantized experts ({up.dtype}, {down.dtype}); this integration "
+            "takes bfloat16/float16/float32 expert weights only (quant='none')")
+    transposed = _is_transposed(module, up, down, hidden_size)
+    intermediate = down.shape[1] if transposed else down.shape[2]
+    bias_names = ("gate_up_proj_bias" if gated else "up_proj_bias", "down_proj_bias")
+    has_bias = any(_tensor_attr(module, n) is not None for n in bias_names)
+    if getattr(module, "has_bias", False) and not has_bias:
+        raise NotImplementedError(f"moe_ops: {cls} declares has_bias=True but holds no "
+                                  f"{' or '.join(bias_names)} tensor")
+
+    if not gated:
+        act = getattr(module, "act_fn", None)
+        if act is None:
+            raise NotImplementedError(f"moe_ops: gate-less {cls} has no act_fn to measure")
+        probe = _probe(module, max(intermediate, 2))
+        reference = _evaluate(act, module, probe)
+        if _matches(F.relu(probe) ** 2, reference):
+            return ExpertsSpec(False, True, transposed, has_bias, "relu2")
+        raise NotImplementedError(
+            f"moe_ops: gate-less {cls} applies {_activation_name(module)}; moe_ops computes "
+            "gate-less experts only with relu2 (relu(x)^2). Use another experts_implementation "
+            "(e.g. 'grouped_mm' or 'eager') for this model")
+
+    apply_gate = getattr(module, "_apply_gate", None)
+    if apply_gate is None:  # transformers without a default _apply_gate: act(gate) * up, halves
+        act = module.act_fn
+
+        def apply_gate(x):
+            gate, up_ = x.chunk(2, dim=-1)
+            return act(gate) * up_
+    probe = _probe(module, 2 * max(intermediate, 2))
+    reference = _evaluate(apply_gate, module, probe)
+    declared = getattr(module, "is_concatenated", None)
+    orders = (True, False) if declared is not False else (False, True)
+    for concatenated in orders:
+        g, u = probe.chunk(2, dim=-1) if concatenated else (probe[:, 0::2], probe[:, 1::2])
+        for activation, extra, fn in _gated_candidates(module):
+            if _matches(fn(g, u), reference):
+                return ExpertsSpec(True, concatenated, transposed, has_bias, activation, **extra)
+    oai = _oai_parameters(module)
+    raise NotImplementedError(
+        f"moe_ops: {cls} applies a gated activation moe_ops does not compute "
+        f"({_activation_name(module)}): it matches none of swiglu (silu), geglu (exact erf gelu), "
+        f"swiglu_oai (gpt-oss clamped swiglu{', alpha/limit ' + str(oai) if oai else ', no alpha/limit attributes found'}) "
+        "with gate/up concatenated or interleaved. Use another experts_implementation "
+        "(e.g. 'grouped_mm' or 'eager') for this model")
+
+
+def _spec(module: torch.nn.Module, hidden_size: int) -> ExpertsSpec:
+    spec = module.__dict__.get(_SPEC_ATTR)
+    if spec is None:
+        spec = describe_experts(module, hidden_size)
+        module.__dict__[_SPEC_ATTR] = spec
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: module parameters -> checkpoint layout (SPEC §1) -> kernel layout (cached)
+# ---------------------------------------------------------------------------------------------
+def _source_names(spec: ExpertsSpec) -> tuple[str, ...]:
+    names = ("gate_up_proj" if spec.gated else "up_proj", "down_proj")
+    if spec.has_bias:
+        names += ("gate_up_proj_bias" if spec.gated else "up_proj_bias", "down_proj_bias")
+    return names
+
+
+def checkpoint_weights(module: torch.nn.Module, spec: ExpertsSpec,
+                       hidden_size: int) -> dict[str, torch.Tensor]:
+    """The module's experts in the checkpoint layout `moe_ops.prepare_weights` takes: w1 gate
+    [E, I, H], w3 up [E, I, H] (gated only), w2 down [E, H, I], biases b1/b3 [E, I], b2 [E, H].
+    Views of the parameters where possible (no copies)."""
+    cls = type(module).__name__
+    up = _tensor_attr(module, "gate_up_proj" if spec.gated else "up_proj")
+    down = _tensor_attr(module, "down_proj")
+    if spec.transposed:
+        up, down = up.transpose(1, 2), down.transpose(1, 2)
+    experts, rows, hidden = up.shape
+    intermediate = rows // 2 if spec.gated else rows
+    if (hidden != hidden_size or (spec.gated and rows % 2)
+            or tuple(down.shape) != (experts, hidden_size, intermediate)):
+        raise ValueError(
+            f"moe_ops: {cls} weights do not match hidden_states (hidden size {hidden_size}): "
+            f"{'gate_up_proj' if spec.gated else 'up_proj'} {list(getattr(module, 'gate_up_proj' if spec.gated else 'up_proj').shape)}, "
+            f"down_proj {list(module.down_proj.shape)}, is_transposed={spec.transposed}")
+
+    def split(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if spec.concatenated:
+            return t.narrow(dim, 0, intermediate), t.narrow(dim, intermediate, intermediate)
+        index = [slice(None)] * t.dim()
+        gate_index, up_index = list(index), list(index)
+        gate_index[dim], up_index[dim] = slice(0, None, 2), slice(1, None, 2)
+        return t[tuple(gate_index)], t[tuple(up_index)]
+
+    weights: dict[str, torch.Tensor] = {"w2": down}
+    if spec.gated:
+        weights["w1"], weights["w3"] = split(up, 1)
+    else:
+        weights["w1"] = up
+    if spec.has_bias:
+        up_bias = _tensor_attr(module, "gate_up_proj_bias" if spec.gated else "up_proj_bias")
+        down_bias = _tensor_attr(module, "down_proj_bias")
+        if up_bias is None:
+            up_bias = torch.zeros(experts, rows, dtype=up.dtype, device=up.device)
+        if down_bias is None:
+            down_bias = torch.zeros(experts, hidden, dtype=up.dtype, device=up.device)
+        weights["b2"] = down_bias
+        if spec.gated:
+            weights["b1"], weights["b3"] = split(up_bias, 1)
+        else:
+            weights["b1"] = up_bias
+    return weights
+
+
+def _cache_key(module: torch.nn.Module, spec: ExpertsSpec, dtype: torch.dtype,
+               device: torch.device) -> tuple:
+    key: list = [spec, dtype, device]
+    for name in _source_names(spec):
+        tensor = _tensor_attr(module, name)
+        if tensor is None:
+            key.append((name, None))
+            continue
+        key.append((name, tensor.data_ptr(), tensor._version, tuple(tensor.shape),
+                    tuple(tensor.stride()), tensor.dtype, tensor.device))
+    return tuple(key)
+
+
+def _cache_valid(entry: dict, module: torch.nn.Module, spec: ExpertsSpec, key: tuple) -> bool:
+    if entry["key"] != key:
+        return False
+    # The same object, not a new parameter that happens to reuse the address of a freed one.
+    return all(ref() is _tensor_attr(module, name) for name, ref in entry["refs"].items())
+
+
+def kernel_weights(module: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                   hidden_size: int) -> dict[str, torch.Tensor]:
+    """The module's experts in moe_ops' kernel layout (what `moe_ops.fused_moe` takes), prepared
+    on first use and whenever a parameter changed since, cached on the module."""
+    spec = _spec(module, hidden_size)
+    entry = module.__dict__.get(_CACHE_ATTR)
+    if torch.compiler.is_compiling():
+        # Traced graphs cannot read data_ptr/_version: use what an eager call prepared.
+        if entry is not None and entry["key"][1:3] == (dtype, device):
+            return entry["weights"]
+    else:
+        key = _cache_key(module, spec, dtype, device)
+        if entry is not None and _cache_valid(entry, module, spec, key):
+            return entry["weights"]
+    module.__dict__.pop(_CACHE_ATTR, None)  # free the stale copy before building the new one
+    with torch.no_grad():
+        weights = prepare_weights(**checkpoint_weights(module, spec, hidden_size),
+                                  activation=spec.activation, quant="none", dtype=dtype,
+                                  device=device)
+    if not torch.compiler.is_compiling():
+        refs = {name: weakref.ref(t) for name in _source_names(spec)
+                if (t := _tensor_attr(module, name)) is not None}
+        module.__dict__[_CACHE_ATTR] = {"key": _cache_key(module, spec, dtype, device),
+                                        "refs": refs, "weights": weights}
+    return weights
+
+
+# ---------------------------------------------------------------------------------------------
+# The implementation transformers calls
+# ---------------------------------------------------------------------------------------------
+class _InferenceOnly(torch.autograd.Function):
+    """Passes the experts output through; its backward raises (moe_ops ops have no backward)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "moe_ops experts implementation is inference-only (its ops have no backward); "
+            "use experts_implementation='grouped_mm' or 'eager' to train")
+
+
+def experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """transformers' experts-implementation signature: `self` is the experts module,
+    `hidden_states [..., H]`, `top_k_index [..., k]` (expert ids; ids >= num_experts, the
+    expert-parallel sentinels, contribute nothing) and `top_k_weights [..., k]` (or the dense
+    `[..., num_experts]` router weights of older DeepSeek-V2 code). Returns `[..., H]` in the
+    dtype of hidden_states."""
+    hidden_size = hidden_states.shape[-1]
+    x = hidden_states.reshape(-1, hidden_size)
+    top_k = top_k_index.shape[-1]
+    ids = top_k_index.reshape(-1, top_k)
+    weights = top_k_weights.reshape(ids.shape[0], top_k_weights.shape[-1])
+    if weights.shape[1] != top_k:
+        # Dense per-expert weights [T, num_experts]: pick each slot's expert.
+        weights = weights.gather(1, ids.long().clamp(0, weights.shape[1] - 1))
+    spec = _spec(self, hidden_size)
+    kernel = kernel_weights(self, x.dtype, x.device, hidden_size)
+    with torch.no_grad():
+        out = fused_moe(x, topk_ids=ids, topk_weights=weights, **kernel,
+                        activation=spec.activation, swiglu_alpha=spec.swiglu_alpha,
+                        swiglu_limit=spec.swiglu_limit, quant="none", backend=backend)
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
+        out = _InferenceOnly.apply(out, hidden_states, top_k_weights)
+    return out.reshape(hidden_states.shape)

@@ -1,0 +1,257 @@
+"""moe_ops as a Hugging Face transformers experts implementation (SPEC §2, last bullet).
+
+Small random models built from config classes (nothing is downloaded): logits with
+experts_implementation="moe_ops" equal "eager" for every experts variant transformers declares
+(concatenated / interleaved gate-up, transposed weights, biases, no gate), weight updates after
+the first forward are picked up, and what moe_ops cannot compute is refused by name.
+"""
+import importlib
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.integrations.moe")
+
+import moe_ops.integrations.transformers as moe_hf  # noqa: E402
+
+moe_hf.register()
+
+VOCAB = 128
+SMALL = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=VOCAB)
+
+
+def _classes(module: str, config: str, model: str):
+    try:
+        package = importlib.import_module(f"transformers.models.{module}")
+        modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        return getattr(package, config), getattr(modeling, model)
+    except (ImportError, AttributeError):
+        return None
+
+
+# name -> (module, config class, model class, config kwargs); models missing from the installed
+# transformers are skipped.
+MODELS = {
+    # concatenated gate/up [E, 2I, H], silu
+    "mixtral": ("mixtral", "MixtralConfig", "MixtralForCausalLM",
+                dict(SMALL, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)),
+    # concatenated, exact gelu -> geglu
+    "mixtral_gelu": ("mixtral", "MixtralConfig", "MixtralForCausalLM",
+                     dict(SMALL, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                          hidden_act="gelu")),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(SMALL, intermediate_size=96, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, num_experts=6, num_experts_per_tok=2)),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(SMALL, intermediate_size=96, moe_intermediate_size=32, num_experts=6,
+                       num_experts_per_tok=3, head_dim=16, norm_topk_prob=True)),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(SMALL, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                         n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                         first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=32,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                         routed_scaling_factor=2.5)),
+    "olmoe": ("olmoe", "OlmoeConfig", "OlmoeForCausalLM",
+              dict(SMALL, intermediate_size=48, num_experts=4, num_experts_per_tok=2)),
+    # interleaved gate/up, transposed [E, H, 2I], biases, clamped swiglu (alpha/limit)
+    "gpt_oss": ("gpt_oss", "GptOssConfig", "GptOssForCausalLM",
+                dict(SMALL, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                     head_dim=16, layer_types=["full_attention"])),
+    # concatenated, transposed, biases, clamped swiglu
+    "privacy_filter": ("openai_privacy_filter", "OpenAIPrivacyFilterConfig",
+                       "OpenAIPrivacyFilterForTokenClassification",
+                       dict(SMALL, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                            head_dim=16, num_labels=5, pad_token_id=0,
+                            eos_token_id=1)),
+    # transposed [E, H, 2I] / [E, I, H] without biases (transformers >= 5.2x declares it)
+    "aria_text": ("aria", "AriaTextConfig", "AriaTextForCausalLM",
+                  dict(SMALL, intermediate_size=48, moe_num_experts=4, moe_topk=2,
+                       moe_num_shared_experts=1, pad_token_id=0, eos_token_id=1)),
+    # no gate: up_proj [E, I, H], relu2
+    "nemotron_h": ("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM",
+                   dict(hidden_size=64, vocab_size=VOCAB, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16,
+                        layers_block_type=["full_attention", "moe"],
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        moe_shared_expert_intermediate_size=32, n_group=1, topk_group=1,
+                        use_mamba_kernels=False)),
+}
+
+
+def _experts_modules(model):
+    return [m for m in model.modules()
+            if hasattr(m, "down_proj") and isinstance(getattr(m, "down_proj"), torch.nn.Parameter)]
+
+
+def _randomize(model, seed=0):
+    """HF init leaves the experts' contribution tiny; make it dominate the logits, and the
+    routing diverse, so a wrong expert computation shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for experts in _experts_modules(model):
+            for name, p in experts.named_parameters(recurse=False):
+                std = 0.5 if name.endswith("bias") else 0.15
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        for name, p in model.named_parameters():
+            if ("router" in name or ".gate." in name) and p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g))
+
+
+def _build(name, dtype=torch.float32):
+    module, config_name, model_name, kwargs = MODELS[name]
+    classes = _classes(module, config_name, model_name)
+    if classes is None:
+        pytest.skip(f"{model_name} is not in this transformers")
+    config_cls, model_cls = classes
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**kwargs)).eval()
+    experts = _experts_modules(model)
+    if not experts or not hasattr(type(experts[0]).forward, "__wrapped__"):
+        pytest.skip(f"{model_name} does not use @use_experts_implementation here")
+    _randomize(model)
+    for experts in _experts_modules(model):
+        if hasattr(experts, "limit"):  # gpt-oss style: alpha/limit live on the module
+            experts.alpha, experts.limit = 1.25, 1.5  # non-defaults, and a clamp that is reached
+    return model.to(dtype)
+
+
+def _logits(model, implementation, ids):
+    model.set_experts_implementation(implementation)
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_match_eager(name):
+    model = _build(name)
+    experts = _experts_modules(model)[0]
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    eager = _logits(model, "eager", ids)
+    ours = _logits(model, "moe_ops", ids)
+    assert _rel(ours, eager) <= 1e-4
+    spec = experts.__dict__[moe_hf._SPEC_ATTR]
+    expected = {"gpt_oss": ("swiglu_oai", False, True, True),
+                "privacy_filter": ("swiglu_oai", True, True, True),
+                "nemotron_h": ("relu2", True, False, False),
+                "mixtral_gelu": ("geglu", True, False, False),
+                "aria_text": ("swiglu", True, getattr(experts, "is_transposed", False), False),
+                }.get(name, ("swiglu", True, False, False))
+    assert (spec.activation, spec.concatenated, spec.transposed, spec.has_bias) == expected
+    if spec.activation == "swiglu_oai":  # read from the module, not the defaults
+        assert (spec.swiglu_alpha, spec.swiglu_limit) == (1.25, 1.5)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_bf16_logits_match_eager(name):
+    model = _build(name, torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    assert _rel(_logits(model, "moe_ops", ids), _logits(model, "eager", ids)) <= 1e-2
+
+
+def test_from_config_keyword():
+    classes = _classes("mixtral", "MixtralConfig", "MixtralForCausalLM")
+    config_cls, model_cls = classes
+    model = model_cls._from_config(config_cls(**MODELS["mixtral"][3]), experts_implementation="moe_ops")
+    assert model.config._experts_implementation == "moe_ops"
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert moe_hf._CACHE_ATTR in _experts_modules(model)[0].__dict__
+
+
+def test_weight_changes_are_picked_up():
+    model = _build("gpt_oss")
+    experts = _experts_modules(model)[0]
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+
+    def check():
+        assert _rel(_logits(model, "moe_ops", ids), _logits(model, "eager", ids)) <= 1e-4
+
+    check()
+    prepared = experts.__dict__[moe_hf._CACHE_ATTR]["weights"]
+    _logits(model, "moe_ops", ids)
+    assert experts.__dict__[moe_hf._CACHE_ATTR]["weights"] is prepared  # cached, not redone
+    with torch.no_grad():  # in place (an RL weight sync, load_state_dict): _version changes
+        experts.down_proj.mul_(-1.5)
+        experts.gate_up_proj_bias.add_(0.3)
+    check()
+    experts.gate_up_proj = torch.nn.Parameter(torch.randn_like(experts.gate_up_proj) * 0.15)
+    check()  # a new parameter object
+    model.load_state_dict({k: v * 0.5 if "experts" in k else v
+                           for k, v in model.state_dict().items()})
+    check()
+    experts.down_proj.data.copy_(torch.randn_like(experts.down_proj) * 0.15)  # bypasses _version
+    moe_hf.invalidate(model)
+    check()
+
+
+def test_token_shapes_are_flattened_and_restored():
+    model = _build("qwen3_moe")
+    experts = _experts_modules(model)[0]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 5, 64, generator=g)
+    ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(10)]).view(2, 5, 3)
+    w = torch.rand(2, 5, 3, generator=g)
+    experts.config._experts_implementation = "eager"
+    expected = experts(x.view(10, 64), ids.view(10, 3), w.view(10, 3))
+    out = moe_hf.experts_forward(experts, x, ids, w)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert _rel(out.view(10, 64), expected) <= 1e-5
+    empty = moe_hf.experts_forward(experts, x[:0], ids[:0], w[:0])
+    assert empty.shape == (0, 5, 64)
+
+
+def test_training_backward_raises():
+    model = _build("mixtral")
+    model.set_experts_implementation("moe_ops")
+    ids = torch.randint(0, VOCAB, (1, 5))
+    loss = model(input_ids=ids).logits.sum()
+    with pytest.raises(NotImplementedError, match="inference-only"):
+        loss.backward()
+
+
+def _unsupported_experts(name, **config):
+    """A lone experts module of the installed transformers (skip if it is not there)."""
+    mixtral = _classes("mixtral", "MixtralConfig", "MixtralExperts")
+    if name == "gelu_tanh" and mixtral:
+        cfg = mixtral[0](**dict(MODELS["mixtral"][3], hidden_act="gelu_pytorch_tanh"))
+        return mixtral[1](cfg), "gelu_pytorch_tanh"
+    if name == "nemotron_silu":
+        classes = _classes("nemotron_h", "NemotronHConfig", "NemotronHExperts")
+        if classes:
+            cfg = classes[0](**dict(MODELS["nemotron_h"][3], mlp_hidden_act="silu"))
+            return classes[1](cfg), "mlp_hidden_act='silu'"
+    if name == "clamped_silu":  # DeepSeek-V4 / HY-V4 style: silu(clamp(gate)) * clamp(up)
+        class ClampedSilu(mixtral[1]):
+            limit = 3.0
+
+            def _apply_gate(self, gate_up):
+                gate, up = gate_up.chunk(2, dim=-1)
+                return self.act_fn(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
+        return ClampedSilu(mixtral[0](**MODELS["mixtral"][3])), "ClampedSilu._apply_gate"
+    pytest.skip(f"no {name} experts class here")
+
+
+@pytest.mark.parametrize("name", ["gelu_tanh", "nemotron_silu", "clamped_silu"])
+def test_unsupported_activation_is_refused_by_name(name):
+    experts, named = _unsupported_experts(name)
+    experts.config._experts_implementation = "moe_ops"
+    x = torch.randn(4, 64)
+    ids = torch.tensor([[0, 1]] * 4)
+    with pytest.raises(NotImplementedError, match=named):
+        experts(x, ids, torch.full((4, 2), 0.5))
+
+
+def test_post_expert_norm_is_refused():
+    classes = _classes("mixtral", "MixtralConfig", "MixtralExperts")
+    experts = classes[1](classes[0](**MODELS["mixtral"][3]))
+    experts.has_post_expert_norm = True
+    with pytest.raises(NotImplementedError, match="post_expert_norm"):
+        moe_hf.experts_forward(experts, torch.randn(2, 64), torch.tensor([[0, 1]] * 2),
+                               torch.ones(2, 2))
