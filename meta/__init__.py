@@ -11,11 +11,7 @@ from __future__ import annotations
 import torch
 
 from moe_ops import dispatch, experts, routing
-from moe_ops.ops import NAMESPACE
-
-
-def _optional_int(value: int):
-    return value if value > 0 else None
+from moe_ops.ops import NAMESPACE, _optional_int
 
 
 @torch.library.register_fake(f"{NAMESPACE}::route")

@@ -1,39 +1,29 @@
 """The Triton experts kernels (moe_ops.kernels): dispatch, grouped GEMMs, activation quant.
 
 On a machine without CUDA the kernels run in the Triton interpreter on CPU tensors: the flag
-must be set before torch/triton are imported, hence the first lines. Results are compared with
+must be set before torch/triton are imported, which tests/conftest.py does. Results are compared with
 a float64 evaluation written here from the same kernel-layout tensors (gate/up interleave
 decoded, scale rules applied, activations quantized as specified), and with
 moe_ops.reference.fused_experts_reference once that module exists.
 """
-import os
+import math
 
-try:  # decide the device without importing torch first: the flag must precede triton's import
-    import subprocess
-    _HAS_CUDA = subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
-except OSError:
-    _HAS_CUDA = False
-if not _HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import math  # noqa: E402
+from moe_ops.quant import quantize_fp8_per_token, quantize_fp8_per_token_group
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from moe_ops.quant import quantize_fp8_per_token, quantize_fp8_per_token_group  # noqa: E402
-
-from moe_ops.kernels import align as align_mod  # noqa: E402
-from moe_ops.kernels import experts as experts_mod  # noqa: E402
-from moe_ops.kernels.act_quant import act_quant  # noqa: E402
-from moe_ops.kernels.align import moe_align  # noqa: E402
-from moe_ops.kernels.common import next_power_of_2  # noqa: E402
-from moe_ops.kernels.experts import triton_experts  # noqa: E402
-from moe_ops.kernels.grouped_gemm import (  # noqa: E402
+from moe_ops.kernels import align as align_mod
+from moe_ops.kernels import experts as experts_mod
+from moe_ops.kernels.act_quant import act_quant
+from moe_ops.kernels.align import moe_align
+from moe_ops.kernels.common import next_power_of_2
+from moe_ops.kernels.experts import triton_experts
+from moe_ops.kernels.grouped_gemm import (
     GemmConfig, GemmProblem, config_problems, config_space, default_config,
 )
 
-DEVICE = "cuda" if _HAS_CUDA and torch.cuda.is_available() else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 FP8_TOL = 1e-2

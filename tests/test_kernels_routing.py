@@ -1,28 +1,19 @@
 """The Triton routing kernel (moe_ops.kernels.routing.triton_route) against route_reference.
 
 On a machine without CUDA the kernel runs in the Triton interpreter on CPU tensors: the flag
-must be set before torch/triton are imported, hence the first lines. Every comparison is exact
+must be set before torch/triton are imported, which tests/conftest.py does. Every comparison is exact
 on ids and float32-rounding close on weights; outputs are written into poisoned tensors so a
 slot the kernel forgets to write shows up.
 """
 import os
+import zlib
 
-try:  # decide the device without importing torch first: the flag must precede triton's import
-    import subprocess
-    _HAS_CUDA = subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
-except OSError:
-    _HAS_CUDA = False
-if not _HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import zlib  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from moe_ops.kernels import routing as routing_kernels  # noqa: E402
-from moe_ops.kernels.routing import triton_route  # noqa: E402
-from moe_ops.routing import route_reference, validate_routing  # noqa: E402
+from moe_ops.kernels import routing as routing_kernels
+from moe_ops.kernels.routing import triton_route
+from moe_ops.routing import route_reference, validate_routing
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cpu" if _INTERPRET or not torch.cuda.is_available() else "cuda"

@@ -364,7 +364,7 @@ def _cache_key(module: torch.nn.Module, spec: ExpertsSpec, dtype: torch.dtype,
     return tuple(key)
 
 
-def _cache_valid(entry: dict, module: torch.nn.Module, spec: ExpertsSpec, key: tuple) -> bool:
+def _cache_valid(entry: dict, module: torch.nn.Module, key: tuple) -> bool:
     if entry["key"] != key:
         return False
     # The same object, not a new parameter that happens to reuse the address of a freed one.
@@ -383,7 +383,7 @@ def kernel_weights(module: torch.nn.Module, dtype: torch.dtype, device: torch.de
             return entry["weights"]
     else:
         key = _cache_key(module, spec, dtype, device)
-        if entry is not None and _cache_valid(entry, module, spec, key):
+        if entry is not None and _cache_valid(entry, module, key):
             return entry["weights"]
     module.__dict__.pop(_CACHE_ATTR, None)  # free the stale copy before building the new one
     with torch.no_grad():
