@@ -144,7 +144,8 @@ def main() -> int:
                 layer = layers[backend]
                 out = layer(x, logits)  # warm-up (compiles kernels)
                 times = []
-                for _ in range(repeats):
+                # The reference is the slow yardstick (a Python loop over experts): time it less.
+                for _ in range(repeats if backend == "triton" else min(repeats, 3)):
                     if on_gpu:
                         torch.cuda.synchronize()
                     start = time.perf_counter()
@@ -165,7 +166,9 @@ def main() -> int:
     for quant, backend, t, micros, err, finite in rows:
         ok = finite and err <= 1e-2
         failures += not ok
-        print(f"{quant:<10} {backend:<22} {t:>6} {micros:>12.1f} {err:>15.2e}  {'yes' if ok else 'NO'}")
+        # The reference is the yardstick: its own row shows only that it ran and is finite.
+        shown = "-" if backend == "reference" else f"{err:.2e}"
+        print(f"{quant:<10} {backend:<22} {t:>6} {micros:>12.1f} {shown:>15}  {'yes' if ok else 'NO'}")
     print(f"{len(rows) - failures} passed, {failures} failed")
     return 1 if failures else 0
 

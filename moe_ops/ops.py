@@ -82,11 +82,22 @@ IMPLEMENTATIONS = {
     "fused_moe": fused_moe_impl,
 }
 
+def _no_backward(ctx, *grads):
+    raise NotImplementedError(
+        "moe_ops ops are inference-only: they have no backward. Run them under torch.no_grad() "
+        "or torch.inference_mode(), or detach their inputs.")
+
+
 _library = torch.library.Library(NAMESPACE, "DEF")
 for _name, _schema in SCHEMAS.items():
     _library.define(_schema)
     for _device in ("CPU", "CUDA"):
         _library.impl(_name, IMPLEMENTATIONS[_name], _device)
+    # An explicit autograd kernel: with inputs that require grad, outputs carry a grad_fn whose
+    # backward raises, the same on every backend (without it the reference path would record
+    # its inner torch ops and return gradients while the Triton path returned none). It costs a
+    # few us per call in grad mode, nothing under inference_mode.
+    torch.library.register_autograd(f"{NAMESPACE}::{_name}", _no_backward)
 
 
 

@@ -272,11 +272,6 @@ def test_opcheck_fused_moe_expert_parallel_shard(gen, monkeypatch):
                 monkeypatch)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "moe_ops ops have no kernel at the Autograd key: with inputs that require grad, the CPU "
-    "kernel's inner torch ops record autograd (the default fallback then only warns on "
-    "backward). Register an Autograd kernel (non-differentiable or raising on backward) to fix; "
-    "this test then passes and the xfail must go."))
 def test_opcheck_autograd_registration_with_inputs_requiring_grad(gen):
     """opcheck's test_autograd_registration only runs when an input requires grad."""
     w = make_weights(gen, dtype=torch.float32)
@@ -286,6 +281,20 @@ def test_opcheck_autograd_registration_with_inputs_requiring_grad(gen):
                                    test_utils="test_autograd_registration",
                                    raise_exception=False)
     assert result["test_autograd_registration"] == "SUCCESS", result
+
+
+def test_backward_raises_on_every_backend_path(gen):
+    """The ops are inference-only: a backward through them says so instead of returning
+    gradients on one backend and none on another."""
+    w = make_weights(gen, dtype=torch.float32)
+    x = make_hidden(gen, 5, 64, torch.float32).requires_grad_()
+    logits = make_logits(gen, 5, 4, torch.float32)
+    out = torch.ops.moe_ops.fused_moe(*moe_args(x, logits, w))
+    assert out.requires_grad
+    with pytest.raises(NotImplementedError, match="inference-only"):
+        out.sum().backward()
+    with torch.inference_mode():
+        assert not torch.ops.moe_ops.fused_moe(*moe_args(x.detach(), logits, w)).requires_grad
 
 
 # ---------------------------------------------------------------------------------------------
