@@ -331,6 +331,14 @@ def test_experts_swap_ab_and_mixed_block_m(quant, poisoned_empty):
                   gemm2_config=GemmConfig(16, 32, 64, 8, 4, 2))
 
 
+def test_experts_fp8_long_k_decode_config(poisoned_empty):
+    """The deep-K decode config of fp8 (256-wide K steps) on a reduction that is not a multiple
+    of 256, so the masked last step is exercised."""
+    tensors, kwargs = make_problem(3, 48, 320, 4, 2, quant="fp8", seed=5)
+    check_experts(tensors, kwargs, FP8_TOL,
+                  gemm2_config=GemmConfig(16, 64, 256, 8, 4, 5, swap_ab=True))
+
+
 @pytest.mark.parametrize("combine,dtype", [("atomic", torch.float32), ("atomic", torch.bfloat16),
                                            ("rows", torch.float32)])
 def test_experts_combine_modes(combine, dtype, monkeypatch, poisoned_empty):

@@ -128,6 +128,10 @@ def config_space(problem: GemmProblem, prune: bool = True) -> List[GemmConfig]:
     return configs
 
 
+# Reduction length from which decode tiles stream deeper (see default_config).
+LONG_K_DECODE = 8192
+
+
 @functools.lru_cache(maxsize=4096)
 def default_config(problem: GemmProblem) -> GemmConfig:
     """Heuristic from the expected rows per expert m = T*k/E; a starting point for tuning.
@@ -152,6 +156,13 @@ def default_config(problem: GemmProblem) -> GemmConfig:
         # keep every SM's loads in flight, deep pipelining hides the latency. Swap-AB puts the
         # weight tile on the MMA's 64-row side (wgmma instead of mma.sync at 16 rows).
         config = GemmConfig(16, 64, wide_k, 8, 4, 4, swap_ab=True)
+        if problem.quant == "fp8" and problem.k >= LONG_K_DECODE:
+            # A long reduction streamed by few programs (Mixtral's down projection: K = 14336,
+            # 64 N-tiles an expert) needs more bytes in flight per program: 256-wide K steps,
+            # 5 deep. Mixtral fp8 T=1 on the H200, the experts call: 112 -> 100 us
+            # (benchmarks/results/h200_sweep_configs.json). fp8_block keeps K steps within
+            # one 128-wide scale block.
+            config = GemmConfig(16, 64, 256, 8, 4, 5, swap_ab=True)
     elif fp8:
         config = GemmConfig(64, 128, 128, 8, 4, 3)
     elif m <= 128:
