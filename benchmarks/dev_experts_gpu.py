@@ -323,7 +323,7 @@ def run_point(model, quant, T, weights, baseline_weights, check=True, breakdown=
 
 
 def save_results():
-    out = os.environ.get("OUT") or "."
+    out = os.environ.get("MOE_OPS_RESULTS_DIR") or "."
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)
 
@@ -370,7 +370,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--budget", type=float, default=240.0, help="stop starting sections after")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("MOE_OPS_RESULTS_DIR", "."))
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     log(torch.__version__, triton.__version__, torch.cuda.get_device_name() if not TINY else "cpu")

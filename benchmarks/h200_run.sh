@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
-# ${OUT:-benchmarks/results}. Usage on an H200 from the repository root:
+# ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
 #     bash benchmarks/h200_run.sh [check|bench|all]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-out="${OUT:-benchmarks/results}"
+out="${MOE_OPS_RESULTS_DIR:-benchmarks/results}"
 mkdir -p "$out"
 what="${1:-all}"
 status=0

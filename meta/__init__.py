@@ -43,7 +43,7 @@ def fused_experts_fake(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale
                     w2_global_scale=w2_global_scale, b13=b13, b2=b2)
     experts.validate_experts_args(hidden_states, topk_ids, topk_weights, w13, w2, optional,
                                   activation, quant)
-    experts.resolve_backend(backend, hidden_states.device)
+    experts.resolve_backend(backend, hidden_states.device, quant)
     return hidden_states.new_empty(hidden_states.shape)
 
 

@@ -6,29 +6,38 @@ each quant mode and activation needs) and hands the work to a backend: the plain
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
+from moe_ops import kernels
 from moe_ops import quant as q
 from moe_ops.errors import check
 from moe_ops.layout import ACTIVATIONS, FLOAT_DTYPES, is_gated, plan_layout
 
 BACKENDS = ("auto", "reference", "triton", "cpu")
-KERNEL_ROLES = ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale", "b13", "b2")
 TOPK_ID_DTYPES = (torch.int32, torch.int64)
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """`auto` -> the best backend for the device; checks that the asked one can run there."""
+# Quant modes the Triton experts kernels cover; the 4-bit modes run on the reference for now.
+TRITON_QUANTS = ("none", "fp8", "fp8_block")
+
+
+def resolve_backend(backend: str, device: torch.device, quant: Optional[str] = None) -> str:
+    """`auto` -> the best backend for the device (and, for the experts, the quant mode); checks
+    that the asked one can run there. Called by the ops and their fakes alike, so a backend
+    that cannot run a call is rejected at trace time too, before any launch."""
     check(backend in BACKENDS, "backend", f"one of {BACKENDS}", repr(backend))
+    triton_runs = device.type == "cuda" or kernels.INTERPRET
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "reference"
+        return "triton" if device.type == "cuda" and quant in (None, *TRITON_QUANTS) else "reference"
     if backend == "triton":
-        check(device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1", "backend",
-              "'triton' on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1 set before "
-              "import (the Triton interpreter)", f"'triton' with tensors on {device}")
+        check(triton_runs, "backend", "'triton' on CUDA tensors, or on CPU tensors with "
+              "TRITON_INTERPRET=1 set before import (the Triton interpreter)",
+              f"'triton' with tensors on {device}")
+        check(quant in (None, *TRITON_QUANTS), "backend",
+              f"'reference' or 'auto' for quant={quant!r}: the Triton kernels cover "
+              f"{TRITON_QUANTS}", "'triton'")
     if backend == "cpu":
         check(False, "backend", "'auto', 'reference' or 'triton': the C++ CPU kernels are not "
               "built in this version", "'cpu'")
@@ -84,6 +93,9 @@ def validate_experts_args(
         check(tuple(tensor.shape) == spec.shape, role, f"shape {list(spec.shape)} "
               f"(kernel layout, gated={is_gated(activation)})", list(tensor.shape))
         check(tensor.dtype == spec.dtype, role, f"dtype {spec.dtype}", tensor.dtype)
+        # The kernels address kernel-layout tensors as dense row-major arrays.
+        check(tensor.is_contiguous(), role, "a contiguous kernel-layout tensor",
+              f"strides {tensor.stride()}")
         check(tensor.device == x.device, role, f"device {x.device} (that of hidden_states)",
               tensor.device)
     for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
@@ -134,14 +146,11 @@ def fused_experts(
         if len(_VALIDATED_SIGNATURES) >= _MAX_VALIDATED_SIGNATURES:
             _VALIDATED_SIGNATURES.clear()
         _VALIDATED_SIGNATURES.add(signature)
-    backend = resolve_backend(backend, hidden_states.device)
-    topk_weights = topk_weights.float()
+    backend = resolve_backend(backend, hidden_states.device, quant)
     if hidden_states.shape[0] == 0:
         return hidden_states.new_empty((0, hidden_states.shape[1]))
+    topk_weights = topk_weights.float()
     if backend == "triton":
-        check(quant in ("none", "fp8", "fp8_block"), "quant",
-              "none, fp8 or fp8_block for backend='triton' (4-bit Triton kernels are not in "
-              "this version; use backend='reference')", repr(quant))
         from moe_ops.kernels.experts import triton_experts
 
         return triton_experts(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,

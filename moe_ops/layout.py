@@ -238,12 +238,17 @@ def _weight_sources(ckpt: Checkpoint, name: str, quant: str, rows: int, cols: in
               "quantized on load", "a tensor")
         check(global_scale is None, name + "_global_scale", f"None: {name} is given in high "
               "precision and is quantized on load", "a tensor")
+    if quant != "nvfp4":
+        check(global_scale is None, name + "_global_scale",
+              f"None: quant={quant!r} has no global scale", "a tensor")
     if quant == "none":
+        check(scale is None, name + "_scale", "None for quant='none'", "a tensor")
         return {"value": weight}
     if quant == "fp8":
         if not prequantized:
             value, scale = q.quantize_fp8_per_tensor(weight)
             return {"value": value, "scale": scale[:, None].expand(e, rows)}
+        _check_tensor(weight, name, (e, rows, cols), (q.FP8_DTYPE,))
         _check_tensor(scale, name + "_scale", (e,), (torch.float32,))
         return {"value": weight, "scale": scale[:, None].expand(e, rows)}
     if quant == "fp8_block":
@@ -251,6 +256,7 @@ def _weight_sources(ckpt: Checkpoint, name: str, quant: str, rows: int, cols: in
             value, scale = q.quantize_fp8_block(weight)
             return {"value": value, "scale": scale}
         b = q.FP8_BLOCK
+        _check_tensor(weight, name, (e, rows, cols), (q.FP8_DTYPE,))
         _check_tensor(scale, name + "_scale", (e, -(-rows // b), -(-cols // b)), (torch.float32,))
         return {"value": weight, "scale": scale}
     # nvfp4 / mxfp4
@@ -290,8 +296,10 @@ def checkpoint_sources(
         check(weight.dim() == 3 and weight.shape[0] == e, name,
               f"a 3-D tensor with {e} experts (num_local_experts) first", list(weight.shape))
     if not gated:
-        check(ckpt.w3 is None, "w3", "None with activation='relu2' (not gated)", "a tensor")
-        check(ckpt.w3_scale is None, "w3_scale", "None with activation='relu2'", "a tensor")
+        # Nothing given is dropped silently: a not-gated layer takes no up-projection tensor.
+        for name in ("w3", "w3_scale", "w3_global_scale", "b3"):
+            check(getattr(ckpt, name) is None, name, "None with activation='relu2' (not gated)",
+                  "a tensor")
     prequantized = {_is_prequantized(getattr(ckpt, n), quant) for n in (("w1", "w2", "w3") if gated else ("w1", "w2"))}
     check(len(prequantized) == 1, "w1, w2, w3", "all quantized or all high precision", "a mix")
 

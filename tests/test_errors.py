@@ -158,17 +158,22 @@ def test_bad_backend_name_in_route(gen):
 
 
 def test_triton_backend_on_cpu_without_interpreter(gen, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # The flag is read once at import (moe_ops.kernels.INTERPRET): patch that reading.
+    monkeypatch.setattr(moe_ops.kernels, "INTERPRET", False)
     layer = make_layer(gen, backend="triton")
     with rejects("backend"):
         layer(tokens(gen), logits(gen))
 
 
-def test_triton_backend_on_cpu_with_interpreter_off(gen, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    layer = make_layer(gen, backend="triton")
+def test_triton_backend_rejects_4bit_before_any_launch(gen):
+    """nvfp4/mxfp4 are not in the Triton kernels: asked for explicitly, a clear error (also at
+    trace time, from the fake); with backend='auto' on CUDA they run on the reference."""
+    from moe_ops.experts import resolve_backend
+
     with rejects("backend"):
-        layer(tokens(gen), logits(gen))
+        resolve_backend("triton", torch.device("cpu"), "nvfp4")
+    assert resolve_backend("auto", torch.device("cuda"), "mxfp4") == "reference"
+    assert resolve_backend("auto", torch.device("cuda"), "fp8") == "triton"
 
 
 def test_local_expert_offset_out_of_range(gen):
@@ -687,3 +692,48 @@ def test_zero_tokens_still_checked(gen):
     layer = make_layer(gen)
     with rejects("router_logits"):
         layer(tokens(gen, t=0), logits(gen, t=0, e=E + 1))
+
+
+def test_non_contiguous_kernel_weights_are_rejected(gen):
+    """The kernels address kernel-layout tensors as dense arrays: a strided view would be read
+    wrong, so it is refused by name (the values here are the layer's own)."""
+    layer = make_layer(gen)
+    weights = layer.kernel_weights()
+    wide = torch.cat([weights["w2"], weights["w2"]], dim=2)
+    weights["w2"] = wide[:, :, : weights["w2"].shape[2]]
+    ids, w = topk(gen)
+    with rejects("w2"):
+        moe_ops.fused_moe(tokens(gen), topk_ids=ids, topk_weights=w, **weights)
+
+
+@pytest.mark.parametrize("quant", ["fp8", "fp8_block"])
+def test_prequantized_fp8_weight_of_wrong_shape_names_it_and_changes_nothing(gen, quant):
+    layer = make_layer(gen, quant=quant)
+    before = {name: p.clone() for name, p in layer.named_parameters()}
+    kw = ckpt(gen, e=E, gated=True, bias=False)
+    prepared = {}
+    for name in ("w1", "w2", "w3"):
+        values, scale = (q.quantize_fp8_per_tensor if quant == "fp8" else q.quantize_fp8_block)(kw[name])
+        prepared[name], prepared[name + "_scale"] = values, scale
+    prepared["w2"] = prepared["w2"][:, :-1]  # one hidden row short
+    with rejects("w2"):
+        layer.load_weights(**prepared)
+    for name, p in layer.named_parameters():
+        assert torch.equal(p.view(torch.uint8) if p.element_size() == 1 else p,
+                           before[name].view(torch.uint8) if p.element_size() == 1 else before[name])
+
+
+@pytest.mark.parametrize("name", ["b3", "w3_global_scale"])
+def test_relu2_refuses_up_projection_tensors(gen, name):
+    layer = make_layer(gen, load=False, activation="relu2", bias=True)
+    kw = ckpt(gen, e=E, gated=False, bias=True)
+    kw[name] = torch.ones(E, I) if name == "b3" else torch.ones(E)
+    with rejects(name):
+        layer.load_weights(**kw)
+
+
+def test_global_scale_refused_where_the_format_has_none(gen):
+    layer = make_layer(gen, load=False, quant="fp8")
+    kw = ckpt(gen, e=E, gated=True, bias=False)
+    with rejects("w1_global_scale"):
+        layer.load_weights(**kw, w1_global_scale=torch.ones(E))

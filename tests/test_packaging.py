@@ -22,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # build/lib would leak deleted modules into the wheel (and race with other test processes).
 _NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info",
                                      "__pycache__", ".hypothesis", ".pytest_cache", "tests",
-                                     "benchmarks", "*.so", ".whl", ".carry")
+                                     "benchmarks", "*.so")
 
 SMOKE = textwrap.dedent("""
     import sys

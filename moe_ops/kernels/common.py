@@ -1,27 +1,16 @@
-"""Helpers shared by the Triton kernels of moe_ops: the interpreter flag, small host-side
-arithmetic, and the device functions (activations, fp8 rounding) used by more than one kernel.
-
-`TRITON_INTERPRET` is read once, at import: Triton decides at decoration time whether a kernel
-runs in the interpreter, so the launchers must agree with that same snapshot.
+"""Helpers shared by the Triton kernels of moe_ops: small host-side arithmetic, and the device
+functions (activations, fp8 rounding) used by more than one kernel. The interpreter flag is
+moe_ops.kernels.INTERPRET; the format constants are moe_ops.quant's.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-# True when the kernels run in Triton's CPU interpreter (CI without a GPU).
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-# Largest finite float8_e4m3fn value: the per-token scale maps amax onto it.
-FP8_E4M3_MAX = 448.0
-# Scale-block edge of the fp8_block format (128 x 128 weights, 1 x 128 activations).
-FP8_BLOCK = 128
-
-ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai", "relu2")
-QUANT_MODES = ("none", "fp8", "fp8_block")
+from moe_ops.kernels import INTERPRET  # noqa: F401  (re-exported for the launchers)
+from moe_ops.layout import is_gated  # noqa: F401  (re-exported for the launchers)
+from moe_ops.quant import FP8_BLOCK  # noqa: F401  (re-exported for the launchers)
 
 
 def next_power_of_2(n: int) -> int:
@@ -31,10 +20,6 @@ def next_power_of_2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def is_gated(activation: str) -> bool:
-    return activation != "relu2"
 
 
 def upcast_dots(dtype: torch.dtype) -> bool:
@@ -89,8 +74,8 @@ def fp8_quantize(v, amax):
 
     scale = amax / 448; a zero row gets scale 0 and q 0 (never 0 * inf = NaN).
     """
-    # (v * 448) / amax, not v * (448 / amax): v * 448 is exact for bf16/fp16 inputs and the
-    # division is correctly rounded, so a value exactly on an e4m3 midpoint stays there and
+    # 448 is moe_ops.quant.FP8_MAX (device code takes literals). (v * 448) / amax, not
+    # v * (448 / amax): v * 448 is exact for bf16/fp16 inputs and the division is correctly rounded, so a value exactly on an e4m3 midpoint stays there and
     # rounds to even, as x / s does in SPEC; a rounded reciprocal would break such ties (about
     # one element in a thousand of bf16 activations) the wrong way.
     scaled = tl.where(amax > 0, tl.div_rn(v * 448.0, tl.maximum(amax, 1e-30)), 0.0)

@@ -210,7 +210,7 @@ def triton_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route on the GPU in one launch. Returns (topk_ids int32 [T, k], topk_weights float32 [T, k]).
 
-    Arguments are assumed already checked by moe_ops.routing.validate_routing / validate_logits.
+    Arguments are assumed already checked by moe_ops.routing.validate_route_call.
     `out`, if given, is a pair of contiguous (topk_ids int32, topk_weights float32) [T, k]
     tensors on the logits' device to write into (every element is overwritten).
     """
