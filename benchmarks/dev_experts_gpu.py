@@ -27,15 +27,6 @@ import triton
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-# Load moe_ops.kernels.* without running the package __init__ files: this script checks the
-# kernels alone, and must not depend on the rest of the package being importable.
-import types  # noqa: E402
-
-for _name, _path in (("moe_ops", "moe_ops"), ("moe_ops.kernels", "moe_ops/kernels")):
-    _pkg = types.ModuleType(_name)
-    _pkg.__path__ = [os.path.join(ROOT, _path)]
-    sys.modules[_name] = _pkg
-
 from moe_ops.kernels import experts as experts_mod  # noqa: E402
 from moe_ops.kernels.act_quant import act_quant  # noqa: E402
 from moe_ops.kernels.align import moe_align  # noqa: E402
@@ -343,7 +334,7 @@ def kernel_breakdown(x, ids, w, weights, quant):
         out["align"] = bench_eager(lambda: moe_align(ids, E, bm))
         d = moe_align(ids, E, bm)
         routing.sorted_pair_ids, routing.block_expert_ids, routing.align_block_m = (
-            d.sorted_pair_ids, d.block_expert_ids, d.block_m)
+            d.sorted_pair_ids, d.block_expert_ids, bm)
     a1, a1s = (x, None) if quant == "none" else act_quant(x, quant)
     if quant != "none":
         out["quant_x"] = bench_eager(lambda: act_quant(x, quant))

@@ -100,6 +100,5 @@ def align_tokens(
     if backend == "triton" and topk_ids.numel() > 0:
         from moe_ops.kernels.align import moe_align
 
-        aligned = moe_align(topk_ids, num_local_experts, block_m, local_expert_offset)
-        return AlignedPairs(aligned.sorted_pair_ids, aligned.block_expert_ids, aligned.num_padded)
+        return moe_align(topk_ids, num_local_experts, block_m, local_expert_offset)
     return align_tokens_reference(topk_ids, num_local_experts, local_expert_offset, block_m)

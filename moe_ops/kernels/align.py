@@ -25,13 +25,13 @@ For the smallest batches (T*k small next to E) the GEMMs can skip dispatch altog
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from moe_ops.dispatch import max_padded_pairs
+from moe_ops.dispatch import AlignedPairs, max_padded_pairs
 from moe_ops.kernels.common import cdiv, next_power_of_2
 
 # Up to this many (token, slot) pairs the single-program path holds them all in registers.
@@ -40,15 +40,6 @@ SMALL_PATH_MAX_PAIRS = 1024
 CHUNK_PAIRS = 1024
 
 
-class Dispatch(NamedTuple):
-    sorted_pair_ids: torch.Tensor   # int32 [max_padded]
-    block_expert_ids: torch.Tensor  # int32 [max_blocks]
-    num_padded: torch.Tensor        # int32 [1]
-    block_m: int
-
-
-def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
-    return max_padded_pairs(num_pairs, num_experts, block_m) // block_m
 
 
 @triton.jit
@@ -196,7 +187,7 @@ def moe_align(
     local_expert_offset: int = 0,
     small_path_max_pairs: Optional[int] = None,
     chunk_pairs: Optional[int] = None,
-) -> Dispatch:
+) -> AlignedPairs:
     """Group the pairs of topk_ids [T, k] (global ids) by local expert, padded to block_m."""
     if small_path_max_pairs is None:
         small_path_max_pairs = SMALL_PATH_MAX_PAIRS
@@ -204,8 +195,8 @@ def moe_align(
         chunk_pairs = CHUNK_PAIRS
     device = topk_ids.device
     num_pairs = topk_ids.numel()
-    max_blocks = max_blocks_for(num_pairs, num_experts, block_m)
-    max_padded = max_blocks * block_m
+    max_padded = max_padded_pairs(num_pairs, num_experts, block_m)
+    max_blocks = max_padded // block_m
     sorted_pair_ids = torch.empty((max_padded,), dtype=torch.int32, device=device)
     block_expert_ids = torch.empty((max_blocks,), dtype=torch.int32, device=device)
     num_padded = torch.empty((1,), dtype=torch.int32, device=device)
@@ -219,7 +210,7 @@ def moe_align(
             BLOCK_M=block_m, PAIRS=pairs_p2, EXPERTS=experts_p2, FILL=1024,
             num_warps=4 if pairs_p2 * experts_p2 <= 1 << 16 else 8,
         )
-        return Dispatch(sorted_pair_ids, block_expert_ids, num_padded, block_m)
+        return AlignedPairs(sorted_pair_ids, block_expert_ids, num_padded)
 
     num_chunks = cdiv(num_pairs, chunk_pairs)
     chunk_counts = torch.empty((num_chunks, experts_p2), dtype=torch.int32, device=device)
@@ -241,4 +232,4 @@ def moe_align(
         num_pairs, num_experts, local_expert_offset,
         CHUNK=chunk_pairs, EXPERTS=experts_p2, num_warps=4,
     )
-    return Dispatch(sorted_pair_ids, block_expert_ids, num_padded, block_m)
+    return AlignedPairs(sorted_pair_ids, block_expert_ids, num_padded)

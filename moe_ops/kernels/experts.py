@@ -97,11 +97,11 @@ def triton_experts(
     if not use_direct_dispatch(T, top_k, E):
         # One dispatch serves both GEMMs: its block_m is the larger one, the other GEMM's
         # block_m divides it (powers of two), so no GEMM block straddles two experts.
-        dispatch = moe_align(topk_ids, E, max(config1.block_m, config2.block_m),
-                             local_expert_offset)
-        routing.sorted_pair_ids = dispatch.sorted_pair_ids
-        routing.block_expert_ids = dispatch.block_expert_ids
-        routing.align_block_m = dispatch.block_m
+        align_block_m = max(config1.block_m, config2.block_m)
+        aligned = moe_align(topk_ids, E, align_block_m, local_expert_offset)
+        routing.sorted_pair_ids = aligned.sorted_pair_ids
+        routing.block_expert_ids = aligned.block_expert_ids
+        routing.align_block_m = align_block_m
 
     upcast = upcast_dots(x.dtype) and quant == "none"
     if quant == "none":
