@@ -35,7 +35,8 @@ SCHEMAS = {
 
 
 def _optional_int(value: int):
-    return value if value > 0 else None
+    """The schema's 0 stands for None; any other value goes on to validation as it is."""
+    return None if value == 0 else value
 
 
 def route_impl(router_logits, routing_method, top_k, routing_bias, n_group, topk_group,
