@@ -35,9 +35,9 @@ from typing import Optional
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-DEEPSEEK_DENOMINATOR_EPS = 1e-20
+from moe_ops.quant import FP8_DTYPE, FP8_MAX
+from moe_ops.reference import gated_activation
+from moe_ops.routing import DEEPSEEK_DENOMINATOR_EPS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,16 +204,7 @@ def activation_fn(h: torch.Tensor, activation: str, alpha: float = 1.702, limit:
     if activation == "relu2":
         return torch.relu(h).square()
     inter = h.shape[-1] // 2
-    gate, up = h[:, :inter], h[:, inter:]
-    if activation == "swiglu":
-        return torch.nn.functional.silu(gate) * up
-    if activation == "geglu":
-        return torch.nn.functional.gelu(gate) * up
-    if activation == "swiglu_oai":
-        gate = gate.clamp(max=limit)
-        up = up.clamp(-limit, limit)
-        return (up + 1) * gate * torch.sigmoid(alpha * gate)
-    raise ValueError(f"activation: the baseline does not know {activation!r}")
+    return gated_activation(h[:, :inter], h[:, inter:], activation, alpha, limit)
 
 
 @dataclass

@@ -16,12 +16,9 @@ from moe_ops.dispatch import align_tokens_reference, expert_counts
 from moe_ops.layout import GATE_UP_INTERLEAVE_ROWS, is_gated, w13_scale_rows
 
 
-def apply_activation(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
-    """GEMM1 output in kernel layout (float32 [n, N13], gate/up interleaved) -> [n, I]."""
-    if activation == "relu2":
-        return torch.relu(h).square()
-    assert GATE_UP_INTERLEAVE_ROWS == 1
-    gate, up = h[:, 0::2], h[:, 1::2]
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float,
+                     limit: float) -> torch.Tensor:
+    """a(g, u) of SPEC §1 for the gated activations, elementwise."""
     if activation == "swiglu":
         return torch.nn.functional.silu(gate) * up
     if activation == "geglu":
@@ -31,6 +28,14 @@ def apply_activation(h: torch.Tensor, activation: str, alpha: float, limit: floa
         up = up.clamp(-limit, limit)
         return (up + 1) * gate * torch.sigmoid(alpha * gate)
     raise ValueError(f"activation: unknown {activation!r}")
+
+
+def apply_activation(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """GEMM1 output in kernel layout (float32 [n, N13], gate/up interleaved) -> [n, I]."""
+    if activation == "relu2":
+        return torch.relu(h).square()
+    assert GATE_UP_INTERLEAVE_ROWS == 1
+    return gated_activation(h[:, 0::2], h[:, 1::2], activation, alpha, limit)
 
 
 def dequantize_weight(
