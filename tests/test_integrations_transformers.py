@@ -174,9 +174,9 @@ def test_weight_changes_are_picked_up():
         assert _rel(_logits(model, "moe_ops", ids), _logits(model, "eager", ids)) <= 1e-4
 
     check()
-    prepared = experts.__dict__[moe_hf._CACHE_ATTR]["weights"]
+    entry = experts.__dict__[moe_hf._CACHE_ATTR]
     _logits(model, "moe_ops", ids)
-    assert experts.__dict__[moe_hf._CACHE_ATTR]["weights"] is prepared  # cached, not redone
+    assert experts.__dict__[moe_hf._CACHE_ATTR] is entry  # cached, not redone
     with torch.no_grad():  # in place (an RL weight sync, load_state_dict): _version changes
         experts.down_proj.mul_(-1.5)
         experts.gate_up_proj_bias.add_(0.3)
@@ -255,3 +255,129 @@ def test_post_expert_norm_is_refused():
     with pytest.raises(NotImplementedError, match="post_expert_norm"):
         moe_hf.experts_forward(experts, torch.randn(2, 64), torch.tensor([[0, 1]] * 2),
                                torch.ones(2, 2))
+
+
+def _prepared(experts):
+    return {name: t for name, t in experts.named_buffers(recurse=False)
+            if name.startswith(moe_hf.BUFFER_PREFIX)}
+
+
+def test_prepared_weights_are_non_persistent_buffers_updated_in_place():
+    model = _build("gpt_oss")
+    experts = _experts_modules(model)[0]
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(6))
+    _logits(model, "moe_ops", ids)
+    buffers = _prepared(experts)
+    roles = {"w13", "w2", "b13", "b2"}
+    assert set(buffers) == {moe_hf.buffer_name(r) for r in roles} | {
+        moe_hf.buffer_name(r) + "_permutation" for r in roles}
+    assert not any(moe_hf.BUFFER_PREFIX in k for k in model.state_dict())
+    addresses = {n: t.data_ptr() for n, t in buffers.items()}
+    w2_before = buffers[moe_hf.buffer_name("w2")].clone()
+    with torch.no_grad():  # an in-place weight sync
+        experts.down_proj.mul_(-1.5)
+        experts.gate_up_proj.add_(0.01)
+    assert _rel(_logits(model, "moe_ops", ids), _logits(model, "eager", ids)) <= 1e-4
+    after = _prepared(experts)
+    assert {n: t.data_ptr() for n, t in after.items()} == addresses  # refilled in place
+    w2 = after[moe_hf.buffer_name("w2")]
+    torch.testing.assert_close(w2, w2_before * -1.5)
+    # .to() moves the buffers with the module (meta stands in for another device here)
+    moved = experts.to("meta")
+    assert all(t.device.type == "meta" for t in _prepared(moved).values())
+
+
+def test_buffers_replaced_on_dtype_change():
+    model = _build("mixtral")
+    experts = _experts_modules(model)[0]
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(7))
+    _logits(model, "moe_ops", ids)
+    assert experts.moe_ops_w13.dtype == torch.float32
+    model.to(torch.bfloat16)
+    assert experts.moe_ops_w13.dtype == torch.bfloat16  # cast by .to(), then refilled
+    assert _rel(_logits(model, "moe_ops", ids), _logits(model, "eager", ids)) <= 1e-2
+    assert experts.moe_ops_w13.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        experts.moe_ops_w13[:, 0::2], experts.gate_up_proj[:, :experts.moe_ops_w13.shape[1] // 2])
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_generate_matches_eager(name):
+    model = _build(name)
+    ids = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(8))
+    kwargs = dict(max_new_tokens=5, do_sample=False, min_new_tokens=5, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids))
+    tokens = {}
+    for implementation in ("eager", "moe_ops"):
+        model.set_experts_implementation(implementation)
+        with torch.no_grad():
+            tokens[implementation] = model.generate(ids, **kwargs)
+    assert tokens["moe_ops"].shape == (2, 11)
+    assert torch.equal(tokens["moe_ops"], tokens["eager"])
+
+
+def _compile(model):
+    """torch.compile(fullgraph=True, backend="aot_eager"), keeping the Dynamo graphs."""
+    from torch._dynamo.backends.registry import lookup_backend
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, inputs)
+    torch._dynamo.reset()
+    return torch.compile(model, fullgraph=True, backend=backend), graphs
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_compile_fullgraph_matches_eager(name):
+    model = _build(name)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(9))
+    eager = _logits(model, "eager", ids)
+    _logits(model, "moe_ops", ids)  # one eager forward prepares the kernel-layout buffers
+    compiled, graphs = _compile(model)
+    with torch.no_grad():
+        ours = compiled(input_ids=ids).logits.float()
+    assert _rel(ours, eager) <= 1e-4
+    code = graphs[0].code  # the experts run on moe_ops, from the buffers (no re-layout)
+    assert len(graphs) == 1 and "torch.ops.moe_ops.fused_experts" in code
+    assert "moe_ops_w13" in code and "index_copy" not in code
+
+
+def test_refresh_updates_compiled_model_in_place():
+    model = _build("gpt_oss")
+    experts = _experts_modules(model)[0]
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(10))
+    _logits(model, "moe_ops", ids)
+    compiled, graphs = _compile(model)
+    with torch.no_grad():
+        compiled(input_ids=ids)
+    addresses = {n: t.data_ptr() for n, t in _prepared(experts).items()}
+    with torch.no_grad():  # an RL weight sync, then refresh: no forward needed, same addresses
+        experts.down_proj.mul_(-1.5)
+        experts.gate_up_proj_bias.add_(0.3)
+    assert moe_hf.refresh(model) == 1 and moe_hf.refresh(model) == 0
+    assert {n: t.data_ptr() for n, t in _prepared(experts).items()} == addresses
+    with torch.no_grad():
+        ours = compiled(input_ids=ids).logits.float()
+    assert len(graphs) == 1  # no recompilation
+    assert _rel(ours, _logits(model, "eager", ids)) <= 1e-4
+    experts.down_proj.data.mul_(0.5)  # bypasses _version: invalidate, then refresh
+    moe_hf.invalidate(model)
+    assert moe_hf.refresh(model) == 1
+    model.set_experts_implementation("moe_ops")
+    with torch.no_grad():
+        ours = compiled(input_ids=ids).logits.float()
+    assert _rel(ours, _logits(model, "eager", ids)) <= 1e-4
+
+
+def test_prepare_allows_fullgraph_without_an_eager_forward():
+    model = _build("qwen3_moe")
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(11))
+    eager = _logits(model, "eager", ids)
+    model.set_experts_implementation("moe_ops")
+    assert moe_hf.prepare(model) == 1
+    assert _prepared(_experts_modules(model)[0])
+    compiled, graphs = _compile(model)
+    with torch.no_grad():
+        ours = compiled(input_ids=ids).logits.float()
+    assert _rel(ours, eager) <= 1e-4 and "index_copy" not in graphs[0].code

@@ -25,12 +25,17 @@ How a module is read (once per experts module, then cached on it):
   post-expert norm) a NotImplementedError names the module and its activation. A model is never
   silently run with a different function.
 
-Kernel-layout weights are prepared once per module (`moe_ops.prepare_weights`, layer dtype =
-hidden_states.dtype) and cached on the module, keyed by the identity, data_ptr, `_version`,
-shape, stride, dtype and device of every expert parameter: an in-place update under no_grad
-(`param.copy_`, `load_state_dict`), a replaced parameter, `.to(...)` or a dtype change re-prepares
-on the next forward. Writes through `param.data` do not bump `_version`; call `invalidate(model)`
-after those.
+Kernel-layout weights are prepared once per module (`plan_layout` + `load_into` with the
+`row_permutation` indices, layer dtype = hidden_states.dtype) into non-persistent buffers on the
+module (`moe_ops_w13`, `moe_ops_w2`, `moe_ops_b13`, `moe_ops_b2`, and `<name>_permutation`):
+`.to(...)` moves them, `state_dict` leaves them out, compiled graphs take them as inputs. They
+are refilled, in place when shape/dtype/device still fit (addresses unchanged, so captured CUDA
+graphs stay valid), whenever the key of every expert parameter (identity, data_ptr, `_version`,
+shape, stride, dtype, device; O(number of parameters)) changed: an in-place update under no_grad
+(`param.copy_`, `load_state_dict`), a replaced parameter, `.to(...)` or a dtype change. Writes
+through `param.data` do not bump `_version`; call `invalidate(model)` after those. Compiled code
+cannot read the key: call `prepare(model)` (or run an eager forward) before compiling, and
+`refresh(model)` after a weight update.
 """
 from __future__ import annotations
 
@@ -45,12 +50,14 @@ import torch.nn.functional as F
 
 from moe_ops.experts import BACKENDS
 from moe_ops.functional import fused_moe
-from moe_ops.layout import prepare_weights
+from moe_ops.layout import (Checkpoint, checkpoint_sources, load_into, plan_layout,
+                            prepare_weights, row_permutation)
 
 IMPLEMENTATION_NAME = "moe_ops"
 
 _SPEC_ATTR = "_moe_ops_experts_spec"
 _CACHE_ATTR = "_moe_ops_weight_cache"
+BUFFER_PREFIX = "moe_ops_"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,11 +86,14 @@ def register(name: str = IMPLEMENTATION_NAME, *, backend: str = "auto") -> None:
 
 
 def invalidate(module: torch.nn.Module) -> None:
-    """Drop the cached kernel-layout weights (and the measured layout/activation) of every
-    experts module under `module`: the next forward re-prepares them. Needed only after writes
-    that bypass autograd's version counter (`param.data.copy_(...)`)."""
+    """Mark the kernel-layout buffers of every experts module under `module` stale (and forget
+    its measured layout/activation): the next eager forward, or `refresh`, re-prepares them
+    (in place where shapes allow). Needed only after writes that bypass autograd's version
+    counter (`param.data.copy_(...)`)."""
     for sub in module.modules():
-        sub.__dict__.pop(_CACHE_ATTR, None)
+        entry = sub.__dict__.get(_CACHE_ATTR)
+        if entry is not None:  # keep what refresh() needs; a key that never matches
+            sub.__dict__[_CACHE_ATTR] = {**entry, "key": (None,) + entry["key"][1:3]}
         sub.__dict__.pop(_SPEC_ATTR, None)
 
 
@@ -287,7 +297,7 @@ def describe_experts(module: torch.nn.Module, hidden_size: Optional[int] = None)
 
 
 def _spec(module: torch.nn.Module, hidden_size: int) -> ExpertsSpec:
-    spec = module.__dict__.get(_SPEC_ATTR)
+    spec = getattr(module, _SPEC_ATTR, None)
     if spec is None:
         spec = describe_experts(module, hidden_size)
         module.__dict__[_SPEC_ATTR] = spec
@@ -353,6 +363,7 @@ def checkpoint_weights(module: torch.nn.Module, spec: ExpertsSpec,
 
 def _cache_key(module: torch.nn.Module, spec: ExpertsSpec, dtype: torch.dtype,
                device: torch.device) -> tuple:
+    """O(number of parameters): metadata only, never the weights' values."""
     key: list = [spec, dtype, device]
     for name in _source_names(spec):
         tensor = _tensor_attr(module, name)
@@ -368,34 +379,135 @@ def _cache_valid(entry: dict, module: torch.nn.Module, key: tuple) -> bool:
     if entry["key"] != key:
         return False
     # The same object, not a new parameter that happens to reuse the address of a freed one.
-    return all(ref() is _tensor_attr(module, name) for name, ref in entry["refs"].items())
+    if not all(ref() is _tensor_attr(module, name) for name, ref in entry["refs"].items()):
+        return False
+    # The prepared buffers are still there (and the key's version of them: `.to()` moves them).
+    return all(module._buffers.get(buffer_name(role)) is not None for role in entry["roles"])
+
+
+def buffer_name(role: str) -> str:
+    """Name of the non-persistent buffer holding kernel-layout tensor `role` on the experts
+    module ("w13" -> "moe_ops_w13"); its permutation index is `<name>_permutation`."""
+    return BUFFER_PREFIX + role
+
+
+def _roles(spec: ExpertsSpec) -> tuple[str, ...]:
+    return ("w13", "w2") + (("b13", "b2") if spec.has_bias else ())
+
+
+def _set_buffer(module: torch.nn.Module, name: str, tensor: Optional[torch.Tensor]) -> None:
+    module.register_buffer(name, tensor, persistent=False)
+
+
+def _prepare_into_buffers(module: torch.nn.Module, spec: ExpertsSpec, dtype: torch.dtype,
+                          device: torch.device, hidden_size: int) -> dict[str, torch.Tensor]:
+    """Fill (or create) the module's kernel-layout buffers from its parameters. Buffers whose
+    shape, dtype and device are still right are written in place (their addresses stay, so
+    CUDA graphs captured on them stay valid); the others are replaced."""
+    checkpoint = checkpoint_weights(module, spec, hidden_size)
+    experts, intermediate, hidden = checkpoint["w1"].shape
+    config = dict(quant="none", activation=spec.activation, num_local_experts=experts,
+                  hidden_size=hidden, intermediate_size=intermediate, bias=spec.has_bias)
+    specs = plan_layout(**config, dtype=dtype, device=device)
+    sources = checkpoint_sources(Checkpoint(**checkpoint), **config)
+    destination, permutations = {}, {}
+    for role, tensor_spec in specs.items():
+        name, perm_name = buffer_name(role), buffer_name(role) + "_permutation"
+        current = module._buffers.get(name)
+        if (current is None or tuple(current.shape) != tensor_spec.shape
+                or current.dtype != tensor_spec.dtype or current.device != device):
+            if current is not None:
+                _set_buffer(module, name, None)  # free the stale copy before allocating
+            _set_buffer(module, name, torch.empty(tensor_spec.shape, dtype=tensor_spec.dtype,
+                                                  device=device))
+        permutation = module._buffers.get(perm_name)
+        rows = sum(tensor_spec.key.source_rows)
+        if permutation is None or permutation.device != device or permutation.shape != (rows,):
+            permutation = row_permutation(tensor_spec.key)
+            _set_buffer(module, perm_name, permutation)
+        destination[role], permutations[role] = module._buffers[name], permutation
+    for name in list(module._buffers):  # roles a previous layout had and this one has not
+        if name.startswith(BUFFER_PREFIX) and name.removeprefix(BUFFER_PREFIX).removesuffix(
+                "_permutation") not in specs:
+            del module._buffers[name]
+    load_into(destination, sources, permutations)
+    return destination
 
 
 def kernel_weights(module: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                    hidden_size: int) -> dict[str, torch.Tensor]:
-    """The module's experts in moe_ops' kernel layout (what `moe_ops.fused_moe` takes), prepared
-    on first use and whenever a parameter changed since, cached on the module."""
+    """The module's experts in moe_ops' kernel layout (what `moe_ops.fused_moe` takes): the
+    module's non-persistent `moe_ops_*` buffers, filled on first use and refilled in place
+    whenever a parameter changed since."""
     spec = _spec(module, hidden_size)
-    entry = module.__dict__.get(_CACHE_ATTR)
+    roles = _roles(spec)
     if torch.compiler.is_compiling():
-        # Traced graphs cannot read data_ptr/_version: use what an eager call prepared.
-        if entry is not None and entry["key"][1:3] == (dtype, device):
-            return entry["weights"]
-    else:
-        key = _cache_key(module, spec, dtype, device)
-        if entry is not None and _cache_valid(entry, module, key):
-            return entry["weights"]
-    module.__dict__.pop(_CACHE_ATTR, None)  # free the stale copy before building the new one
+        # Traced graphs cannot read data_ptr/_version: use the buffers an eager call prepared
+        # (graph inputs, so their fixed addresses are what CUDA graphs capture).
+        tensors = {role: getattr(module, buffer_name(role), None) for role in roles}
+        w13 = tensors["w13"]
+        if all(t is not None for t in tensors.values()) and w13.dtype == dtype \
+                and w13.device == device:
+            return tensors
+        # Nothing prepared for this dtype/device: prepare inside the graph (correct, slower).
+        return prepare_weights(**checkpoint_weights(module, spec, hidden_size),
+                               activation=spec.activation, quant="none", dtype=dtype,
+                               device=device)
+    key = _cache_key(module, spec, dtype, device)
+    entry = module.__dict__.get(_CACHE_ATTR)
+    if entry is not None and _cache_valid(entry, module, key):
+        return {role: module._buffers[buffer_name(role)] for role in roles}
+    module.__dict__.pop(_CACHE_ATTR, None)
     with torch.no_grad():
-        weights = prepare_weights(**checkpoint_weights(module, spec, hidden_size),
-                                  activation=spec.activation, quant="none", dtype=dtype,
-                                  device=device)
-    if not torch.compiler.is_compiling():
-        refs = {name: weakref.ref(t) for name in _source_names(spec)
-                if (t := _tensor_attr(module, name)) is not None}
-        module.__dict__[_CACHE_ATTR] = {"key": _cache_key(module, spec, dtype, device),
-                                        "refs": refs, "weights": weights}
+        weights = _prepare_into_buffers(module, spec, dtype, device, hidden_size)
+    refs = {name: weakref.ref(t) for name in _source_names(spec)
+            if (t := _tensor_attr(module, name)) is not None}
+    module.__dict__[_CACHE_ATTR] = {"key": _cache_key(module, spec, dtype, device),
+                                    "refs": refs, "roles": roles, "hidden_size": hidden_size}
     return weights
+
+
+def _is_experts_module(module: torch.nn.Module) -> bool:
+    """An experts class decorated with transformers' @use_experts_implementation."""
+    down = _tensor_attr(module, "down_proj")
+    return (down is not None and down.dim() == 3
+            and hasattr(type(module).forward, "__wrapped__"))
+
+
+def prepare(module: torch.nn.Module, dtype: Optional[torch.dtype] = None) -> int:
+    """Measure and prepare, now and eagerly, every experts module under `module`, as its first
+    forward would (layer dtype `dtype`, default the experts' own dtype; their device). Lets
+    `torch.compile(fullgraph=True)` or CUDA-graph capture start without an eager forward, and
+    raises at once for experts moe_ops cannot compute. Returns how many modules it prepared."""
+    count = 0
+    for sub in module.modules():
+        if not _is_experts_module(sub):
+            continue
+        down = sub.down_proj
+        hidden_size = _config_value(getattr(sub, "config", None), "hidden_size")
+        if not isinstance(hidden_size, int):
+            spec = describe_experts(sub)
+            hidden_size = down.shape[2] if spec.transposed else down.shape[1]
+        kernel_weights(sub, dtype or down.dtype, down.device, hidden_size)
+        count += 1
+    return count
+
+
+def refresh(module: torch.nn.Module) -> int:
+    """Re-prepare, now and eagerly, the kernel-layout buffers of every experts module under
+    `module` that a forward prepared before and whose parameters changed since (same dtype and
+    device as that forward; in place where shapes allow). For compiled models and captured
+    CUDA graphs, which cannot check the parameters themselves: call it after a weight update
+    (after `invalidate` too, for writes through `param.data`). Returns how many were redone."""
+    redone = 0
+    for sub in module.modules():
+        entry = sub.__dict__.get(_CACHE_ATTR)
+        if entry is None:
+            continue
+        _, dtype, device = entry["key"][:3]
+        kernel_weights(sub, dtype, device, entry["hidden_size"])
+        redone += sub.__dict__.get(_CACHE_ATTR) is not entry
+    return redone
 
 
 # ---------------------------------------------------------------------------------------------
