@@ -21,8 +21,9 @@ from moe_ops.kernels.act_quant import act_quant
 from moe_ops.kernels.align import moe_align
 from moe_ops.kernels.common import is_gated, upcast_dots
 from moe_ops.kernels.grouped_gemm import (
-    GemmConfig, GemmProblem, Routing, combine_pair_rows, default_config, gemm1, gemm2,
+    GemmConfig, GemmProblem, Routing, combine_pair_rows, gemm1, gemm2,
 )
+from moe_ops.tuning import experts_configs
 
 # Direct mode (no dispatch, one pair per GEMM block) when pairs are few next to the experts:
 # then almost every pair has an expert to itself, so nothing is gained by grouping and the
@@ -87,8 +88,12 @@ def triton_experts(
     E = w13.shape[0]
     I = w2.shape[2]
     problem1, problem2 = gemm_problems(x, top_k, w13, w2, activation, quant)
-    config1 = gemm1_config or default_config(problem1)
-    config2 = gemm2_config or default_config(problem2)
+    config1, config2 = gemm1_config, gemm2_config
+    if config1 is None or config2 is None:
+        # Tuned configs (SPEC §6; lookup only), else default_config(problem): see tuning.py.
+        tuned1, tuned2 = experts_configs(problem1, problem2, num_tokens=T, top_k=top_k,
+                                         activation=activation, device=x.device)
+        config1, config2 = config1 or tuned1, config2 or tuned2
 
     x = x.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()
