@@ -18,6 +18,17 @@ from moe_ops.routing import ROUTING_METHODS
 
 __version__ = "0.1.0"
 
+
+def autotune(*args, **kwargs):
+    """`with moe_ops.autotune(cache="tuning.json"):` (SPEC §6), see moe_ops.tuning.autotune.
+
+    A function, not an import, so that `import moe_ops` does not import triton (an optional
+    dependency: the reference backend runs without it)."""
+    from moe_ops.tuning import autotune as _autotune
+
+    return _autotune(*args, **kwargs)
+
+
 __all__ = [
     "ACTIVATIONS",
     "BACKENDS",
@@ -25,6 +36,7 @@ __all__ = [
     "MoEArgumentError",
     "QUANT_MODES",
     "ROUTING_METHODS",
+    "autotune",
     "fused_moe",
     "prepare_weights",
     "route",

@@ -13,6 +13,12 @@ package behaves exactly as before).
 
 Profiling happens only inside an `autotune` context, only when the caller passes a runner, and
 never while a CUDA graph is being captured or torch.compile traces: then lookups only.
+triton_experts passes a runner that re-runs the call with explicit configs on the call's own
+inputs (at its token count T, stored under T's bucket); each candidate's whole-call output is
+compared with the default config's before it can win. Not done yet (issue 4): synthetic
+profiling inputs at the bucket size (balanced/skewed routing, valid fp8 scales), CUDA-graph
+replay with cold L2 in the timer (the default timer is CUDA events), a pruned candidate list
+small enough to tune a model in seconds, the CLI, and shipped tables.
 
 Concurrent writers: the file is written on context exit by a read-merge-write under an
 exclusive `fcntl` lock on `<cache>.lock` (where fcntl exists), the write going to a temporary
@@ -428,6 +434,7 @@ class Tuner:
         self._forced: Dict[int, GemmConfig] = {}              # gemm -> config
         self._tuning_depth = 0
         self.profile_count = 0
+        self.timer: Optional[Timer] = None   # None: cuda_event_timer
 
     # -- layers -------------------------------------------------------------------------------
     @property
@@ -635,22 +642,55 @@ def valid_configs(problem: GemmProblem, prune: bool = True) -> List[GemmConfig]:
     return config_space(problem, prune=prune)
 
 
+def experts_candidates(problem: GemmProblem) -> List[GemmConfig]:
+    """The configs profiled for one GEMM of a triton_experts call (tests patch this)."""
+    return config_space(problem, prune=True)
+
+
+class _CallRunner:
+    """Profiles one GEMM of a triton_experts call on the call's own inputs, the other GEMM at
+    its current config; the output compared is the whole experts output."""
+
+    def __init__(self, problem: GemmProblem, run: Callable[[GemmConfig], torch.Tensor]):
+        self.problem, self._run = problem, run
+
+    def candidates(self, key: ProblemKey) -> Sequence[GemmConfig]:
+        return experts_candidates(self.problem)
+
+    def default(self, key: ProblemKey) -> GemmConfig:
+        return default_config(self.problem)
+
+    def run(self, key: ProblemKey, config: GemmConfig) -> torch.Tensor:
+        return self._run(config)
+
+
 def experts_configs(problem1: GemmProblem, problem2: GemmProblem, *, num_tokens: int,
                     top_k: int, activation: str, device: Optional[torch.device] = None,
+                    profile: Optional[Callable[[GemmConfig, GemmConfig], torch.Tensor]] = None,
                     tuner: Optional[Tuner] = None):
-    """The GEMM1 and GEMM2 configs of one triton_experts call (lookup only; the hook)."""
+    """The GEMM1 and GEMM2 configs of one triton_experts call (the hook). profile(c1, c2) runs
+    the call with explicit configs; it is used only inside `autotune`, when not capturing or
+    compiling, for keys not tuned yet: GEMM1 first (GEMM2 at its current config), then GEMM2
+    (GEMM1 at its new one), since the dispatch tile max(block_m) is a joint choice."""
     tuner = get_tuner() if tuner is None else tuner
-    if not (tuner._forced or tuner.memory or tuner.user or tuner.shipped):
+    profiling = profile is not None and tuner.may_profile()
+    if not profiling and not (tuner._forced or tuner.memory or tuner.user or tuner.shipped):
         return default_config(problem1), default_config(problem2)  # nothing tuned: as before
     key1 = problem_key(problem1, num_tokens=num_tokens, top_k=top_k, activation=activation,
                        device=device, max_num_tokens=tuner.max_num_tokens)
     key2 = dataclasses.replace(key1, gemm=2, n=problem2.n, k=problem2.k)
-    return tuner.config_for(problem1, key1), tuner.config_for(problem2, key2)
+    runner1 = None
+    if profiling:
+        now2 = tuner.lookup(key2) or default_config(problem2)
+        runner1 = _CallRunner(problem1, lambda c: profile(c, now2))
+    config1 = tuner.config_for(problem1, key1, runner1, tuner.timer)
+    runner2 = _CallRunner(problem2, lambda c: profile(config1, c)) if profiling else None
+    return config1, tuner.config_for(problem2, key2, runner2, tuner.timer)
 
 
 __all__ = [
     "ProblemKey", "Runner", "TUNE_MAX_NUM_TOKENS", "Tuner", "TuningCacheWarning", "autotune",
-    "bucket_of", "current_metadata", "experts_configs", "force_config", "get_tuner",
+    "bucket_of", "current_metadata", "experts_candidates", "experts_configs", "force_config", "get_tuner",
     "is_capturing", "is_compiling", "kernel_source_hash", "linked_token_count", "load_cache",
     "problem_key", "read_cache_file", "token_buckets", "valid_configs", "write_cache_file",
 ]

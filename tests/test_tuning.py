@@ -409,3 +409,41 @@ def test_hook_uses_tuned_and_forced(monkeypatch, tuner):
     assert seen["configs"][1] == default_config(seen["problems"][1])
     with force_config(gemm1=SLOW, gemm2=SLOW, tuner=tuner):
         assert seen_configs(monkeypatch, tuner)["configs"] == (SLOW, SLOW)
+
+
+def run_experts(T=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    E, H, I = 8, 64, 64
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = (torch.arange(2 * T, dtype=torch.int32).reshape(T, 2) * 3) % E
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / 8).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g) / 8).to(torch.bfloat16)
+    return kexperts.triton_experts(x, ids, torch.full((T, 2), 0.5), w13, w2)
+
+
+def test_triton_experts_profiles_inside_autotune(monkeypatch, tuner, tmp_path):
+    """The real kernels (Triton interpreter on CPU), two candidates a GEMM, a fake timer that
+    makes the last candidate timed the fastest."""
+    monkeypatch.setattr(tuning, "_TUNER", tuner)
+    cands = [GemmConfig(16, 32, 32, 1, 4, 2), GemmConfig(16, 64, 64, 8, 4, 2)]
+    monkeypatch.setattr(tuning, "experts_candidates", lambda problem: cands)
+    times = iter([1.0, 0.5, 0.2] * 2)
+    tuner.timer = lambda fn: (fn(), next(times))[1]
+    expected = run_experts()
+    assert not tuner.memory
+    path = tmp_path / "t.json"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with autotune(cache=path, tuner=tuner):
+        torch.testing.assert_close(run_experts(), expected)
+    assert not tuner.memory and not path.exists()           # capturing: lookups only
+    monkeypatch.undo()
+    monkeypatch.setattr(tuning, "_TUNER", tuner)
+    monkeypatch.setattr(tuning, "experts_candidates", lambda problem: cands)
+    with autotune(cache=path, tuner=tuner):
+        torch.testing.assert_close(run_experts(), expected)
+    assert sorted(k.gemm for k in tuner.memory) == [1, 2]
+    assert set(tuner.memory.values()) == {cands[1]}
+    assert len(read_cache_file(path)) == 2
+    runs = tuner.profile_count
+    torch.testing.assert_close(run_experts(), expected)     # outside: lookup of the tuned pair
+    assert tuner.profile_count == runs

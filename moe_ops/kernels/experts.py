@@ -90,9 +90,14 @@ def triton_experts(
     problem1, problem2 = gemm_problems(x, top_k, w13, w2, activation, quant)
     config1, config2 = gemm1_config, gemm2_config
     if config1 is None or config2 is None:
-        # Tuned configs (SPEC §6; lookup only), else default_config(problem): see tuning.py.
-        tuned1, tuned2 = experts_configs(problem1, problem2, num_tokens=T, top_k=top_k,
-                                         activation=activation, device=x.device)
+        # Tuned configs (SPEC §6), else default_config(problem): see tuning.py.
+        # Inside moe_ops.tuning.autotune, untuned keys are profiled with this call's inputs.
+        tuned1, tuned2 = experts_configs(
+            problem1, problem2, num_tokens=T, top_k=top_k, activation=activation,
+            device=x.device, profile=lambda c1, c2: triton_experts(
+                x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, b13, b2,
+                activation=activation, quant=quant, alpha=alpha, limit=limit,
+                local_expert_offset=local_expert_offset, gemm1_config=c1, gemm2_config=c2))
         config1, config2 = config1 or tuned1, config2 or tuned2
 
     x = x.contiguous()
