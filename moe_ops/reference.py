@@ -55,8 +55,9 @@ def dequantize_weight(
         return weight.float() * scale[:, None]
     if quant == "fp8_block":
         n, k = weight.shape
-        per_row = scale[scale_rows] if scale_rows is not None else scale.repeat_interleave(q.FP8_BLOCK, 0)[:n]
-        return weight.float() * per_row.repeat_interleave(q.FP8_BLOCK, dim=1)[:, :k]
+        if scale_rows is None:
+            return weight.float() * q.expand_block_scales(scale, n, k)
+        return weight.float() * scale[scale_rows].repeat_interleave(q.FP8_BLOCK, dim=1)[:, :k]
     return q.dequantize_fp4(weight, scale, quant, global_scale)
 
 
