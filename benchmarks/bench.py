@@ -7,15 +7,18 @@
     python benchmarks/bench.py --quick              # smoke run: two models, four token counts
 
 For each (model, quant, T) it times the whole layer (routing to output) replayed from a CUDA
-graph and eagerly, times the torch baseline (benchmarks/baseline.py) in the same run, and
+graph and eagerly, times the peers in the same run (--peers: the torch baseline of
+benchmarks/baseline.py, and transformers' own "grouped_mm" / "batched_mm" experts
+implementations, see benchmarks/hf_peers.py; each eagerly and as CUDA-graph replays), and
 reports the larger of the two floors (bytes of the experts actually hit / 4.55 TB/s; flops /
 the matmul ceiling of the dtype doing the math) over the measured time. Once per (model, quant)
 it checks the layer against backend="reference" (and the baseline against the same) at a small T.
 
 Quant modes: without --quant each model runs the modes shapes.json lists for it; with --quant
 every model runs every mode given (--listed-only keeps only those shapes.json lists). Modes the
-backend cannot run (today nvfp4/mxfp4 on triton: probed with a tiny layer, not assumed) are
-skipped with a note in the output.
+backend cannot run (probed with a tiny layer, not assumed) are skipped with a note in the output.
+The 4-bit modes (nvfp4 on deepseek_v3, mxfp4 on gpt_oss_120b) are also timed against our own bf16
+path on the same weights dequantized to bf16 ("bf16-g us", "x bf16"; --no-bf16-peer skips it).
 
 Timing: S rotating input sets (hidden states + router logits, random normal: never zeros); a
 sample is S back-to-back calls (eager) or one replay of a CUDA graph holding those S calls;
@@ -54,6 +57,7 @@ import torch  # noqa: E402
 
 import moe_ops  # noqa: E402
 from baseline import BaselineWeights, TorchBaseline, probe_capabilities  # noqa: E402
+import hf_peers  # noqa: E402  (imports transformers only when peers are built)
 
 DEFAULT_SHAPES = BENCH_DIR / "shapes.json"
 FP8_DTYPE = torch.float8_e4m3fn
@@ -66,7 +70,7 @@ FP8_VALUE_STD = 64.0
 E2M1_RMS = math.sqrt((0 + 0.25 + 1 + 2.25 + 4 + 9 + 16 + 36) / 8)
 FP4_BLOCK_SCALE = 64.0  # typical nvfp4 block scale value (e4m3), global scale takes the rest
 BF16_MATH_QUANTS = ("none", "nvfp4", "mxfp4")  # W4A16: the math is bf16
-TRITON_QUANTS = ("none", "fp8", "fp8_block")
+TRITON_QUANTS = ("none", "fp8", "fp8_block", "nvfp4", "mxfp4")
 
 
 def log(message: str) -> None:
@@ -523,6 +527,7 @@ class RunState:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     baseline_graph_broken: Optional[str] = None
+    peer_graph_broken: dict[str, str] = field(default_factory=dict)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -598,7 +603,8 @@ def baseline_tolerance(quant: str, tolerance: float) -> Optional[float]:
 
 
 def bench_point(state: RunState, cfg: ModelConfig, quant: str, tokens: int,
-                layer: moe_ops.FusedMoE, baseline: Optional[TorchBaseline]) -> dict[str, Any]:
+                layer: moe_ops.FusedMoE, baseline: Optional[TorchBaseline],
+                peers: tuple = (), bf16_layer: Optional[moe_ops.FusedMoE] = None) -> dict[str, Any]:
     args, device = state.args, state.device
     sets = args.input_sets or (8 if tokens <= 1024 else 4)
     inputs = make_inputs(cfg, tokens, sets, device, layer.dtype, args.seed + tokens)
@@ -677,7 +683,20 @@ def bench_point(state: RunState, cfg: ModelConfig, quant: str, tokens: int,
             error = record["errors"].get("baseline_graph", "")
             if error.startswith("capture failed"):
                 state.baseline_graph_broken = "an earlier capture failed (" + error + ")"
-    for name in ("ours_graph", "ours_eager", "baseline", "baseline_graph"):
+    peer_series = time_peers(state, record, peers, inputs, tokens, cfg.top_k, timed, timed_graph)
+    bf16_series = ()
+    if bf16_layer is not None:
+        # 4-bit modes: our own bf16 path on the dequantized weights, the bar 4-bit must beat.
+        def run_bf16() -> Any:
+            out = None
+            for x, logits in inputs:
+                out = bf16_layer(x, logits)
+            return out
+
+        timed("ours_bf16", run_bf16)
+        timed_graph("ours_bf16_graph", run_bf16)
+        bf16_series = ("ours_bf16", "ours_bf16_graph")
+    for name in ("ours_graph", "ours_eager", "baseline", "baseline_graph") + peer_series + bf16_series:
         timing = timings.get(name)
         record[f"{name}_us"] = None if timing is None else timing["median_us"]
         record[f"{name}_timing"] = timing
@@ -693,8 +712,112 @@ def bench_point(state: RunState, cfg: ModelConfig, quant: str, tokens: int,
     record["tflops"] = record[f"tflops_{headline}"]
     if record["baseline_us"] and record[f"{headline}_us"]:
         record["speedup_vs_baseline"] = record["baseline_us"] / record[f"{headline}_us"]
+    for peer in peers:  # like for like: graph against graph, eager against eager
+        theirs = record.get(f"{peer.name}_graph_us" if headline == "ours_graph" else f"{peer.name}_us")
+        if theirs and record[f"{headline}_us"]:
+            record[f"speedup_vs_{peer.name}"] = theirs / record[f"{headline}_us"]
+    if bf16_series:
+        theirs = record.get("ours_bf16_graph_us" if headline == "ours_graph" else "ours_bf16_us")
+        if theirs and record[f"{headline}_us"]:
+            record["speedup_vs_ours_bf16"] = theirs / record[f"{headline}_us"]
     del inputs
     return record
+
+
+def time_peers(state: RunState, record: dict[str, Any], peers: tuple, inputs: list,
+               tokens: int, top_k: int, timed: Callable, timed_graph: Callable) -> tuple[str, ...]:
+    """Time transformers' experts implementations (and the routing they are given) on the
+    point's inputs, eagerly and as CUDA-graph replays; failures are recorded per point.
+    Returns the timing names it filled."""
+    if not peers:
+        return ()
+    route = peers[0].route
+
+    def run_route() -> Any:
+        out = None
+        for _, logits in inputs:
+            out = route(logits)
+        return out
+
+    timed("route", run_route)
+    timed_graph("route_graph", run_route)
+    names = ["route", "route_graph"]
+    for peer in peers:
+        names += [peer.name, f"{peer.name}_graph"]
+        reason = peer.skip_reason(tokens, top_k, state.device)
+        if reason is not None:
+            record["errors"][peer.name] = record["errors"][f"{peer.name}_graph"] = reason
+            continue
+
+        def run_peer(peer=peer) -> Any:
+            out = None
+            for x, logits in inputs:
+                out = peer(x, logits)
+            return out
+
+        timed(peer.name, run_peer)
+        broken = state.peer_graph_broken.get(peer.name)
+        if broken:
+            record["errors"][f"{peer.name}_graph"] = "skipped: " + broken
+        else:
+            last = timed_graph(f"{peer.name}_graph", run_peer)
+            error = record["errors"].get(f"{peer.name}_graph", "")
+            if error.startswith("capture failed"):
+                state.peer_graph_broken[peer.name] = "an earlier capture failed (" + error + ")"
+            elif last is not None:  # replays compute what an eager call does
+                try:
+                    record[f"{peer.name}_graph_vs_eager_err"] = relative_error(last, peer(*inputs[-1]))
+                except Exception as exc:  # noqa: BLE001
+                    record["errors"][f"{peer.name}_graph_vs_eager"] = _short(exc)
+            del last
+        if state.device.type == "cuda":
+            torch.cuda.empty_cache()  # batched_mm's gathers are large
+    return tuple(names)
+
+
+def check_peers(state: RunState, cfg: ModelConfig, quant: str, layer: moe_ops.FusedMoE,
+                peers: list) -> dict[str, Any]:
+    """Each transformers peer against backend='reference' of the same layer (same inputs as
+    check_config): they must compute the same thing to be compared."""
+    tokens = state.args.check_tokens
+    x, logits = make_inputs(cfg, tokens, 1, state.device, layer.dtype, state.args.seed + 7)[0]
+    expected = reference_forward(layer, x, logits)
+    results: dict[str, Any] = {}
+    for peer in peers:
+        try:
+            error = relative_error(peer(x, logits), expected)
+            results[peer.name] = dict(err=error, ok=error <= state.args.tolerance)
+        except Exception as exc:  # noqa: BLE001
+            results[peer.name] = dict(err=None, ok=False, error=_short(exc))
+    return results
+
+
+def build_bf16_peer(cfg: ModelConfig, quant: str, layer: moe_ops.FusedMoE, *, backend: str,
+                    chunk_elements: int = 1 << 28) -> moe_ops.FusedMoE:
+    """A quant='none' layer holding the 4-bit layer's weights dequantized to bf16 (exactly for
+    mxfp4; nvfp4's float32 global scale rounds to bf16), on the same backend: what the 4-bit
+    path must beat, since it reads about 3.6x fewer weight bytes for the same math."""
+    weights = layer.kernel_weights()
+    dense = {}
+    for name in ("w13", "w2"):
+        dense[name] = _dequantize_fp4_chunked(
+            weights[name], weights[name + "_scale"], quant, weights.get(name + "_global_scale"),
+            layer.dtype, chunk_elements)
+    bf16 = moe_ops.FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k,
+                            **cfg.layer_kwargs(), quant="none", dtype=layer.dtype,
+                            device=dense["w13"].device, backend=backend)
+    ckpt: dict[str, Any] = {"w2": dense.pop("w2")}
+    w13 = dense.pop("w13")
+    # The kernel layout interleaves gate and up rows (moe_ops.layout: row 2i gate, 2i+1 up).
+    ckpt.update({"w1": w13[:, 0::2], "w3": w13[:, 1::2]} if cfg.gated else {"w1": w13})
+    if cfg.bias:
+        b13 = weights["b13"]
+        ckpt.update({"b1": b13[:, 0::2], "b3": b13[:, 1::2]} if cfg.gated else {"b1": b13})
+        ckpt["b2"] = weights["b2"]
+    if layer.routing_bias is not None:
+        ckpt["routing_bias"] = layer.routing_bias
+    bf16.load_weights(**ckpt)
+    return bf16
 
 
 def backend_support(backend: str, quant: str, device: torch.device, dtype: torch.dtype,
@@ -742,9 +865,22 @@ def run_config(state: RunState, cfg: ModelConfig, quant: str, tokens_list: list[
     log(f"[bench {state.elapsed():6.1f}s] {cfg.name} {quant}: building the layer "
         f"({cfg.num_experts} experts x {expert_weight_bytes(cfg, quant) / 1e6:.1f} MB)")
     build_start = time.perf_counter()
+    hf_wanted = list(args.hf_peers) if quant == "none" else []
     layer, baseline = build_layer(cfg, quant, backend=args.backend, device=device, dtype=dtype,
-                                  seed=args.seed, with_baseline=not args.no_baseline,
+                                  seed=args.seed,
+                                  with_baseline=not args.no_baseline or bool(hf_wanted),
                                   baseline_impl=args.baseline_impl)
+    peers = make_peers(state, cfg, quant, layer, baseline, hf_wanted)
+    if args.no_baseline:  # built only for the transformers peers' weights
+        baseline = None
+    bf16_layer = None
+    if quant in ("nvfp4", "mxfp4") and not args.no_bf16_peer:
+        try:
+            bf16_layer = build_bf16_peer(cfg, quant, layer, backend=args.backend)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: time the rest
+            note = f"{cfg.name} {quant}: no bf16 peer ({_short(exc)})"
+            state.notes.append(note)
+            log(f"[bench] {note}")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     build_s = time.perf_counter() - build_start
@@ -762,6 +898,11 @@ def run_config(state: RunState, cfg: ModelConfig, quant: str, tokens_list: list[
         log(f"[bench {state.elapsed():6.1f}s] {cfg.name} {quant}: check T={check['tokens']}: "
             f"ours vs reference {ours} ({'ok' if check['ok_ours'] else 'FAIL'}), "
             f"baseline vs reference {base}" + (f" [{check.get('error_ours')}]" if check.get("error_ours") else ""))
+        if peers:
+            check["peers"] = check_peers(state, cfg, quant, layer, peers)
+            log(f"[bench {state.elapsed():6.1f}s] {cfg.name} {quant}: check transformers peers vs "
+                "reference: " + ", ".join(f"{n} {_fmt(r['err'], '.2e')}" + ("" if r["ok"] else " FAIL")
+                                          for n, r in check["peers"].items()))
     for tokens in tokens_list:
         if state.over_deadline():
             state.skipped.append(dict(model=cfg.name, quant=quant, tokens=tokens,
@@ -769,7 +910,8 @@ def run_config(state: RunState, cfg: ModelConfig, quant: str, tokens_list: list[
             continue
         point_start = time.perf_counter()
         try:
-            record = bench_point(state, cfg, quant, tokens, layer, baseline)
+            record = bench_point(state, cfg, quant, tokens, layer, baseline, tuple(peers),
+                                 bf16_layer=bf16_layer)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory at one T: keep going
             record = dict(model=cfg.name, quant=quant, tokens=tokens, backend=layer.backend,
                           errors={"point": _short(exc)})
@@ -779,9 +921,40 @@ def run_config(state: RunState, cfg: ModelConfig, quant: str, tokens_list: list[
         record["wall_s"] = time.perf_counter() - point_start
         state.records.append(record)
         log(f"[bench {state.elapsed():6.1f}s] {cfg.name} {quant} T={tokens}: " + _point_summary(record))
-    del layer, baseline
+    del layer, baseline, peers, bf16_layer
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def make_peers(state: RunState, cfg: ModelConfig, quant: str, layer: moe_ops.FusedMoE,
+               baseline: Optional[TorchBaseline], names: list[str]) -> list:
+    """transformers' experts implementations over the layer's weights (hf_peers.py), routed by
+    moe_ops.route exactly as the layer routes. [] when none are wanted or they cannot be built
+    (said in the notes)."""
+    if quant != "none" and state.args.hf_peers:
+        note = (f"transformers peers: quant={quant!r} not timed (" +
+                (hf_peers.fp8_path_status() if quant in ("fp8", "fp8_block") else
+                 "no plain-torch transformers experts path for this format") + ")")
+        if note not in state.notes:
+            state.notes.append(note)
+    if not names or baseline is None:
+        return []
+
+    def route(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return moe_ops.route(logits, layer.top_k, routing=layer.routing,
+                             routing_bias=layer.routing_bias, n_group=layer.n_group,
+                             topk_group=layer.topk_group,
+                             routed_scaling_factor=layer.routed_scaling_factor,
+                             backend=layer.backend)
+
+    try:
+        return hf_peers.build_peers(names, baseline.weights, cfg.activation, route,
+                                    dtype=layer.dtype, swiglu_alpha=layer.swiglu_alpha,
+                                    swiglu_limit=layer.swiglu_limit)
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory for gpt-oss's transposed copy
+        state.skipped.append(dict(model=cfg.name, quant=quant, tokens=None,
+                                  reason=f"transformers peers not built: {_short(exc)}"))
+        return []
 
 
 def _fmt(value: Optional[float], spec: str = ".1f") -> str:
@@ -794,6 +967,10 @@ def _point_summary(record: dict[str, Any]) -> str:
     text = (f"graph {_fmt(record.get('ours_graph_us'))} us, eager {_fmt(record.get('ours_eager_us'))} us, "
             f"baseline {_fmt(record.get('baseline_us'))} us, floor {_fmt(record['floor_us'])} us "
             f"({record['bound']}), fraction {_fmt(record.get('fraction'), '.2f')}")
+    for name in hf_peers.PEER_NAMES:
+        if f"{name}_us" in record:
+            text += (f", {name} {_fmt(record.get(f'{name}_graph_us'))} us graph / "
+                     f"{_fmt(record.get(f'{name}_us'))} us eager")
     if record.get("errors"):
         text += " [" + "; ".join(f"{k}: {v}" for k, v in record["errors"].items()) + "]"
     return text
@@ -864,14 +1041,19 @@ def build_payload(state: RunState, meta: dict[str, Any]) -> dict[str, Any]:
                                             check_tokens=state.args.check_tokens,
                                             tolerance=state.args.tolerance,
                                             fp8_tolerance=state.args.fp8_tolerance,
-                                            backend=state.args.backend)),
+                                            backend=state.args.backend,
+                                            peers=state.args.peers)),
                 checks=state.checks, skipped=state.skipped, records=state.records)
 
 
 PLOT_SERIES = (("ours_graph", "ours (CUDA graph)", "-", "o"),
                ("ours_eager", "ours (eager)", "--", "s"),
                ("baseline", "torch baseline (eager)", "-", "^"),
-               ("baseline_graph", "torch baseline (CUDA graph)", ":", "v"))
+               ("baseline_graph", "torch baseline (CUDA graph)", ":", "v"),
+               ("grouped_mm", "transformers grouped_mm (eager)", "--", "D"),
+               ("grouped_mm_graph", "transformers grouped_mm (CUDA graph)", "-.", "D"),
+               ("batched_mm", "transformers batched_mm (eager)", "--", "x"),
+               ("batched_mm_graph", "transformers batched_mm (CUDA graph)", "-.", "x"))
 
 
 def plot_results(records: list[dict[str, Any]], path: Path | str, title: str = "") -> Optional[Path]:
@@ -927,7 +1109,10 @@ TABLE_COLUMNS = (("model", "model", 14, "s"), ("quant", "quant", 9, "s"), ("T", 
                  ("base us", "baseline_us", 9, ".1f"), ("base-g us", "baseline_graph_us", 9, ".1f"),
                  ("floor us", "floor_us", 9, ".1f"), ("bound", "bound", 5, "s"),
                  ("frac", "fraction", 5, ".2f"), ("TB/s", "tbps", 5, ".2f"),
-                 ("TFLOP/s", "tflops", 7, ".0f"), ("x base", "speedup_vs_baseline", 6, ".1f"))
+                 ("TFLOP/s", "tflops", 7, ".0f"), ("x base", "speedup_vs_baseline", 6, ".1f"),
+                 ("gmm-g us", "grouped_mm_graph_us", 9, ".1f"), ("bmm-g us", "batched_mm_graph_us", 9, ".1f"),
+                 ("x gmm", "speedup_vs_grouped_mm", 6, ".1f"),
+                 ("bf16-g us", "ours_bf16_graph_us", 9, ".1f"), ("x bf16", "speedup_vs_ours_bf16", 6, ".2f"))
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
@@ -949,6 +1134,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
 # CLI
 # ---------------------------------------------------------------------------------------------
 QUICK_MODELS = ("qwen3_30b_a3b", "deepseek_v3")
+PEERS = ("torch",) + hf_peers.PEER_NAMES
 QUICK_TOKENS = (1, 16, 256, 4096)
 
 
@@ -979,9 +1165,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="the same for fp8 and fp8_block (default 1e-2: see ours_tolerance)")
     parser.add_argument("--no-check", action="store_true", help="skip the reference checks")
     parser.add_argument("--no-baseline", action="store_true", help="do not run the torch baseline")
+    parser.add_argument("--no-bf16-peer", action="store_true",
+                        help="4-bit modes: do not time our bf16 path on the dequantized weights")
     parser.add_argument("--no-baseline-graph", action="store_true",
                         help="time the baseline eagerly only")
     parser.add_argument("--baseline-impl", choices=("auto", "grouped", "loop"), default="auto")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help="comma-separated peers timed beside ours: torch (the baseline), "
+                             "grouped_mm, batched_mm (transformers' experts implementations, "
+                             "quant=none; skipped with a note without transformers). "
+                             f"Default {','.join(PEERS)}")
     parser.add_argument("--deadline-s", type=float, default=450.0,
                         help="skip the points left after this many seconds (default 450; 0 = none)")
     parser.add_argument("--seed", type=int, default=0)
@@ -989,6 +1182,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help=f"smoke run: models {' '.join(QUICK_MODELS)}, T {QUICK_TOKENS}, "
                              "30 ms per measurement")
     args = parser.parse_args(argv)
+    args.peers = [p for p in (part.strip() for part in args.peers.split(",")) if p]
+    unknown = sorted(set(args.peers) - set(PEERS))
+    if unknown:
+        parser.error(f"--peers: unknown {unknown}; choose from {','.join(PEERS)}")
+    if args.no_baseline:
+        args.peers = [p for p in args.peers if p != "torch"]
+    args.no_baseline = "torch" not in args.peers
+    args.hf_peers = [p for p in args.peers if p in hf_peers.PEER_NAMES]
     if args.quick:
         args.models = args.models or list(QUICK_MODELS)
         args.tokens = args.tokens or list(QUICK_TOKENS)
@@ -1038,6 +1239,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     state.notes.append("nvfp4/mxfp4 baseline (when run): bf16 grouped GEMM on dequantized weights")
     for note in caps.notes:
         log(f"[bench] {note}")
+    if args.hf_peers:
+        version, why = hf_peers.transformers_status()
+        note = (f"transformers {version} peers {','.join(args.hf_peers)}: moe_ops.route (our "
+                "router, same method and backend) + transformers' registered experts function on "
+                "transformers-layout weights built from the same random weights; route_us is "
+                "the routing alone" if version else f"transformers peers skipped: {why}")
+        if not version:
+            args.hf_peers = []
+        meta["transformers"] = version
+        state.notes.append(note)
+        log(f"[bench] {note}")
 
     support_cache: dict = {}
     pairs = []
@@ -1082,7 +1294,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{_fmt(check.get('err_ours'), '.2e')} ({'ok' if check['ok_ours'] else 'FAIL'}"
               f"{', ' + check['error_ours'] if check.get('error_ours') else ''}); baseline vs "
               f"reference {_fmt(check.get('err_baseline'), '.2e')}"
-              + ("" if check.get("ok_baseline") is not False else " (FAIL)"))
+              + ("" if check.get("ok_baseline") is not False else " (FAIL)")
+              + "".join(f"; {name} vs reference {_fmt(r['err'], '.2e')}" + ("" if r["ok"] else " (FAIL)")
+                        for name, r in check.get("peers", {}).items()))
     for skip in state.skipped:
         if skip["tokens"] is None:
             print(f"skipped: {skip['reason']}")

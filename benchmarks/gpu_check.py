@@ -5,8 +5,13 @@ of the same layer (the same kernel-layout tensors), case by case.
     python benchmarks/gpu_check.py --quick          # smoke subset (a couple of minutes)
     compute-sanitizer --tool memcheck python benchmarks/gpu_check.py --sanitize
 
+    python benchmarks/gpu_check.py --models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4
+                                                    # the 4-bit modes (W4A16) only
+
 Cases, for each model of shapes.json and each of its listed quant modes the backend runs
-(none, fp8, fp8_block today; nvfp4/mxfp4 are probed and reported SKIP while unsupported):
+(every mode is probed with a tiny layer first; one the backend cannot run is reported SKIP):
+deepseek_v3 lists nvfp4 (E=256, H=7168, I=2048, k=8) and gpt_oss_120b mxfp4 (swiglu_oai with
+biases, E=128, H=I=2880: K not a multiple of 64 or 128, so the masked K tail runs):
 - routed   T in {1, 7, 64, 1000, 16384}: router logits -> layer
 - skew     T in {1000, 16384}: pre-routed, every slot of every token on one expert
 - pad      T = 64: pre-routed with -1 ids (some tokens entirely), which must contribute nothing
@@ -47,7 +52,7 @@ import bench  # noqa: E402  (puts the repository root on sys.path too)
 import moe_ops  # noqa: E402
 from bench import ModelConfig, _generator, _short, build_layer, reference_forward  # noqa: E402
 
-TRITON_QUANTS = ("none", "fp8", "fp8_block")
+TRITON_QUANTS = ("none", "fp8", "fp8_block", "nvfp4", "mxfp4")
 FULL_TOKENS = (1, 7, 64, 1000, 16384)
 QUICK_TOKENS = (1, 7, 64, 1000)
 QUICK_PLAN = {"qwen3_30b_a3b": ("none", "fp8"), "deepseek_v3": ("fp8_block",)}
@@ -60,6 +65,9 @@ SANITIZE_LAYERS = (
     ModelConfig("small_deepseek", num_experts=16, hidden_size=256, intermediate_size=128, top_k=4,
                 routing="deepseek_v3", n_group=4, topk_group=2, routed_scaling_factor=2.5,
                 quant=("fp8_block",)),
+    # gpt-oss-like: swiglu_oai with biases, H = I = 2880 / 10 (K a multiple of 32, not of 64)
+    ModelConfig("small_gpt_oss", num_experts=8, hidden_size=288, intermediate_size=288, top_k=4,
+                routing="renormalize", activation="swiglu_oai", bias=True, quant=("mxfp4",)),
 )
 
 
@@ -305,6 +313,8 @@ def build_plan(args: argparse.Namespace, shapes: bench.Shapes, supported: dict[s
     for name in models:
         cfg = shapes.models[name]
         modes = [m for m in cfg.quant if not args.quick or name not in QUICK_PLAN or m in QUICK_PLAN[name]]
+        if args.quant:
+            modes = [m for m in modes if m in args.quant]
         for quant in modes:
             if supported.get(quant, "not probed") is not None:
                 reason = supported.get(quant) or "not probed"
@@ -384,6 +394,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--shapes", type=Path, default=bench.DEFAULT_SHAPES)
     parser.add_argument("--models", nargs="+", help="models of shapes.json (default: all)")
     parser.add_argument("--tokens", nargs="+", type=int, help=f"routed T (default {FULL_TOKENS})")
+    parser.add_argument("--quant", nargs="+", choices=moe_ops.QUANT_MODES,
+                        help="keep only these of each model's listed modes (default: all listed)")
     parser.add_argument("--max-tokens", type=int, default=16384,
                         help="cap on every T but the large case's (default 16384)")
     parser.add_argument("--large-tokens", type=int, default=70000,

@@ -19,8 +19,9 @@ BACKENDS = ("auto", "reference", "triton", "cpu")
 TOPK_ID_DTYPES = (torch.int32, torch.int64)
 
 
-# Quant modes the Triton experts kernels cover; the 4-bit modes run on the reference for now.
-TRITON_QUANTS = ("none", "fp8", "fp8_block")
+# Quant modes the Triton experts kernels cover: all of them (nvfp4/mxfp4 as W4A16, the packed
+# weights dequantized in the GEMM's registers).
+TRITON_QUANTS = ("none", "fp8", "fp8_block", "nvfp4", "mxfp4")
 
 
 def resolve_backend(backend: str, device: torch.device, quant: Optional[str] = None) -> str:
@@ -155,7 +156,8 @@ def fused_experts(
 
         return triton_experts(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
                               b13, b2, activation=activation, quant=quant, alpha=alpha,
-                              limit=limit, local_expert_offset=local_expert_offset)
+                              limit=limit, local_expert_offset=local_expert_offset,
+                              w13_global_scale=w13_global_scale, w2_global_scale=w2_global_scale)
     from moe_ops.reference import fused_experts_reference
 
     return fused_experts_reference(

@@ -127,7 +127,8 @@ class FusedMoE(nn.Module):
         """Load the local experts' checkpoint tensors (SPEC §1 layout) into the kernel layout.
 
         Everything is validated before anything is written, so a rejected call leaves the
-        layer as it was.
+        layer as it was. On CUDA the writes (and any quantize-on-load) are the fused device
+        kernels of moe_ops.kernels.prepare: nothing the size of a weight is allocated.
         """
         ckpt = layout.Checkpoint(w1, w2, w3, w1_scale, w2_scale, w3_scale, w1_global_scale,
                                  w2_global_scale, w3_global_scale, b1, b2, b3)

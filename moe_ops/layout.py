@@ -15,8 +15,12 @@ interleave granularity, scale block, layout version, device) and is computed onc
 cached. A FusedMoE holds the indices it used as non-persistent buffers, so reloading weights
 (an RL weight sync) is one device-side copy per tensor and never recomputes an index.
 
-Quantize-on-load (high-precision checkpoint into a quantized mode) happens here too, before the
-permutation: the kernel layout is always what the kernels (and the reference) read.
+Quantize-on-load (high-precision checkpoint into a quantized mode) happens here too: the kernel
+layout is always what the kernels (and the reference) read. The quantization is deferred to
+`load_into` (a `Quantized` source) so that on the GPU it runs fused with the permutation
+(kernels/prepare.py: one read of the checkpoint, one write of the layout, no temporary the size
+of a weight); elsewhere, and as the oracle, moe_ops.quant's reference functions run on bounded
+expert chunks and `index_copy_` places the rows. Both give the same bytes.
 """
 from __future__ import annotations
 
@@ -95,22 +99,62 @@ def clear_permutation_cache() -> None:
     _PERMUTATION_CACHE.clear()
 
 
+# Temporaries of the preparation are bounded by working on expert chunks of about this many
+# bytes: a checkpoint tensor that must change device or dtype first, and the float32 copies the
+# reference quantization makes.
+CHUNK_BYTES = 256 << 20
+
+
+def _expert_chunks(num_experts: int, bytes_per_expert: int):
+    step = max(1, CHUNK_BYTES // max(bytes_per_expert, 1))
+    for start in range(0, num_experts, step):
+        yield start, min(num_experts, start + step)
+
+
+def device_kernels_available(device: torch.device) -> bool:
+    """Whether `load_into` can use the device preparation kernels for tensors on `device`:
+    CUDA, triton importable, and not inside a torch.compile trace (the plain-torch path traces)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    try:
+        import moe_ops.kernels.prepare  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def apply_permutation(
-    destination: torch.Tensor, sources: list[torch.Tensor], destination_rows: torch.Tensor
+    destination: torch.Tensor, sources: list[torch.Tensor], destination_rows: torch.Tensor,
+    *, kernels: bool = False,
 ) -> None:
     """Write `sources` (concatenated along dim 1) into `destination` in place, row i of the
     concatenation to row destination_rows[i]. In place, so parameters keep their addresses
-    (CUDA graphs captured before a weight sync stay valid)."""
+    (CUDA graphs captured before a weight sync stay valid).
+
+    A source on another device or of another dtype is converted one expert chunk at a time, so
+    the temporary stays bounded. With `kernels`, 3-D sources are moved by the device scatter
+    kernel (bit for bit, any strides); otherwise by `index_copy_`.
+    """
     start = 0
     for source in sources:
         rows = source.shape[1]
-        source = source.to(device=destination.device, dtype=destination.dtype)
-        target = destination
-        if destination.dtype == q.FP8_DTYPE:
-            # index_copy_ has no float8 kernel; the bytes are what we move, bit for bit.
-            target, source = destination.view(torch.uint8), source.contiguous().view(torch.uint8)
-        target.index_copy_(1, destination_rows[start:start + rows], source)
+        index = destination_rows[start:start + rows]
         start += rows
+        same = source.device == destination.device and source.dtype == destination.dtype
+        per_expert = source[0].numel() * destination.element_size() if source.shape[0] else 0
+        chunks = [(0, source.shape[0])] if same else _expert_chunks(source.shape[0], per_expert)
+        for e0, e1 in chunks:
+            chunk = source[e0:e1].to(device=destination.device, dtype=destination.dtype)
+            target = destination[e0:e1]
+            if kernels and chunk.dim() == 3:
+                from moe_ops.kernels import prepare
+
+                prepare.scatter_rows(chunk, target, index)
+                continue
+            if destination.dtype == q.FP8_DTYPE:
+                # index_copy_ has no float8 kernel; the bytes are what we move, bit for bit.
+                target, chunk = target.view(torch.uint8), chunk.contiguous().view(torch.uint8)
+            target.index_copy_(1, index, chunk)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,6 +261,17 @@ def _check_tensor(value, name: str, shape: tuple[int, ...], dtypes: tuple[torch.
           _dtype_name(value.dtype))
 
 
+@dataclass(frozen=True, eq=False)
+class Quantized:
+    """One part ("value", "scale" or "global_scale") of a high-precision checkpoint matrix
+    quantized to `quant`, a source whose quantization `load_into` performs on the way into the
+    kernel layout (fused with the permutation on the GPU)."""
+
+    weight: torch.Tensor  # [E, N, K] float, the checkpoint matrix
+    quant: str
+    part: str
+
+
 def _is_prequantized(weight: torch.Tensor, quant: str) -> bool:
     if quant in ("fp8", "fp8_block"):
         return weight.dtype == q.FP8_DTYPE
@@ -244,29 +299,20 @@ def _weight_sources(ckpt: Checkpoint, name: str, quant: str, rows: int, cols: in
     if quant == "none":
         check(scale is None, name + "_scale", "None for quant='none'", "a tensor")
         return {"value": weight}
+    if not prequantized:
+        parts = ("value", "scale") + (("global_scale",) if quant == "nvfp4" else ())
+        return {part: Quantized(weight, quant, part) for part in parts}
     if quant == "fp8":
-        if not prequantized:
-            value, scale = q.quantize_fp8_per_tensor(weight)
-            return {"value": value, "scale": scale[:, None].expand(e, rows)}
         _check_tensor(weight, name, (e, rows, cols), (q.FP8_DTYPE,))
         _check_tensor(scale, name + "_scale", (e,), (torch.float32,))
         return {"value": weight, "scale": scale[:, None].expand(e, rows)}
     if quant == "fp8_block":
-        if not prequantized:
-            value, scale = q.quantize_fp8_block(weight)
-            return {"value": value, "scale": scale}
         b = q.FP8_BLOCK
         _check_tensor(weight, name, (e, rows, cols), (q.FP8_DTYPE,))
         _check_tensor(scale, name + "_scale", (e, -(-rows // b), -(-cols // b)), (torch.float32,))
         return {"value": weight, "scale": scale}
     # nvfp4 / mxfp4
     block = q.fp4_scale_block(quant)
-    if not prequantized:
-        if quant == "nvfp4":
-            value, scale, global_scale = q.quantize_nvfp4(weight)
-            return {"value": value, "scale": scale, "global_scale": global_scale[:, None].expand(e, rows)}
-        value, scale = q.quantize_mxfp4(weight)
-        return {"value": value, "scale": scale}
     _check_tensor(weight, name, (e, rows, cols // 2), (torch.uint8,))
     scale_dtype = q.FP8_DTYPE if quant == "nvfp4" else torch.uint8
     _check_tensor(scale, name + "_scale", (e, rows, cols // block), (scale_dtype,))
@@ -328,14 +374,112 @@ def checkpoint_sources(
     return sources
 
 
+def _scale_rows(quant: str, rows: int) -> int:
+    """Rows of the scale tensor of a matrix with `rows` rows (fp8_block: one per 128)."""
+    return -(-rows // q.FP8_BLOCK) if quant == "fp8_block" else rows
+
+
+def _reference_parts(weight: torch.Tensor, quant: str) -> dict[str, torch.Tensor]:
+    """moe_ops.quant's reference quantization of weight [E, N, K], per kernel-layout part (the
+    per-expert scales of fp8 and nvfp4's global scale expanded to one per row)."""
+    e, rows = weight.shape[:2]
+    if quant == "fp8":
+        value, scale = q.quantize_fp8_per_tensor(weight)
+        return {"value": value, "scale": scale[:, None].expand(e, rows)}
+    if quant == "fp8_block":
+        value, scale = q.quantize_fp8_block(weight)
+        return {"value": value, "scale": scale}
+    if quant == "nvfp4":
+        value, scale, global_scale = q.quantize_nvfp4(weight)
+        return {"value": value, "scale": scale, "global_scale": global_scale[:, None].expand(e, rows)}
+    value, scale = q.quantize_mxfp4(weight)
+    return {"value": value, "scale": scale}
+
+
+def _device_parts(weight: torch.Tensor, quant: str, targets: dict[str, torch.Tensor],
+                  indices: dict[str, torch.Tensor]) -> None:
+    """The fused device path: quantize weight [E, N, K] straight into the kernel layout."""
+    from moe_ops.kernels import prepare
+
+    e, rows = weight.shape[:2]
+    factor = factor2 = None
+    if quant in ("fp8", "nvfp4"):
+        # The per-expert factors by the reference's own expressions, from an exact amax.
+        amax = prepare.amax_per_expert(weight)
+        if quant == "fp8":
+            factor, per_row = q._inverse_scale(amax), amax / q.FP8_MAX
+            role = "scale"
+        else:
+            factor, factor2 = q.nvfp4_global_scale(amax)
+            per_row, role = factor, "global_scale"
+        if role in targets:
+            targets[role].index_copy_(1, indices[role], per_row[:, None].expand(e, rows))
+    block_scales = quant != "fp8" and "scale" in targets
+    prepare.quantize_scatter(weight, quant, targets["value"], indices["value"],
+                             targets["scale"] if block_scales else None,
+                             indices["scale"] if block_scales else None, factor, factor2)
+
+
+def _quantize_into(
+    role: str,
+    destination: dict[str, torch.Tensor],
+    sources: dict[str, list],
+    permutations: dict[str, torch.Tensor],
+    kernels: bool,
+) -> None:
+    """Quantize the `Quantized` sources of value role `role` ("w13" or "w2") into it and into
+    its companion roles (`<role>_scale`, `<role>_global_scale`), through their permutations."""
+    roles = {"value": role}
+    roles.update({part: f"{role}_{part}" for part in ("scale", "global_scale")
+                  if f"{role}_{part}" in destination})
+    starts = dict.fromkeys(roles, 0)
+    value_dst = destination[role]
+    for source in sources[role]:
+        weight, quant = source.weight, source.quant
+        e, rows = weight.shape[:2]
+        counts = {part: _scale_rows(quant, rows) if part == "scale" else rows for part in roles}
+        indices = {part: permutations[r][starts[part]:starts[part] + counts[part]]
+                   for part, r in roles.items()}
+        for part in roles:
+            starts[part] += counts[part]
+        same = weight.device == value_dst.device
+        chunks = ([(0, e)] if kernels and same else
+                  # float32 copies of the chunk: the reference makes several
+                  _expert_chunks(e, weight[0].numel() * (weight.element_size() if kernels else 4)))
+        for e0, e1 in chunks:
+            chunk = weight[e0:e1].to(value_dst.device)
+            targets = {part: destination[r][e0:e1] for part, r in roles.items()}
+            if kernels:
+                _device_parts(chunk, quant, targets, indices)
+                continue
+            for part, tensor in _reference_parts(chunk, quant).items():
+                if part in targets:
+                    apply_permutation(targets[part], [tensor], indices[part])
+
+
 def load_into(
     destination: dict[str, torch.Tensor],
-    sources: dict[str, list[torch.Tensor]],
+    sources: dict[str, list],
     permutations: dict[str, torch.Tensor],
+    *,
+    kernels: Optional[bool] = None,
 ) -> None:
-    """Fill every kernel-layout tensor from its sources through its permutation."""
+    """Fill every kernel-layout tensor from its sources through its permutation.
+
+    `kernels`: use the device preparation kernels (kernels/prepare.py); None = where available
+    (CUDA tensors, see `device_kernels_available`). True on CPU tensors runs them in the Triton
+    interpreter (TRITON_INTERPRET=1), which is how their bytes are tested against the reference.
+    """
+    if kernels is None:
+        devices = {t.device for t in destination.values()}
+        kernels = len(devices) == 1 and device_kernels_available(devices.pop())
     for role, tensor in destination.items():
-        apply_permutation(tensor, sources[role], permutations[role])
+        role_sources = sources[role]
+        if role_sources and isinstance(role_sources[0], Quantized):
+            if role_sources[0].part == "value":  # the other parts are written with it
+                _quantize_into(role, destination, sources, permutations, kernels)
+            continue
+        apply_permutation(tensor, role_sources, permutations[role], kernels=kernels)
 
 
 def prepare_weights(

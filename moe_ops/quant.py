@@ -47,6 +47,13 @@ def _to_fp8(scaled: torch.Tensor) -> torch.Tensor:
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def _exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor correctly rounded on every device. torch on CUDA divides by a Python scalar as
+    a multiplication by its rounded reciprocal (one ulp off now and then); a tensor divisor
+    takes the true division everywhere, so scales are the same bytes on CPU and GPU."""
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
+
+
 def _inverse_scale(amax: torch.Tensor) -> torch.Tensor:
     """448 / amax, and 0 where amax is 0: a zero block quantizes to zeros, never to NaN."""
     return torch.where(amax > 0, FP8_MAX / amax, torch.zeros_like(amax))
@@ -70,7 +77,7 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
     q = _to_fp8(_divide_by_scale(xf, amax[:, None]))
-    return q, amax / FP8_MAX
+    return q, _exact_div(amax, FP8_MAX)
 
 
 def quantize_fp8_per_token_group(
@@ -82,7 +89,7 @@ def quantize_fp8_per_token_group(
     xf = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
     amax = xf.abs().amax(dim=-1)
     q = _to_fp8(_divide_by_scale(xf, amax[:, :, None])).view(m, groups * group)[:, :k]
-    return q.contiguous(), amax / FP8_MAX
+    return q.contiguous(), _exact_div(amax, FP8_MAX)
 
 
 def quantize_fp8_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +97,7 @@ def quantize_fp8_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     wf = w.float()
     amax = wf.abs().amax(dim=(1, 2))
     q = _to_fp8(wf * _inverse_scale(amax)[:, None, None])
-    return q, amax / FP8_MAX
+    return q, _exact_div(amax, FP8_MAX)
 
 
 def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +109,7 @@ def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.T
     amax = blocks.abs().amax(dim=(2, 4))
     q = _to_fp8(blocks * _inverse_scale(amax)[:, :, None, :, None])
     q = q.view(e, nb * block, kb * block)[:, :n, :k].contiguous()
-    return q, amax / FP8_MAX
+    return q, _exact_div(amax, FP8_MAX)
 
 
 def expand_block_scales(scale: torch.Tensor, n: int, k: int, block: int = FP8_BLOCK) -> torch.Tensor:
@@ -147,6 +154,16 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # nvfp4 and mxfp4
 # ---------------------------------------------------------------------------------------------
+def nvfp4_global_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert amax -> (global scale, its inverse or 0 for a zero expert), float32.
+
+    Shared with the device preparation (kernels/prepare.py), so both give the same bits.
+    """
+    global_scale = amax / (FP8_MAX * E2M1_MAX)
+    inv_global = torch.where(global_scale > 0, 1.0 / global_scale, torch.zeros_like(global_scale))
+    return global_scale, inv_global
+
+
 def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [E, N, K] -> (packed uint8 [E, N, K/2], block scale e4m3 [E, N, K/16], global f32 [E]).
 
@@ -155,11 +172,10 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """
     e, n, k = w.shape
     wf = w.float()
-    global_scale = wf.abs().amax(dim=(1, 2)) / (FP8_MAX * E2M1_MAX)
+    global_scale, inv_global = nvfp4_global_scale(wf.abs().amax(dim=(1, 2)))
     blocks = wf.view(e, n, k // NVFP4_BLOCK, NVFP4_BLOCK)
     block_amax = blocks.abs().amax(dim=-1)
-    inv_global = torch.where(global_scale > 0, 1.0 / global_scale, torch.zeros_like(global_scale))
-    block_scale = _to_fp8(block_amax / E2M1_MAX * inv_global[:, None, None])
+    block_scale = _to_fp8(_exact_div(block_amax, E2M1_MAX) * inv_global[:, None, None])
     full_scale = block_scale.float() * global_scale[:, None, None]
     inv_full = torch.where(full_scale > 0, 1.0 / full_scale, torch.zeros_like(full_scale))
     codes = e2m1_encode(blocks * inv_full[..., None]).view(e, n, k)
@@ -171,11 +187,16 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     The block exponent is ceil(log2(amax / 6)), so the largest element maps to at most 6 and
     nothing saturates (OCP's floor(log2(amax)) - 2 can clip up to a third of the largest value).
+    It is computed exactly, from frexp (y = m * 2^x with m in [0.5, 1): ceil(log2 y) is x, or
+    x - 1 when m is exactly 0.5), not through a float log2: a rounded log2 of a y a few ulps
+    above a power of two can land on the integer and give one less (float32 inputs only), and
+    the result would then depend on the device's log2. Weights are finite.
     """
     e, n, k = w.shape
     blocks = w.float().view(e, n, k // MXFP4_BLOCK, MXFP4_BLOCK)
     amax = blocks.abs().amax(dim=-1)
-    exponent = torch.ceil(torch.log2(amax / E2M1_MAX))
+    mantissa, power = torch.frexp(_exact_div(amax, E2M1_MAX))
+    exponent = (power - (mantissa == 0.5).to(power.dtype)).float()
     exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, -E8M0_BIAS))
     exponent = exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
     codes = e2m1_encode(blocks * torch.exp2(-exponent)[..., None]).view(e, n, k)

@@ -227,9 +227,27 @@ def test_plan_listed_modes_cross_product_and_listed_only():
     assert quick.models == list(bench.QUICK_MODELS) and quick.budget_ms < 100
 
 
-def test_backend_without_4bit_kernels_is_reported_not_crashed():
-    reason = bench.backend_support("triton", "nvfp4", torch.device("cpu"), torch.bfloat16, {})
+def test_backend_support_probe():
+    # the Triton kernels run the 4-bit modes (here in the interpreter); a backend that cannot
+    # run a mode is reported with its reason, not crashed on
+    assert bench.backend_support("triton", "nvfp4", torch.device("cpu"), torch.bfloat16, {}) is None
+    reason = bench.backend_support("cpu", "mxfp4", torch.device("cpu"), torch.bfloat16, {})
     assert isinstance(reason, str) and reason
+
+
+def test_bf16_peer_computes_the_4bit_layer_exactly():
+    """The bf16 peer of a 4-bit layer holds its weights dequantized and computes what the 4-bit
+    layer computes: exactly for mxfp4; nvfp4's float32 global scale rounds to bf16."""
+    cfg = bench.ModelConfig("tiny_oss", num_experts=4, hidden_size=64, intermediate_size=32,
+                            top_k=2, routing="renormalize", activation="swiglu_oai", bias=True,
+                            quant=("mxfp4",))
+    for quant in ("mxfp4", "nvfp4"):
+        layer, _ = bench.build_layer(cfg, quant, backend="reference", device="cpu",
+                                     with_baseline=False)
+        peer = bench.build_bf16_peer(cfg, quant, layer, backend="reference")
+        x, logits = bench.make_inputs(cfg, 5, 1, torch.device("cpu"), torch.bfloat16, 1)[0]
+        bound = 1e-6 if quant == "mxfp4" else 1e-2
+        assert bench.relative_error(peer(x, logits), layer(x, logits)) < bound, quant
 
 
 def test_cli_end_to_end_on_cpu(tmp_path, capsys):
@@ -308,3 +326,145 @@ def test_gpu_check_plans():
                                        torch.device("cpu"))
     assert {c.quant for c in sanitize} == {"none", "fp8", "fp8_block"}
     assert max(c.tokens for c in sanitize) <= 64 and not any(c.kind == "large" for c in sanitize)
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers' experts implementations as peers (hf_peers.py)
+# ---------------------------------------------------------------------------------------------
+import hf_peers  # noqa: E402
+
+
+def _needs_transformers():
+    version, why = hf_peers.transformers_status()
+    if version is None:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("activation,bias", [("swiglu", False), ("swiglu_oai", True),
+                                             ("relu2", False), ("geglu", True)])
+def test_hf_peers_compute_what_the_layer_computes(activation, bias):
+    _needs_transformers()
+    cfg = tiny(activation=activation, bias=bias)
+    layer, base = bench.build_layer(cfg, "none", backend="reference", device="cpu")
+    state = bench.RunState(bench.parse_args([]), SHAPES, torch.device("cpu"), 0.0)
+    peers = bench.make_peers(state, cfg, "none", layer, base, ["grouped_mm", "batched_mm"])
+    assert [p.name for p in peers] == ["grouped_mm", "batched_mm"]
+    if activation == "swiglu_oai":  # gpt-oss's own layout: transposed, gate/up interleaved
+        module = peers[0].module
+        assert module.is_transposed and not module.is_concatenated
+        assert module.gate_up_proj.shape == (8, 64, 64)
+        torch.testing.assert_close(module.gate_up_proj[:, :, 1::2].transpose(1, 2),
+                                   base.weights.w13[:, 32:])
+    else:
+        assert peers[0].module.down_proj is base.weights.w2  # shared, not copied
+    x, logits = bench.make_inputs(cfg, 9, 1, torch.device("cpu"), torch.bfloat16, 3)[0]
+    expected = bench.reference_forward(layer, x, logits)
+    for peer in peers:
+        out = peer(x, logits)
+        assert out.shape == x.shape and out.dtype == x.dtype
+        assert bench.relative_error(out, expected) <= 1e-2, peer.name
+    checks = bench.check_peers(state, cfg, "none", layer, peers)
+    assert all(c["ok"] for c in checks.values())
+
+
+def test_peers_flag():
+    assert bench.parse_args([]).peers == ["torch", "grouped_mm", "batched_mm"]
+    args = bench.parse_args(["--peers", "grouped_mm"])
+    assert args.hf_peers == ["grouped_mm"] and args.no_baseline
+    args = bench.parse_args(["--peers", "torch,batched_mm", "--no-baseline"])
+    assert args.peers == ["batched_mm"] and args.no_baseline
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--peers", "torch,vllm"])
+
+
+def test_cli_with_peers_on_cpu(tmp_path, capsys, monkeypatch):
+    _needs_transformers()
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps(TINY_SHAPES))
+    out = tmp_path / "peers.json"
+    # batched_mm at T=5 would gather 5*2 expert weights: over this limit it is skipped, by name
+    monkeypatch.setattr(hf_peers, "CPU_BATCHED_MM_BYTES", 3 * (64 * 64 + 64 * 32) * 2 * 2)
+    argv = ["--shapes", str(shapes), "--device", "cpu", "--backend", "reference", "--models",
+            "tiny", "--budget-ms", "1", "--check-tokens", "4", "--out", str(out), "--no-plot",
+            "--deadline-s", "0", "--peers", "grouped_mm,batched_mm"]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    none = [r for r in data["records"] if r["quant"] == "none"]
+    assert [r["tokens"] for r in none] == [1, 5]
+    for record in none:
+        assert record["grouped_mm_us"] > 0 and record["route_us"] > 0
+        assert record["baseline_us"] is None  # torch not asked for
+        assert record["grouped_mm_graph_us"] is None and "grouped_mm_graph" in record["errors"]
+        assert record["speedup_vs_grouped_mm"] > 0
+    assert none[0]["batched_mm_us"] > 0
+    assert none[1]["batched_mm_us"] is None
+    assert none[1]["errors"]["batched_mm"].startswith("skipped: batched_mm would gather")
+    fp8 = [r for r in data["records"] if r["quant"] == "fp8"]
+    assert fp8 and not any("grouped_mm_us" in r for r in fp8)
+    notes = data["metadata"]["notes"]
+    assert any(n.startswith("transformers peers: quant='fp8' not timed") for n in notes)
+    assert data["metadata"]["settings"]["peers"] == ["grouped_mm", "batched_mm"]
+    assert data["checks"][0]["peers"]["grouped_mm"]["ok"]
+    assert "gmm-g us" in capsys.readouterr().out
+
+
+def test_cli_without_transformers_skips_peers_with_a_note(tmp_path, monkeypatch):
+    monkeypatch.setattr(hf_peers, "transformers_status", lambda: (None, "not installed"))
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps(dict(TINY_SHAPES, tokens=[3])))
+    out = tmp_path / "none.json"
+    argv = ["--shapes", str(shapes), "--device", "cpu", "--backend", "reference", "--models",
+            "tiny", "--quant", "none", "--budget-ms", "1", "--out", str(out), "--no-plot",
+            "--deadline-s", "0"]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert "transformers peers skipped: not installed" in data["metadata"]["notes"]
+    assert data["records"][0]["baseline_us"] > 0 and "grouped_mm_us" not in data["records"][0]
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/bench_prepare.py: weight preparation against its floor
+# ---------------------------------------------------------------------------------------------
+def test_bench_prepare_tiny_on_cpu(tmp_path, monkeypatch, capsys):
+    import bench_prepare
+
+    monkeypatch.setenv("MOE_OPS_RESULTS_DIR", str(tmp_path / "results"))
+    argv = ["--tiny", "--device", "cpu", "--repeats", "1", "--copy-bytes", str(1 << 20)]
+    assert bench_prepare.main(argv) == 0
+    data = json.loads((tmp_path / "results" / "prepare_cpu_tiny.json").read_text())
+    meta = data["metadata"]
+    assert meta["command"].endswith(" ".join(argv))
+    assert {"gpu", "date", "torch", "triton", "git", "copy_bandwidth"} <= set(meta)
+    assert meta["copy_bandwidth"]["bytes_per_s"] > 0 and not meta["failures"]
+    cases = {(r["model"], r["quant"], r["prequantized"], r["op"]) for r in data["records"]}
+    for model, quant, pre in bench_prepare.CASES:
+        assert {(model, quant, pre, "prepare"), (model, quant, pre, "reload")} <= cases
+    assert bench_prepare.TARGET in cases
+    assert ("deepseek_v3", "fp8_block", False, "prepare, torch path") in cases
+    for r in data["records"]:
+        assert r["time_ms"] > 0 and r["floor_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["time_ms"] / r["floor_ms"])
+        assert r["bytes_read"] > 0 and r["bytes_written"] > 0
+        if r["op"] == "reload":
+            assert r["parameters_moved"] == [] and r["matches_prepare"] and r["bit_exact"]
+    # The floor of deepseek_v3 bf16 -> fp8_block: bf16 w1, w2, w3 read; fp8 values + block
+    # scales written (E=4, H=256, I=128 at --tiny).
+    e, h, i = bench_prepare.TINY_SIZES["deepseek_v3"]
+    first = data["records"][0]
+    assert first["bytes_read"] == 3 * e * h * i * 2
+    assert first["bytes_written"] == 3 * e * h * i + 4 * e * (2 * 1 * 2 + 2 * 1)
+    table = capsys.readouterr().out.strip().splitlines()
+    assert table[1].split()[:3] == ["model", "source", "quant"]
+    assert table[-1].split()[0] == "gpt_oss_120b"
+
+
+def test_hf_gpu_check_cpu_smoke(capsys):
+    """hf_gpu_check.py's tiny CPU mode: logits, generate, fine-grained FP8 experts on moe_ops,
+    and a static-cache generate that generate itself compiles (aot_eager here,
+    reduce-overhead on the GPU)."""
+    _needs_transformers()
+    import hf_gpu_check
+    assert hf_gpu_check.main(["--families", "mixtral", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS mixtral") == 3 and "FAIL" not in out
+    assert "fine-grained FP8" in out and "compiled by generate" in out

@@ -165,15 +165,14 @@ def test_triton_backend_on_cpu_without_interpreter(gen, monkeypatch):
         layer(tokens(gen), logits(gen))
 
 
-def test_triton_backend_rejects_4bit_before_any_launch(gen):
-    """nvfp4/mxfp4 are not in the Triton kernels: asked for explicitly, a clear error (also at
-    trace time, from the fake); with backend='auto' on CUDA they run on the reference."""
+def test_triton_backend_runs_4bit():
+    """nvfp4/mxfp4 run on the Triton kernels (W4A16): asked for explicitly they are accepted,
+    and backend='auto' on CUDA picks triton for them as for every other mode."""
     from moe_ops.experts import resolve_backend
 
-    with rejects("backend"):
-        resolve_backend("triton", torch.device("cpu"), "nvfp4")
-    assert resolve_backend("auto", torch.device("cuda"), "mxfp4") == "reference"
-    assert resolve_backend("auto", torch.device("cuda"), "fp8") == "triton"
+    assert resolve_backend("triton", torch.device("cpu"), "nvfp4") == "triton"
+    for quant in ("mxfp4", "nvfp4", "fp8"):
+        assert resolve_backend("auto", torch.device("cuda"), quant) == "triton"
 
 
 def test_local_expert_offset_out_of_range(gen):

@@ -381,3 +381,193 @@ def test_prepare_allows_fullgraph_without_an_eager_forward():
     with torch.no_grad():
         ours = compiled(input_ids=ids).logits.float()
     assert _rel(ours, eager) <= 1e-4 and "index_copy" not in graphs[0].code
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-grained FP8 experts (transformers' FP8Experts, 128x128 block scales) -> quant="fp8_block"
+# ---------------------------------------------------------------------------------------------
+def _fp8_api():
+    try:
+        from transformers.integrations import finegrained_fp8
+        from transformers.integrations.moe import use_experts_implementation
+    except Exception:  # noqa: BLE001
+        pytest.skip("this transformers has no fine-grained FP8 experts registry")
+    if not hasattr(finegrained_fp8, "FP8ExpertsInterface"):
+        pytest.skip("this transformers has no FP8ExpertsInterface")
+    return finegrained_fp8, use_experts_implementation
+
+
+FP8_SMALL = dict(SMALL, hidden_size=128)
+FP8_MODELS = {
+    "mixtral": ("mixtral", "MixtralConfig", "MixtralForCausalLM",
+                dict(FP8_SMALL, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(FP8_SMALL, intermediate_size=96, moe_intermediate_size=128, num_experts=6,
+                       num_experts_per_tok=3, head_dim=32, norm_topk_prob=True)),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(MODELS["deepseek_v3"][3], hidden_size=128, moe_intermediate_size=128)),
+}
+
+
+def _quantize_blocks(w, scale_fmt, block=(128, 128)):
+    """Random weights -> (float8 values, block scales) as a fine-grained FP8 checkpoint holds
+    them; ue8m0 scales are powers of two (DeepSeek-V3.1/V4 style)."""
+    from moe_ops import quant as q
+    values, scale = q.quantize_fp8_block(w, block[0]) if block[0] == block[1] else (None, None)
+    if values is None:  # non-square blocks: per-block amax by hand
+        e, n, k = w.shape
+        blocks = w.float().view(e, n // block[0], block[0], k // block[1], block[1])
+        scale = blocks.abs().amax(dim=(2, 4)) / 448
+        values = (blocks / scale[:, :, None, :, None]).clamp(-448, 448).view(e, n, k).to(q.FP8_DTYPE)
+    if scale_fmt == "ue8m0":
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        full = scale.repeat_interleave(block[0], 1).repeat_interleave(block[1], 2)
+        values = (w.float() / full).clamp(-448, 448).to(q.FP8_DTYPE)
+        scale = scale.to(torch.float8_e8m0fnu)
+    return values, scale
+
+
+def _dynamic_fp8_linear(self, x, weight, scale_inv, activation_scale=None):
+    """What transformers' fine-grained FP8 linear computes (dynamic activations quantized per
+    token per 128 columns, block-scaled weights), in plain torch: its Triton/DeepGEMM kernels
+    come from the hub and do not run on CPU."""
+    from moe_ops import quant as q
+    n, k = weight.shape
+    bn, bk = self.block_size
+    w = weight.float() * scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    rows = x.reshape(-1, k)
+    xq, xs = q.quantize_fp8_per_token_group(rows, bk)
+    xd = xq.float() * xs.repeat_interleave(bk, dim=1)[:, :k]
+    return torch.nn.functional.linear(xd, w).to(x.dtype).view(*x.shape[:-1], n)
+
+
+def _fp8_experts(config, *, block=(128, 128), scale_fmt="float", scheme="dynamic", seed=0):
+    """An FP8Experts module built as transformers' replace_with_fp8_linear builds it, filled with
+    quantized random weights, its linear replaced by the plain-torch emulation."""
+    import types
+    fp8, use_experts_implementation = _fp8_api()
+    cls = use_experts_implementation(experts_class=fp8.FP8Experts,
+                                     experts_interface=fp8.ALL_FP8_EXPERTS_FUNCTIONS,
+                                     has_bias=False, has_gate=True)
+    experts = cls(config=config, block_size=block, activation_scheme=scheme, scale_fmt=scale_fmt,
+                  has_bias=False, has_gate=True)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(experts, name)
+            values, scale = _quantize_blocks(torch.randn(weight.shape, generator=g) * 0.15,
+                                             scale_fmt, block)
+            weight.copy_(values)
+            getattr(experts, name + "_scale_inv").copy_(scale)
+    experts.linear = types.MethodType(_dynamic_fp8_linear, experts)
+    return experts
+
+
+def _build_fp8(name, dtype):
+    module, config_name, model_name, kwargs = FP8_MODELS[name]
+    classes = _classes(module, config_name, model_name)
+    if classes is None:
+        pytest.skip(f"{model_name} is not in this transformers")
+    torch.manual_seed(0)
+    model = classes[1](classes[0](**kwargs)).eval()
+    _randomize(model)
+    model = model.to(dtype)  # before the swap: .to(dtype) would cast the float8 weights too
+    swapped = 0
+    for module_name, sub in list(model.named_modules()):
+        if module_name.endswith(".experts") and hasattr(type(sub).forward, "__wrapped__"):
+            model.set_submodule(module_name, _fp8_experts(sub.config, seed=swapped))
+            swapped += 1
+    assert swapped
+    return model
+
+
+def test_register_adds_moe_ops_to_the_fp8_experts_registry():
+    fp8, _ = _fp8_api()
+    assert "moe_ops" in fp8.ALL_FP8_EXPERTS_FUNCTIONS
+
+
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_fp8_experts_match_transformers_dynamic_fp8(scale_fmt):
+    config = transformers.MixtralConfig(**FP8_MODELS["mixtral"][3])
+    experts = _fp8_experts(config, scale_fmt=scale_fmt)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(33, 128, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(33)])
+    w = torch.rand(33, 2, generator=g)
+    experts.config._experts_implementation = "eager"
+    # float32 activations: both sides quantize the same float32 values, so they agree exactly
+    expected = experts(x, ids, w)
+    ours = moe_hf.experts_forward(experts, x, ids, w, backend="reference")
+    assert _rel(ours, expected) <= 1e-5
+    spec = experts.__dict__[moe_hf._SPEC_ATTR]
+    assert (spec.quant, spec.activation, spec.concatenated) == ("fp8_block", "swiglu", True)
+    buffers = _prepared(experts)
+    assert buffers[moe_hf.buffer_name("w13")].dtype == torch.float8_e4m3fn
+    assert buffers[moe_hf.buffer_name("w13_scale")].shape == (4, 2, 1)  # gate, up blocks interleaved
+    # bf16 activations: the intermediate is rounded differently on the two sides (bf16 there,
+    # float32 until stored here), which moves a few requantized e4m3 steps
+    xb = x.bfloat16()
+    assert _rel(moe_hf.experts_forward(experts, xb, ids, w, backend="reference").float(),
+                experts(xb, ids, w).float()) <= 3e-2
+
+
+@pytest.mark.parametrize("name", list(FP8_MODELS))
+def test_fp8_model_logits_match_transformers_dynamic_fp8(name):
+    model = _build_fp8(name, torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(13))
+    eager = _logits(model, "eager", ids)  # transformers' FP8Experts loop (emulated linear)
+    ours = _logits(model, "moe_ops", ids)
+    assert _rel(ours, eager) <= 1e-4
+    experts = [m for m in model.modules() if moe_hf._SPEC_ATTR in m.__dict__]
+    assert experts and all(m.__dict__[moe_hf._SPEC_ATTR].quant == "fp8_block" for m in experts)
+    # and against the dequantized weights with unquantized activations: fp8 accuracy
+    for m in experts:
+        m.linear = lambda x, w, s, activation_scale=None, m=m: torch.nn.functional.linear(
+            x, w.float() * s.float().repeat_interleave(128, 0).repeat_interleave(128, 1))
+    assert _rel(ours, _logits(model, "eager", ids)) <= 0.1
+
+
+def test_fp8_bf16_model_prepare_and_compile():
+    model = _build_fp8("mixtral", torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(14))
+    eager = _logits(model, "eager", ids)
+    model.set_experts_implementation("moe_ops")
+    assert moe_hf.prepare(model) == 1
+    compiled, graphs = _compile(model)
+    with torch.no_grad():
+        ours = compiled(input_ids=ids).logits.float()
+    assert _rel(ours, eager) <= 3e-2
+    assert "torch.ops.moe_ops.fused_experts" in graphs[0].code and "index_copy" not in graphs[0].code
+    experts = next(m for m in model.modules() if moe_hf._SPEC_ATTR in m.__dict__)
+    with torch.no_grad():  # a weight sync of the fp8 values and scales: refresh picks it up
+        experts.down_proj_scale_inv.mul_(2)
+    assert moe_hf.refresh(model) == 1
+    with torch.no_grad():
+        again = compiled(input_ids=ids).logits.float()
+    assert _rel(again, _logits(model, "eager", ids)) <= 3e-2 and _rel(again, ours) > 1e-3
+
+
+@pytest.mark.parametrize("case,why", [
+    (dict(block=(64, 64)), "weight_block_size"),
+    (dict(scheme="static"), "activation_scheme='static'"),
+    (dict(intermediate=64), "multiples of 128"),
+])
+def test_fp8_experts_moe_ops_cannot_map_fall_back_with_one_warning(case, why):
+    kwargs = dict(FP8_MODELS["mixtral"][3])
+    if "intermediate" in case:
+        kwargs["intermediate_size"] = case.pop("intermediate")
+    config = transformers.MixtralConfig(**kwargs)
+    first, second = _fp8_experts(config, seed=0, **case), _fp8_experts(config, seed=1, **case)
+    moe_hf._WARNED_FALLBACKS.clear()
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(5, 128, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)])
+    w = torch.rand(5, 2, generator=g)
+    with pytest.warns(UserWarning, match=why) as record:
+        for experts in (first, second, first):
+            experts.config._experts_implementation = "moe_ops"
+            out = experts(x, ids, w)  # transformers' own FP8Experts forward
+            experts.config._experts_implementation = "eager"
+            torch.testing.assert_close(out, experts(x, ids, w))
+    assert len([r for r in record if "moe_ops" in str(r.message)]) == 1
+    assert moe_hf.prepare(first) == 0  # skipped, not raised

@@ -345,6 +345,41 @@ def test_experts_fp8_long_k_decode_config(poisoned_empty):
                   gemm2_config=GemmConfig(16, 64, 256, 8, 4, 5, swap_ab=True))
 
 
+@pytest.mark.parametrize("quant,I,split_k,swap", [
+    ("none", 40, 2, True), ("none", 200, 4, False), ("fp8", 320, 4, True),
+    ("fp8_block", 384, 2, True), ("fp8_block", 320, 4, False)])
+def test_experts_split_k_gemm2(quant, I, split_k, swap, poisoned_empty):
+    """GEMM2 with its reduction split over programs that add into the fp32 output: uneven
+    splits (K steps not a multiple of split_k, a masked last step, splits left empty), the bias
+    added once, invalid ids."""
+    H = 256 if quant == "fp8_block" else 48
+    tensors, kwargs = make_problem(6, H, I, 4, 2, quant=quant, bias=True, invalid_ids=True,
+                                   seed=13)
+    check_experts(tensors, kwargs, FP8_TOL if quant != "none" else 1e-2,
+                  gemm2_config=GemmConfig(16, 32, 64, 8, 4, 2, swap_ab=swap, split_k=split_k))
+
+
+@pytest.mark.parametrize("promote_k,split_k", [(128, 1), (256, 1), (512, 2)])
+def test_experts_fp8_deferred_promotion(promote_k, split_k, monkeypatch, poisoned_empty):
+    """fp8 partial sums promoted every promote_k columns (K steps of 64: every 2 or 8 steps,
+    the last promotion after the loop; with split-K per split)."""
+    import moe_ops.kernels.grouped_gemm as gg
+    monkeypatch.setattr(gg, "FP8_PROMOTE_K", promote_k)
+    tensors, kwargs = make_problem(5, 200, 320, 4, 2, quant="fp8", bias=True, seed=17)
+    check_experts(tensors, kwargs, FP8_TOL,
+                  gemm1_config=GemmConfig(16, 64, 64, 8, 4, 2),
+                  gemm2_config=GemmConfig(16, 32, 64, 8, 4, 2, swap_ab=True, split_k=split_k))
+
+
+def test_split_k_only_for_gemm2():
+    from moe_ops.kernels.grouped_gemm import config_problems
+    p1 = GemmProblem(1, 8, 256, 128, 1.0, torch.bfloat16)
+    p2 = GemmProblem(2, 8, 128, 128, 1.0, torch.bfloat16)
+    assert config_problems(p1, GemmConfig(split_k=2))
+    assert not config_problems(p2, GemmConfig(split_k=2))
+    assert config_problems(p2, GemmConfig(split_k=3))
+
+
 @pytest.mark.parametrize("combine,dtype", [("atomic", torch.float32), ("atomic", torch.bfloat16),
                                            ("rows", torch.float32)])
 def test_experts_combine_modes(combine, dtype, monkeypatch, poisoned_empty):

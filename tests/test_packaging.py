@@ -84,6 +84,9 @@ def test_wheel_ships_the_fakes_and_works_without_the_source_tree(tmp_path):
                      "moe_ops/kernels/__init__.py"):
         assert required in names, f"{required} missing from {built[0].name}: {sorted(names)}"
     assert not any(n.startswith(("meta/", "tests/")) for n in names), sorted(names)
+    # the tuned tables ship as package data
+    tables = {f"moe_ops/tuned/{p.name}" for p in (REPO_ROOT / "moe_ops" / "tuned").glob("*.json")}
+    assert tables <= names, sorted(tables - names)
 
     target = tmp_path / "site"
     _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",

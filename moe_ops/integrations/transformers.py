@@ -25,6 +25,13 @@ How a module is read (once per experts module, then cached on it):
   post-expert norm) a NotImplementedError names the module and its activation. A model is never
   silently run with a different function.
 
+Fine-grained FP8 checkpoints: transformers' FP8Experts (float8_e4m3fn weights with
+`*_scale_inv` per 128x128 block, dynamic activations) dispatch through their own registry
+(FP8ExpertsInterface), where `register()` adds the same implementation; they run as
+quant="fp8_block". FP8 experts moe_ops cannot map (other block sizes, I or H not multiples of
+128, static activation scales, fp4-packed weights) run transformers' own FP8Experts forward
+after a one-time warning naming the reason (FallbackToTransformers).
+
 Kernel-layout weights are prepared once per module (`plan_layout` + `load_into` with the
 `row_permutation` indices, layer dtype = hidden_states.dtype) into non-persistent buffers on the
 module (`moe_ops_w13`, `moe_ops_w2`, `moe_ops_b13`, `moe_ops_b2`, and `<name>_permutation`):
@@ -42,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 import weakref
 from typing import Callable, Optional
 
@@ -52,6 +60,7 @@ from moe_ops.experts import BACKENDS
 from moe_ops.functional import fused_moe
 from moe_ops.layout import (Checkpoint, checkpoint_sources, load_into, plan_layout,
                             prepare_weights, row_permutation)
+from moe_ops.quant import FP8_BLOCK, FP8_DTYPE
 
 IMPLEMENTATION_NAME = "moe_ops"
 
@@ -83,6 +92,24 @@ def register(name: str = IMPLEMENTATION_NAME, *, backend: str = "auto") -> None:
     forward = functools.partial(experts_forward, backend=backend)
     functools.update_wrapper(forward, experts_forward)
     ExpertsInterface.register(name, forward)
+    # Fine-grained FP8 checkpoints (quantization_config quant_method="fp8") replace each experts
+    # module with transformers' FP8Experts, which dispatches through a registry of its own
+    # (FP8ExpertsInterface: a subclass of ExpertsInterface with its own class-wide mapping, so
+    # the registration above does not reach it). The same function serves both: it maps
+    # 128x128 block-scaled weights onto quant="fp8_block" and hands anything else back to
+    # transformers' own FP8Experts forward with a one-time warning.
+    fp8_interface = _fp8_experts_interface()
+    if fp8_interface is not None:
+        fp8_interface.register(name, forward)
+
+
+def _fp8_experts_interface():
+    """transformers' FP8 experts registry class, or None where this transformers has none."""
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except Exception:  # noqa: BLE001 - absent (older transformers) or failing optional imports
+        return None
+    return FP8ExpertsInterface
 
 
 def invalidate(module: torch.nn.Module) -> None:
@@ -111,6 +138,13 @@ class ExpertsSpec:
     activation: str  # a moe_ops activation
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    quant: str = "none"  # "fp8_block" for transformers' fine-grained FP8Experts
+
+
+class FallbackToTransformers(NotImplementedError):
+    """A quantized experts module moe_ops does not map onto its kernels (e.g. fine-grained FP8
+    with blocks other than 128x128): the module runs transformers' own forward instead, after a
+    one-time warning that names the reason."""
 
 
 _GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai")
@@ -245,6 +279,8 @@ def describe_experts(module: torch.nn.Module, hidden_size: Optional[int] = None)
             f"{'gate_up_proj' if gated else 'up_proj'} and down_proj (got "
             f"{None if up is None else list(up.shape)}, {None if down is None else list(down.shape)}); "
             "quantized or otherwise packed experts are not supported by this integration")
+    if _tensor_attr(module, "down_proj_scale_inv") is not None:  # transformers' FP8Experts
+        return _describe_fp8(module, gated, up, down, hidden_size)
     if not (up.is_floating_point() and down.is_floating_point()) or {up.dtype, down.dtype} - {
             torch.float32, torch.bfloat16, torch.float16}:
         raise NotImplementedError(
@@ -257,7 +293,13 @@ def describe_experts(module: torch.nn.Module, hidden_size: Optional[int] = None)
     if getattr(module, "has_bias", False) and not has_bias:
         raise NotImplementedError(f"moe_ops: {cls} declares has_bias=True but holds no "
                                   f"{' or '.join(bias_names)} tensor")
+    return _measured_spec(module, gated, transposed, has_bias, intermediate)
 
+
+def _measured_spec(module: torch.nn.Module, gated: bool, transposed: bool, has_bias: bool,
+                   intermediate: int, quant: str = "none") -> ExpertsSpec:
+    """The spec of `module` with its activation measured on a probe (see the module doc)."""
+    cls = type(module).__name__
     if not gated:
         act = getattr(module, "act_fn", None)
         if act is None:
@@ -265,7 +307,7 @@ def describe_experts(module: torch.nn.Module, hidden_size: Optional[int] = None)
         probe = _probe(module, max(intermediate, 2))
         reference = _evaluate(act, module, probe)
         if _matches(F.relu(probe) ** 2, reference):
-            return ExpertsSpec(False, True, transposed, has_bias, "relu2")
+            return ExpertsSpec(False, True, transposed, has_bias, "relu2", quant=quant)
         raise NotImplementedError(
             f"moe_ops: gate-less {cls} applies {_activation_name(module)}; moe_ops computes "
             "gate-less experts only with relu2 (relu(x)^2). Use another experts_implementation "
@@ -286,7 +328,8 @@ def describe_experts(module: torch.nn.Module, hidden_size: Optional[int] = None)
         g, u = probe.chunk(2, dim=-1) if concatenated else (probe[:, 0::2], probe[:, 1::2])
         for activation, extra, fn in _gated_candidates(module):
             if _matches(fn(g, u), reference):
-                return ExpertsSpec(True, concatenated, transposed, has_bias, activation, **extra)
+                return ExpertsSpec(True, concatenated, transposed, has_bias, activation,
+                                   quant=quant, **extra)
     oai = _oai_parameters(module)
     raise NotImplementedError(
         f"moe_ops: {cls} applies a gated activation moe_ops does not compute "
@@ -296,11 +339,101 @@ def describe_experts(module: torch.nn.Module, hidden_size: Optional[int] = None)
         "(e.g. 'grouped_mm' or 'eager') for this model")
 
 
-def _spec(module: torch.nn.Module, hidden_size: int) -> ExpertsSpec:
+def _fp8_fallback(module: torch.nn.Module, why: str) -> FallbackToTransformers:
+    return FallbackToTransformers(
+        f"moe_ops: {type(module).__name__} runs transformers' own FP8 experts forward instead of "
+        f"moe_ops: {why}")
+
+
+def _describe_fp8(module: torch.nn.Module, gated: bool, up: torch.Tensor, down: torch.Tensor,
+                  hidden_size: Optional[int]) -> ExpertsSpec:
+    """transformers' fine-grained FP8Experts -> quant="fp8_block", or FallbackToTransformers.
+
+    FP8Experts holds `gate_up_proj` float8_e4m3fn [E, 2I, H] (gate rows, then up rows) with
+    `gate_up_proj_scale_inv` [E, 2I/bn, H/bk] and `down_proj` [E, H, I] with
+    `down_proj_scale_inv` [E, H/bn, I/bk]; dequantized weight = value x scale_inv of its block,
+    which is moe_ops' fp8_block scale exactly when the block is 128x128. Activations are
+    quantized dynamically per token per 128 columns on both sides (activation_scheme
+    "dynamic"). Everything else falls back, naming why."""
+    up_name = "gate_up_proj" if gated else "up_proj"
+    if up.dtype != FP8_DTYPE or down.dtype != FP8_DTYPE:
+        raise _fp8_fallback(module, f"{up_name}/down_proj are {up.dtype}/{down.dtype} (moe_ops "
+                            "maps float8_e4m3fn expert weights with block scales only, not "
+                            "fp4-packed or cast ones)")
+    scheme = getattr(module, "activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise _fp8_fallback(module, f"activation_scheme={scheme!r} (moe_ops quantizes "
+                            "activations dynamically, per token per 128 columns)")
+    block = getattr(module, "block_size", None)
+    if block is None or tuple(block) != (FP8_BLOCK, FP8_BLOCK):
+        raise _fp8_fallback(module, f"weight_block_size={block} (moe_ops' fp8_block kernels "
+                            f"take {FP8_BLOCK}x{FP8_BLOCK} weight blocks)")
+    if getattr(module, "is_transposed", False) or getattr(module, "experts_are_transposed", False):
+        raise _fp8_fallback(module, "transposed FP8 expert weights")
+    if getattr(module, "has_bias", False) or _tensor_attr(module, "down_proj_bias") is not None:
+        raise _fp8_fallback(module, "FP8 experts with biases")
+    experts, rows, hidden = up.shape
+    intermediate = rows // 2 if gated else rows
+    if hidden_size is not None and hidden != hidden_size:
+        raise ValueError(f"moe_ops: {type(module).__name__} {up_name} {list(up.shape)} does not "
+                         f"match hidden_states (hidden size {hidden_size})")
+    if intermediate % FP8_BLOCK or hidden % FP8_BLOCK:
+        raise _fp8_fallback(
+            module, f"intermediate size {intermediate} and hidden size {hidden} must both be "
+            f"multiples of {FP8_BLOCK}: otherwise a {FP8_BLOCK}-row scale block of "
+            f"{up_name}_scale_inv straddles the gate and up halves (and the last activation "
+            "group is partial)")
+    scales = {name: _tensor_attr(module, name) for name in (up_name + "_scale_inv", "down_proj_scale_inv")}
+    expected = {up_name + "_scale_inv": (experts, rows // FP8_BLOCK, hidden // FP8_BLOCK),
+                "down_proj_scale_inv": (experts, hidden // FP8_BLOCK, intermediate // FP8_BLOCK)}
+    for name, scale in scales.items():
+        if scale is None or tuple(scale.shape) != expected[name]:
+            raise _fp8_fallback(module, f"{name} is {None if scale is None else list(scale.shape)}, "
+                                f"expected {list(expected[name])} (one scale per 128x128 block)")
+        if scale.dtype not in (torch.float32, getattr(torch, "float8_e8m0fnu", torch.float32)):
+            raise _fp8_fallback(module, f"{name} has dtype {scale.dtype} (float32 or e8m0 scales only)")
+    if tuple(down.shape) != (experts, hidden, intermediate):
+        raise _fp8_fallback(module, f"down_proj is {list(down.shape)}, expected "
+                            f"{[experts, hidden, intermediate]}")
+    try:
+        spec = _measured_spec(module, gated, False, False, intermediate, quant="fp8_block")
+    except NotImplementedError as exc:
+        raise _fp8_fallback(module, str(exc).removeprefix("moe_ops: ")) from None
+    if not spec.concatenated:
+        raise _fp8_fallback(module, "its gate/up columns are interleaved, so 128-row scale "
+                            "blocks mix gate and up rows")
+    return spec
+
+
+_WARNED_FALLBACKS: set[tuple[str, str]] = set()
+
+
+def _warn_fallback(module: torch.nn.Module, exc: FallbackToTransformers) -> None:
+    """One warning per (class, reason), not one per layer."""
+    key = (type(module).__name__, str(exc))
+    if key not in _WARNED_FALLBACKS:
+        _WARNED_FALLBACKS.add(key)
+        warnings.warn(str(exc), stacklevel=3)
+
+
+def _spec_or_fallback(module: torch.nn.Module, hidden_size: int):
+    """The module's cached ExpertsSpec, or the cached FallbackToTransformers (returned, not
+    raised: the forward branches on it without an exception, also under torch.compile)."""
     spec = getattr(module, _SPEC_ATTR, None)
     if spec is None:
-        spec = describe_experts(module, hidden_size)
+        try:
+            spec = describe_experts(module, hidden_size)
+        except FallbackToTransformers as exc:
+            _warn_fallback(module, exc)
+            spec = exc
         module.__dict__[_SPEC_ATTR] = spec
+    return spec
+
+
+def _spec(module: torch.nn.Module, hidden_size: int) -> ExpertsSpec:
+    spec = _spec_or_fallback(module, hidden_size)
+    if isinstance(spec, FallbackToTransformers):
+        raise FallbackToTransformers(str(spec))  # a fresh one: a re-raised one grows its traceback
     return spec
 
 
@@ -311,14 +444,19 @@ def _source_names(spec: ExpertsSpec) -> tuple[str, ...]:
     names = ("gate_up_proj" if spec.gated else "up_proj", "down_proj")
     if spec.has_bias:
         names += ("gate_up_proj_bias" if spec.gated else "up_proj_bias", "down_proj_bias")
+    if spec.quant == "fp8_block":
+        names += ("gate_up_proj_scale_inv" if spec.gated else "up_proj_scale_inv",
+                  "down_proj_scale_inv")
     return names
 
 
 def checkpoint_weights(module: torch.nn.Module, spec: ExpertsSpec,
                        hidden_size: int) -> dict[str, torch.Tensor]:
     """The module's experts in the checkpoint layout `moe_ops.prepare_weights` takes: w1 gate
-    [E, I, H], w3 up [E, I, H] (gated only), w2 down [E, H, I], biases b1/b3 [E, I], b2 [E, H].
-    Views of the parameters where possible (no copies)."""
+    [E, I, H], w3 up [E, I, H] (gated only), w2 down [E, H, I], biases b1/b3 [E, I], b2 [E, H],
+    and for fine-grained FP8 experts the block scales w1_scale/w3_scale [E, I/128, H/128] and
+    w2_scale [E, H/128, I/128] (float32). Views of the parameters where possible (no copies;
+    e8m0 scales are converted to float32, exactly)."""
     cls = type(module).__name__
     up = _tensor_attr(module, "gate_up_proj" if spec.gated else "up_proj")
     down = _tensor_attr(module, "down_proj")
@@ -342,6 +480,19 @@ def checkpoint_weights(module: torch.nn.Module, spec: ExpertsSpec,
         return t[tuple(gate_index)], t[tuple(up_index)]
 
     weights: dict[str, torch.Tensor] = {"w2": down}
+    if spec.quant == "fp8_block":
+        # _describe_fp8 checked: concatenated, not transposed, I and H multiples of 128, so the
+        # first I/128 scale rows of gate_up_proj_scale_inv are the gate's, the rest the up's.
+        up_scale = _tensor_attr(module, "gate_up_proj_scale_inv" if spec.gated else "up_proj_scale_inv")
+        down_scale = _tensor_attr(module, "down_proj_scale_inv")
+        up_scale, down_scale = up_scale.float(), down_scale.float()  # no-op for float32 scales
+        weights["w2_scale"] = down_scale
+        if spec.gated:
+            blocks = intermediate // FP8_BLOCK
+            weights["w1_scale"] = up_scale.narrow(1, 0, blocks)
+            weights["w3_scale"] = up_scale.narrow(1, blocks, blocks)
+        else:
+            weights["w1_scale"] = up_scale
     if spec.gated:
         weights["w1"], weights["w3"] = split(up, 1)
     else:
@@ -392,7 +543,8 @@ def buffer_name(role: str) -> str:
 
 
 def _roles(spec: ExpertsSpec) -> tuple[str, ...]:
-    return ("w13", "w2") + (("b13", "b2") if spec.has_bias else ())
+    scales = ("w13_scale", "w2_scale") if spec.quant == "fp8_block" else ()
+    return ("w13", "w2") + scales + (("b13", "b2") if spec.has_bias else ())
 
 
 def _set_buffer(module: torch.nn.Module, name: str, tensor: Optional[torch.Tensor]) -> None:
@@ -406,7 +558,7 @@ def _prepare_into_buffers(module: torch.nn.Module, spec: ExpertsSpec, dtype: tor
     CUDA graphs captured on them stay valid); the others are replaced."""
     checkpoint = checkpoint_weights(module, spec, hidden_size)
     experts, intermediate, hidden = checkpoint["w1"].shape
-    config = dict(quant="none", activation=spec.activation, num_local_experts=experts,
+    config = dict(quant=spec.quant, activation=spec.activation, num_local_experts=experts,
                   hidden_size=hidden, intermediate_size=intermediate, bias=spec.has_bias)
     specs = plan_layout(**config, dtype=dtype, device=device)
     sources = checkpoint_sources(Checkpoint(**checkpoint), **config)
@@ -441,17 +593,22 @@ def kernel_weights(module: torch.nn.Module, dtype: torch.dtype, device: torch.de
     whenever a parameter changed since."""
     spec = _spec(module, hidden_size)
     roles = _roles(spec)
+    if spec.quant != "none":
+        # Quantized weights keep their format whatever the activations' dtype: one layout
+        # serves every layer dtype (and the cache key does not depend on it).
+        dtype = None
     if torch.compiler.is_compiling():
         # Traced graphs cannot read data_ptr/_version: use the buffers an eager call prepared
         # (graph inputs, so their fixed addresses are what CUDA graphs capture).
         tensors = {role: getattr(module, buffer_name(role), None) for role in roles}
         w13 = tensors["w13"]
-        if all(t is not None for t in tensors.values()) and w13.dtype == dtype \
+        if all(t is not None for t in tensors.values()) \
+                and w13.dtype == (dtype if spec.quant == "none" else FP8_DTYPE) \
                 and w13.device == device:
             return tensors
         # Nothing prepared for this dtype/device: prepare inside the graph (correct, slower).
         return prepare_weights(**checkpoint_weights(module, spec, hidden_size),
-                               activation=spec.activation, quant="none", dtype=dtype,
+                               activation=spec.activation, quant=spec.quant, dtype=dtype,
                                device=device)
     key = _cache_key(module, spec, dtype, device)
     entry = module.__dict__.get(_CACHE_ATTR)
@@ -478,16 +635,27 @@ def prepare(module: torch.nn.Module, dtype: Optional[torch.dtype] = None) -> int
     """Measure and prepare, now and eagerly, every experts module under `module`, as its first
     forward would (layer dtype `dtype`, default the experts' own dtype; their device). Lets
     `torch.compile(fullgraph=True)` or CUDA-graph capture start without an eager forward, and
-    raises at once for experts moe_ops cannot compute. Returns how many modules it prepared."""
+    raises at once for experts moe_ops cannot compute. FP8 experts that fall back to
+    transformers' own forward (see FallbackToTransformers) are skipped, with the one-time
+    warning. Returns how many modules it prepared."""
     count = 0
     for sub in module.modules():
         if not _is_experts_module(sub):
             continue
         down = sub.down_proj
         hidden_size = _config_value(getattr(sub, "config", None), "hidden_size")
-        if not isinstance(hidden_size, int):
-            spec = describe_experts(sub)
-            hidden_size = down.shape[2] if spec.transposed else down.shape[1]
+        if isinstance(hidden_size, int):
+            spec = _spec_or_fallback(sub, hidden_size)
+        else:
+            try:
+                spec = describe_experts(sub)
+            except FallbackToTransformers as exc:
+                _warn_fallback(sub, exc)
+                spec = exc
+            if not isinstance(spec, FallbackToTransformers):
+                hidden_size = down.shape[2] if spec.transposed else down.shape[1]
+        if isinstance(spec, FallbackToTransformers):
+            continue
         kernel_weights(sub, dtype or down.dtype, down.device, hidden_size)
         count += 1
     return count
@@ -527,6 +695,19 @@ class _InferenceOnly(torch.autograd.Function):
             "use experts_implementation='grouped_mm' or 'eager' to train")
 
 
+def _undecorated_forward(cls: type) -> Optional[Callable]:
+    """The experts class's own forward under every @use_experts_implementation wrapper.
+
+    transformers' replace_with_fp8_linear decorates FP8Experts once per experts layer, in place,
+    so its forward is a stack of dispatching wrappers: the first `__wrapped__` would dispatch
+    to this implementation again. A wrapper is recognized by its closure (`experts_interface`)."""
+    fn = cls.forward
+    while hasattr(fn, "__wrapped__") and "experts_interface" in getattr(
+            getattr(fn, "__code__", None), "co_freevars", ()):
+        fn = fn.__wrapped__
+    return None if fn is cls.forward else fn
+
+
 def experts_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -539,8 +720,18 @@ def experts_forward(
     `hidden_states [..., H]`, `top_k_index [..., k]` (expert ids; ids >= num_experts, the
     expert-parallel sentinels, contribute nothing) and `top_k_weights [..., k]` (or the dense
     `[..., num_experts]` router weights of older DeepSeek-V2 code). Returns `[..., H]` in the
-    dtype of hidden_states."""
+    dtype of hidden_states.
+
+    Fine-grained FP8 experts (transformers' FP8Experts) run as quant="fp8_block" when their
+    blocks are 128x128 and I, H are multiples of 128; otherwise this returns what transformers'
+    own (eager) FP8Experts forward computes, after a one-time warning naming the reason."""
     hidden_size = hidden_states.shape[-1]
+    spec = _spec_or_fallback(self, hidden_size)
+    if isinstance(spec, FallbackToTransformers):
+        original = _undecorated_forward(type(self))
+        if original is None:
+            raise FallbackToTransformers(str(spec))
+        return original(self, hidden_states, top_k_index, top_k_weights)
     x = hidden_states.reshape(-1, hidden_size)
     top_k = top_k_index.shape[-1]
     ids = top_k_index.reshape(-1, top_k)
@@ -548,12 +739,11 @@ def experts_forward(
     if weights.shape[1] != top_k:
         # Dense per-expert weights [T, num_experts]: pick each slot's expert.
         weights = weights.gather(1, ids.long().clamp(0, weights.shape[1] - 1))
-    spec = _spec(self, hidden_size)
     kernel = kernel_weights(self, x.dtype, x.device, hidden_size)
     with torch.no_grad():
         out = fused_moe(x, topk_ids=ids, topk_weights=weights, **kernel,
                         activation=spec.activation, swiglu_alpha=spec.swiglu_alpha,
-                        swiglu_limit=spec.swiglu_limit, quant="none", backend=backend)
+                        swiglu_limit=spec.swiglu_limit, quant=spec.quant, backend=backend)
     if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
         out = _InferenceOnly.apply(out, hidden_states, top_k_weights)
     return out.reshape(hidden_states.shape)

@@ -17,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ops.kernels.common import FP8_BLOCK, cdiv, fp8_quantize, next_power_of_2
+from moe_ops.kernels.common import (
+    FP8_BLOCK, cdiv, fp8_quantize, next_power_of_2, pdl_launch_options, pdl_prologue, use_pdl,
+)
 
 
 @triton.jit
@@ -28,7 +30,9 @@ def _act_quant_kernel(
     GROUP_K: tl.constexpr,      # 0: one scale per row; 128: one per 128 columns
     BLOCK_K: tl.constexpr,      # columns per step; a multiple of GROUP_K when grouped
     SKIP_PAD_ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     if SKIP_PAD_ROWS:
         # A sentinel (pair id == num_pairs) marks a padding row of the sorted layout.
@@ -95,5 +99,6 @@ def act_quant(
         x.stride(0), q.stride(0), stride_sm,
         GROUP_K=group_k, BLOCK_K=block_k, SKIP_PAD_ROWS=skip,
         num_warps=4 if block_k >= 512 else 1,
+        USE_PDL=use_pdl(x.device), **pdl_launch_options(x.device),
     )
     return q, scales

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from moe_ops.dispatch import AlignedPairs, max_padded_pairs
-from moe_ops.kernels.common import cdiv, next_power_of_2
+from moe_ops.kernels.common import cdiv, next_power_of_2, pdl_launch_options, pdl_prologue, use_pdl
 
 # Up to this many (token, slot) pairs the single-program path holds them all in registers.
 SMALL_PATH_MAX_PAIRS = 1024
@@ -65,7 +65,9 @@ def _align_single_program_kernel(
     topk_ids_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
     num_pairs, num_experts, local_expert_offset, max_padded, max_blocks,
     BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     # Sentinels first; the barrier orders them before this program's own stores below
     # (bar.sync makes a CTA's global writes visible to all its threads).
     _fill(sorted_pair_ids_ptr, num_pairs, 0, max_padded, FILL)
@@ -103,8 +105,9 @@ def _align_count_kernel(
     topk_ids_ptr, chunk_counts_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
     num_pairs, num_experts, local_expert_offset, max_padded, max_blocks,
     fill_per_program, blocks_per_program,
-    CHUNK: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr,
+    CHUNK: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     chunk = tl.program_id(0)
     # Every slot starts as the sentinel and every block as -1; the scatter kernel (a later
     # launch) overwrites the live slots, the offsets kernel the live blocks.
@@ -126,8 +129,9 @@ def _align_count_kernel(
 def _align_offsets_kernel(
     chunk_counts_ptr, chunk_base_ptr, block_expert_ids_ptr, num_padded_ptr,
     num_chunks,
-    BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK_TILE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     expert_idx = tl.arange(0, EXPERTS)
     chunk_idx = tl.arange(0, CHUNK_TILE)
     totals = tl.zeros([EXPERTS], dtype=tl.int32)
@@ -166,8 +170,9 @@ def _align_offsets_kernel(
 def _align_scatter_kernel(
     topk_ids_ptr, chunk_base_ptr, sorted_pair_ids_ptr,
     num_pairs, num_experts, local_expert_offset,
-    CHUNK: tl.constexpr, EXPERTS: tl.constexpr,
+    CHUNK: tl.constexpr, EXPERTS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     chunk = tl.program_id(0)
     local_idx = tl.arange(0, CHUNK)
     expert, valid = _local_experts(topk_ids_ptr, chunk * CHUNK + local_idx, num_pairs,
@@ -202,13 +207,14 @@ def moe_align(
     num_padded = torch.empty((1,), dtype=torch.int32, device=device)
     experts_p2 = next_power_of_2(num_experts)
     ids = topk_ids.reshape(-1)
+    pdl, launch = use_pdl(device), pdl_launch_options(device)
     if num_pairs <= small_path_max_pairs:
         pairs_p2 = next_power_of_2(max(num_pairs, 1))
         _align_single_program_kernel[(1,)](
             ids, sorted_pair_ids, block_expert_ids, num_padded,
             num_pairs, num_experts, local_expert_offset, max_padded, max_blocks,
             BLOCK_M=block_m, PAIRS=pairs_p2, EXPERTS=experts_p2, FILL=1024,
-            num_warps=4 if pairs_p2 * experts_p2 <= 1 << 16 else 8,
+            num_warps=4 if pairs_p2 * experts_p2 <= 1 << 16 else 8, USE_PDL=pdl, **launch,
         )
         return AlignedPairs(sorted_pair_ids, block_expert_ids, num_padded)
 
@@ -219,17 +225,17 @@ def moe_align(
         ids, chunk_counts, sorted_pair_ids, block_expert_ids,
         num_pairs, num_experts, local_expert_offset, max_padded, max_blocks,
         cdiv(max_padded, num_chunks), cdiv(max_blocks, num_chunks),
-        CHUNK=chunk_pairs, EXPERTS=experts_p2, FILL=1024, num_warps=4,
+        CHUNK=chunk_pairs, EXPERTS=experts_p2, FILL=1024, num_warps=4, USE_PDL=pdl, **launch,
     )
     _align_offsets_kernel[(1,)](
         chunk_counts, chunk_base, block_expert_ids, num_padded, num_chunks,
         BLOCK_M=block_m, EXPERTS=experts_p2,
         CHUNK_TILE=max(1, min(next_power_of_2(num_chunks), 4096 // experts_p2)),
-        num_warps=8,
+        num_warps=8, USE_PDL=pdl, **launch,
     )
     _align_scatter_kernel[(num_chunks,)](
         ids, chunk_base, sorted_pair_ids,
         num_pairs, num_experts, local_expert_offset,
-        CHUNK=chunk_pairs, EXPERTS=experts_p2, num_warps=4,
+        CHUNK=chunk_pairs, EXPERTS=experts_p2, num_warps=4, USE_PDL=pdl, **launch,
     )
     return AlignedPairs(sorted_pair_ids, block_expert_ids, num_padded)

@@ -4,6 +4,8 @@ moe_ops.kernels.INTERPRET; the format constants are moe_ops.quant's.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +31,43 @@ def upcast_dots(dtype: torch.dtype) -> bool:
     operands. On the GPU nothing is upcast.
     """
     return INTERPRET and dtype in (torch.bfloat16, torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Programmatic dependent launch (PDL, sm_90+). A layer call is a chain of small launches (route,
+# [quant], [dispatch], GEMM1, [quant], GEMM2, combine); at decode each lasts a few microseconds,
+# so the gap between two (launch latency, block scheduling, the tail of the previous grid) is a
+# large part of the layer. With PDL a kernel may be scheduled while its predecessor still runs:
+# every kernel here starts with `pdl_prologue`, which waits for the predecessor grid to have
+# completed with its memory visible (griddepcontrol.wait: nothing is read or written before it)
+# and then lets the successor be scheduled (griddepcontrol.launch_dependents). CUDA graphs keep
+# these as programmatic edges. Off in the interpreter (no inline PTX there), on pre-Hopper GPUs,
+# and when MOE_OPS_PDL=0.
+# ---------------------------------------------------------------------------------------------
+_PDL_DEVICES: dict = {}
+
+
+def use_pdl(device: torch.device) -> bool:
+    if INTERPRET or device.type != "cuda" or os.environ.get("MOE_OPS_PDL", "1") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    enabled = _PDL_DEVICES.get(index)
+    if enabled is None:
+        enabled = _PDL_DEVICES[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return enabled
+
+
+def pdl_launch_options(device: torch.device) -> dict:
+    """Launch keywords of a kernel that begins with pdl_prologue(USE_PDL=use_pdl(device))."""
+    return {"launch_pdl": True} if use_pdl(device) else {}
+
+
+@triton.jit
+def pdl_prologue(USE_PDL: tl.constexpr):
+    """First statement of every kernel: see use_pdl."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

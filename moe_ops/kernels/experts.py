@@ -3,6 +3,8 @@
 
 Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
   [fp8 modes] act_quant(x)                       per token (per 128-group for fp8_block)
+              (nvfp4/mxfp4 are W4A16: no activation quantization, the GEMMs dequantize the
+              packed weights in registers)
   dispatch    moe_align (or nothing in direct mode, for tiny batches)
   GEMM1       gathered token rows, activation in the epilogue -> intermediate [slots, I]
   [fp8 modes] act_quant(intermediate)            padding slots skipped
@@ -21,7 +23,7 @@ from moe_ops.kernels.act_quant import act_quant
 from moe_ops.kernels.align import moe_align
 from moe_ops.kernels.common import is_gated, upcast_dots
 from moe_ops.kernels.grouped_gemm import (
-    GemmConfig, GemmProblem, Routing, combine_pair_rows, gemm1, gemm2,
+    FP4_QUANTS, GemmConfig, GemmProblem, Routing, combine_pair_rows, gemm1, gemm2,
 )
 from moe_ops.tuning import experts_configs
 
@@ -52,8 +54,9 @@ def gemm_problems(x: torch.Tensor, top_k: int, w13: torch.Tensor, w2: torch.Tens
     E, N13 = w13.shape[0], w13.shape[1]
     rows = T * top_k / E
     gated = is_gated(activation)
+    I = w2.shape[2] * (2 if quant in FP4_QUANTS else 1)  # packed 4-bit: two values a byte
     return (GemmProblem(1, E, N13, H, rows, x.dtype, quant, gated),
-            GemmProblem(2, E, H, w2.shape[2], rows, x.dtype, quant, gated))
+            GemmProblem(2, E, H, I, rows, x.dtype, quant, gated))
 
 
 def triton_experts(
@@ -74,11 +77,14 @@ def triton_experts(
     local_expert_offset: int = 0,
     gemm1_config: Optional[GemmConfig] = None,
     gemm2_config: Optional[GemmConfig] = None,
+    w13_global_scale: Optional[torch.Tensor] = None,
+    w2_global_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """out [T, H] (x.dtype) = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t).
 
     Weights in kernel layout: w13 [E, N13, H] (gate/up rows interleaved when gated), w2
-    [E, H, I]; scales and biases as described in grouped_gemm.py. Ids are global; ids outside
+    [E, H, I] (4-bit: packed bytes [E, N13, H/2], [E, H, I/2]); scales, nvfp4's per-row global
+    scales and biases as described in grouped_gemm.py. Ids are global; ids outside
     [local_expert_offset, local_expert_offset + E) contribute nothing.
     """
     T, H = x.shape
@@ -86,7 +92,8 @@ def triton_experts(
         return x.new_empty((0, H))
     top_k = topk_ids.shape[1]
     E = w13.shape[0]
-    I = w2.shape[2]
+    fp4 = quant in FP4_QUANTS
+    I = w2.shape[2] * (2 if fp4 else 1)
     problem1, problem2 = gemm_problems(x, top_k, w13, w2, activation, quant)
     config1, config2 = gemm1_config, gemm2_config
     if config1 is None or config2 is None:
@@ -97,7 +104,8 @@ def triton_experts(
             device=x.device, profile=lambda c1, c2: triton_experts(
                 x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, b13, b2,
                 activation=activation, quant=quant, alpha=alpha, limit=limit,
-                local_expert_offset=local_expert_offset, gemm1_config=c1, gemm2_config=c2))
+                local_expert_offset=local_expert_offset, gemm1_config=c1, gemm2_config=c2,
+                w13_global_scale=w13_global_scale, w2_global_scale=w2_global_scale))
         config1, config2 = config1 or tuned1, config2 or tuned2
 
     x = x.contiguous()
@@ -113,16 +121,18 @@ def triton_experts(
         routing.block_expert_ids = aligned.block_expert_ids
         routing.align_block_m = align_block_m
 
-    upcast = upcast_dots(x.dtype) and quant == "none"
-    if quant == "none":
+    # The 4-bit modes dot x.dtype operands (the dequantized weight) like quant="none".
+    upcast = upcast_dots(x.dtype) and (quant == "none" or fp4)
+    if quant == "none" or fp4:
         a1, a1_scale = x, None
     else:
         a1, a1_scale = act_quant(x, quant)
     intermediate = torch.empty((routing.num_slots, I), dtype=x.dtype, device=x.device)
     gemm1(a1, a1_scale, w13, w13_scale, b13, intermediate, routing, config1,
-          quant=quant, activation=activation, alpha=alpha, limit=limit, interpret_upcast=upcast)
+          quant=quant, activation=activation, alpha=alpha, limit=limit, interpret_upcast=upcast,
+          w13_global_scale=w13_global_scale)
 
-    if quant == "none":
+    if quant == "none" or fp4:
         a2, a2_scale = intermediate, None
     else:
         a2, a2_scale = act_quant(intermediate, quant, routing.sorted_pair_ids, routing.num_pairs)
@@ -131,14 +141,16 @@ def triton_experts(
     if combine == "auto":
         pair_rows_bytes = routing.num_pairs * H * x.element_size()
         combine = "atomic" if pair_rows_bytes >= ATOMIC_COMBINE_MIN_BYTES else "rows"
+    if config2.split_k > 1:
+        combine = "atomic"  # split-K partial products meet in the fp32 output
     if combine == "atomic":
         out32 = torch.zeros((T, H), dtype=torch.float32, device=x.device)
         gemm2(a2, a2_scale, w2, w2_scale, b2, out32, routing, config2, quant=quant,
-              atomic_out=True, interpret_upcast=upcast)
+              atomic_out=True, interpret_upcast=upcast, w2_global_scale=w2_global_scale)
         return out32 if x.dtype == torch.float32 else out32.to(x.dtype)
     pair_out = torch.empty((routing.num_pairs, H), dtype=x.dtype, device=x.device)
     gemm2(a2, a2_scale, w2, w2_scale, b2, pair_out, routing, config2, quant=quant,
-          atomic_out=False, interpret_upcast=upcast)
+          atomic_out=False, interpret_upcast=upcast, w2_global_scale=w2_global_scale)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     combine_pair_rows(pair_out, routing, out)
     return out

@@ -22,6 +22,12 @@ per token row and one per weight row, applied in the epilogue), "fp8_block" (one
 token per 128 columns of K and per 128x128 weight block, applied inside the K loop, so
 block_k must divide 128). Both fp8 modes add each BLOCK_K partial product into the fp32
 accumulator: Hopper's fp8 MMA does not accumulate in full fp32.
+"nvfp4" / "mxfp4" are W4A16: the weight is streamed packed (two e2m1 codes a byte, [N, K/2])
+with its block scales ([N, K/16] e4m3 / [N, K/32] e8m0, the kernel layout of layout.py), and
+dequantized in registers to the activations' dtype (bf16/fp16) for an ordinary tensor-core dot
+with fp32 accumulation (see `_dequant_fp4_tile`). nvfp4's global scale (one per expert, expanded
+per row by the layout) multiplies the accumulator's columns in the epilogue: one multiply per
+output instead of one per weight element.
 
 Config: every launch takes a `GemmConfig` (tiles, warps, stages, swap-AB). `config_space`,
 `config_problems` and `default_config` describe the choices for a `GemmProblem`; GEMM1 and GEMM2
@@ -31,18 +37,36 @@ stream weights at 88-96% of the byte floor without it.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from moe_ops.kernels.common import (
-    FP8_BLOCK, apply_activation, cdiv, next_power_of_2, round_to_dtype,
+    FP8_BLOCK, apply_activation, cdiv, next_power_of_2, pdl_launch_options, pdl_prologue,
+    round_to_dtype, use_pdl,
 )
+from moe_ops.kernels import INTERPRET
+from moe_ops.quant import fp4_scale_block
+
+FP4_QUANTS = ("nvfp4", "mxfp4")
+# fp8 (per-tensor weights): columns of K accumulated by the MMA between two promotions of the
+# partial sum into fp32 (see the kernel's K loop). Hopper's fp8 accumulation error grows with
+# this length (1.2e-2 relative at 2048, never promoting). Measured on one H200
+# (benchmarks/dev_fp8_promote.py, results/h200_fp8_promote.json), whole layer against the
+# reference at T=4096, Mixtral / Qwen3: 128 -> 5.0e-3 / 4.8e-3, 256 -> 5.9e-3 / 5.9e-3,
+# 512 -> 7.3e-3 / 7.4e-3, 1024 -> 9.3e-3 / 9.5e-3 (SPEC bound 1e-2); Mixtral T=16384 at
+# 128x128x128: 757 -> 818 -> 868 -> 877 TFLOP/s. 512 keeps a quarter of the bound in reserve.
+FP8_PROMOTE_K = 512
+# bf16 4-bit weights decode with inline PTX on the GPU (_dequant_fp4_tile_bf16_asm); False
+# forces the portable bit arithmetic everywhere (the interpreter and fp16 always use it).
+FP4_FAST_DEQUANT = True
 
 # Shared memory per block on sm_90 (227 KiB opt-in), less a margin for the epilogue's
 # layout conversions (the gate/up split goes through shared memory).
@@ -60,6 +84,10 @@ class GemmConfig:
     # Compute w @ a^T so the weight tile fills the MMA's M side (>= 64 for wgmma) when there
     # are few rows per expert.
     swap_ab: bool = False
+    # GEMM2 only: split the reduction over this many programs per output tile, which add their
+    # partial products atomically into the fp32 output (decode: a long K streamed by few
+    # programs, e.g. Mixtral's down projection, 128 tiles of K = 14336 on 132 SMs).
+    split_k: int = 1
 
 
 @dataclass(frozen=True)
@@ -76,18 +104,37 @@ class GemmProblem:
 
     @property
     def operand_bytes(self) -> int:
-        return 1 if self.quant != "none" else self.dtype.itemsize
+        """Bytes of one activation element as the K loop loads it (fp8 modes quantize them;
+        the 4-bit modes are W4A16: activations as they are)."""
+        return 1 if self.quant in ("fp8", "fp8_block") else self.dtype.itemsize
+
+    @property
+    def fp4(self) -> bool:
+        return self.quant in FP4_QUANTS
 
 
 def config_problems(problem: GemmProblem, config: GemmConfig) -> List[str]:
     """Why a config cannot run this problem (empty list: valid)."""
     why = []
+    if config.split_k < 1 or config.split_k & (config.split_k - 1):
+        why.append(f"split_k={config.split_k}: a power of two >= 1")
+    elif config.split_k > 1 and problem.gemm != 2:
+        why.append("split_k > 1 only for GEMM2 (GEMM1's activation needs the whole reduction)")
     for name in ("block_m", "block_n", "block_k"):
         value = getattr(config, name)
         if value < 16 or value & (value - 1):
             why.append(f"{name}={value}: must be a power of two >= 16 (tl.dot minimum, tl.arange)")
-    if problem.quant != "none" and config.block_k < 32:
+    if problem.quant in ("fp8", "fp8_block") and config.block_k < 32:
         why.append("fp8 dots need block_k >= 32 (the e4m3 MMA's K)")
+    if problem.fp4:
+        group = fp4_scale_block(problem.quant)
+        if config.block_k < max(32, group):
+            # A K step holds whole scale groups (one scale load per row and group), and the
+            # packed tile is [block_n, block_k / 2] bytes: 16 bytes a row at least.
+            why.append(f"{problem.quant} needs block_k >= {max(32, group)} (whole {group}-wide "
+                       "scale groups, 16 packed bytes a row)")
+        if problem.k % group:
+            why.append(f"{problem.quant}: K={problem.k} must be a multiple of its scale group {group}")
     if problem.quant == "fp8_block" and config.block_k > FP8_BLOCK:
         why.append(f"fp8_block scales change every {FP8_BLOCK} columns: block_k must divide it")
     if problem.gemm == 1 and problem.gated and config.block_n < 32:
@@ -98,8 +145,20 @@ def config_problems(problem: GemmProblem, config: GemmConfig) -> List[str]:
         why.append(f"num_stages={config.num_stages}")
     if config.group_m < 1:
         why.append("group_m >= 1")
-    smem = config.num_stages * (config.block_m + config.block_n) * config.block_k
-    smem *= 4 if problem.dtype == torch.float32 and problem.quant == "none" else problem.operand_bytes
+    if problem.fp4:
+        # Per stage: the activation tile, the packed weight bytes and their scales; plus one
+        # dequantized [block_n, block_k] weight tile, which the MMA reads from shared memory
+        # unless swap-AB makes it the register operand.
+        group = fp4_scale_block(problem.quant)
+        per_stage = (config.block_m * config.block_k * problem.operand_bytes
+                     + config.block_n * config.block_k // 2
+                     + config.block_n * max(1, config.block_k // group))
+        smem = config.num_stages * per_stage
+        if not config.swap_ab:
+            smem += config.block_n * config.block_k * problem.operand_bytes
+    else:
+        smem = config.num_stages * (config.block_m + config.block_n) * config.block_k
+        smem *= problem.operand_bytes
     if smem > _SMEM_LIMIT_BYTES:
         why.append(f"{smem} bytes of pipelined tiles exceed the shared memory of sm_90")
     return why
@@ -120,16 +179,95 @@ def config_space(problem: GemmProblem, prune: bool = True) -> List[GemmConfig]:
     for bm, bn, bk, gm, warps, stages, swap in itertools.product(
             block_ms, (32, 64, 128, 256), (32, 64, 128, 256), (1, 8, 16), (4, 8), (2, 3, 4, 5),
             (False, True)):
-        if swap and bm > 64:
-            continue  # swap-AB only pays when the token side is narrow
+        if swap and bm > (256 if problem.fp4 else 64):
+            # swap-AB only pays when the token side is narrow; with 4-bit weights it also
+            # keeps the dequantized tile in registers as the MMA's A operand (no shared-memory
+            # round trip), which can pay at wider row tiles too.
+            continue
         config = GemmConfig(bm, bn, bk, gm, warps, stages, swap)
         if is_valid_config(problem, config):
             configs.append(config)
     return configs
 
 
+# The short list the autotuner profiles (SPEC §6: all buckets of a model in seconds), per
+# regime of m = expected rows per expert; each list holds the default's neighbours along the
+# axes measured to matter there (benchmarks/NOTES.md): for decode the N width, the K step and the
+# pipeline depth of the weight stream (swap-AB); in between, the row tile against the rows per
+# expert; for prefill the output tile, warps, depth and L2 grouping. Entries invalid for a
+# problem (shared memory, the quant mode's K rules) are dropped, the default is always first.
+_DECODE_CANDIDATES = [  # (block_m, block_n, block_k, group_m, warps, stages, swap_ab)
+    (16, 32, 128, 8, 4, 4, True), (16, 64, 128, 8, 4, 4, True), (16, 128, 128, 8, 4, 3, True),
+    (16, 64, 256, 8, 4, 3, True), (16, 64, 256, 8, 4, 5, True), (16, 32, 256, 8, 4, 4, True),
+    (16, 64, 128, 8, 4, 6, True), (16, 128, 64, 8, 4, 5, True), (32, 64, 128, 8, 4, 4, True),
+]
+_MID_CANDIDATES = [
+    (32, 64, 128, 8, 4, 4, True), (32, 128, 128, 8, 4, 3, False), (64, 64, 128, 8, 4, 3, False),
+    (64, 128, 64, 8, 4, 4, False), (64, 128, 128, 8, 4, 3, False), (32, 64, 128, 8, 4, 4, False),
+    (64, 256, 64, 8, 8, 3, False), (64, 128, 128, 16, 4, 4, False),
+]
+# GEMM2 at decode: split the reduction when the tiles are fewer than the SMs (dropped for GEMM1
+# by the validity rules).
+_SPLIT_K_CANDIDATES = [
+    (16, 64, 128, 8, 4, 4, True, 2), (16, 64, 128, 8, 4, 4, True, 4), (16, 64, 256, 8, 4, 4, True, 2),
+]
+# 4-bit weights decode fastest on the swap-AB path (the dequantized tile is the MMA's register
+# operand): their mid and prefill lists are swap-AB throughout.
+_FP4_MID_CANDIDATES = [
+    (32, 64, 128, 8, 4, 4, True), (64, 64, 128, 8, 4, 3, True), (64, 128, 64, 8, 4, 4, True),
+    (64, 128, 128, 8, 4, 3, True), (32, 128, 128, 8, 4, 3, True), (64, 64, 256, 8, 4, 3, True),
+]
+_FP4_LARGE_CANDIDATES = [
+    (128, 128, 64, 16, 8, 3, True), (128, 64, 128, 16, 8, 3, True), (64, 256, 64, 8, 8, 3, True),
+    (128, 128, 128, 16, 8, 3, True), (64, 128, 128, 8, 4, 3, True), (128, 256, 64, 16, 8, 3, True),
+    (256, 128, 64, 16, 8, 3, True),
+]
+_LARGE_CANDIDATES = [
+    (128, 256, 64, 16, 8, 3, False), (128, 128, 64, 8, 8, 4, False), (128, 256, 64, 8, 8, 4, False),
+    (128, 128, 128, 16, 8, 3, False), (256, 128, 64, 16, 8, 3, False), (64, 256, 128, 8, 8, 3, False),
+    (64, 128, 128, 8, 4, 3, False), (64, 128, 128, 16, 4, 4, False), (128, 64, 128, 16, 4, 3, False),
+]
+
+
+def tuning_candidates(problem: GemmProblem) -> List[GemmConfig]:
+    """The configs the autotuner profiles for a problem: the default first, then the regime's
+    short list (valid ones only, no duplicates). config_space is the full space."""
+    m = problem.tokens_per_expert
+    fp4 = problem.quant in FP4_QUANTS
+    if m <= 16:
+        table = _DECODE_CANDIDATES + _SPLIT_K_CANDIDATES
+    elif m <= 128:
+        table = _FP4_MID_CANDIDATES if fp4 else _MID_CANDIDATES
+    else:
+        table = _FP4_LARGE_CANDIDATES if fp4 else _LARGE_CANDIDATES + _MID_CANDIDATES[3:5]
+    configs = [default_config(problem)]
+    for entry in table:
+        config = GemmConfig(*entry)
+        if config not in configs and is_valid_config(problem, config):
+            configs.append(config)
+    return configs
+
+
 # Reduction length from which decode tiles stream deeper (see default_config).
 LONG_K_DECODE = 8192
+
+
+def _default_fp4_config(problem: GemmProblem) -> GemmConfig:
+    """nvfp4/mxfp4 (W4A16). Swap-AB everywhere: the decoded weight tile is then the MMA's
+    register operand (no shared-memory round trip, and the inline-PTX decode applies, see
+    use_fast_fp4). A K step of 4-bit weights is half the bytes of bf16's, so decode streams
+    256-wide K steps (128 bytes a row, as bf16's 64)."""
+    m = problem.tokens_per_expert
+    if m <= 16:
+        config = GemmConfig(16, 64, 256, 8, 4, 4, swap_ab=True)
+    elif m <= 128:
+        config = GemmConfig(64, 128, 128, 8, 4, 3, swap_ab=True)
+    else:
+        config = GemmConfig(128, 128, 64, 16, 8, 3, swap_ab=True)
+    if not is_valid_config(problem, config):
+        config = GemmConfig(config.block_m, min(config.block_n, 128), 64, config.group_m,
+                            config.num_warps, 2, config.swap_ab)
+    return config
 
 
 @functools.lru_cache(maxsize=4096)
@@ -148,6 +286,8 @@ def default_config(problem: GemmProblem) -> GemmConfig:
       accumulator's worth of registers, and 128x256 spills.
     """
     m = problem.tokens_per_expert
+    if problem.fp4:
+        return _default_fp4_config(problem)
     fp8 = problem.quant != "none"
     fp32 = problem.dtype == torch.float32 and not fp8
     wide_k = 64 if fp32 else 128
@@ -163,6 +303,10 @@ def default_config(problem: GemmProblem) -> GemmConfig:
             # (benchmarks/results/h200_sweep_configs.json). fp8_block keeps K steps within
             # one 128-wide scale block.
             config = GemmConfig(16, 64, 256, 8, 4, 5, swap_ab=True)
+    elif problem.quant == "fp8" and m >= 512:
+        # with promotions every FP8_PROMOTE_K: Mixtral T=16384 868 TFLOP/s against 737 at
+        # 64x128x128 (Qwen3 at m=256 kept 64x128x128: 441 against 381)
+        config = GemmConfig(128, 128, 128, 16, 8, 3)
     elif fp8:
         config = GemmConfig(64, 128, 128, 8, 4, 3)
     elif m <= 128:
@@ -185,20 +329,146 @@ def default_config(problem: GemmProblem) -> GemmConfig:
 
 
 @triton.jit
+def _e2m1_to_fp32(code):
+    """e2m1 codes (int32, bits 0-3; bit 3 the sign) -> their float32 values, exactly.
+
+    Bit arithmetic instead of a table lookup (a per-element gather): the 3 magnitude bits em are
+    e2m1's exponent (2 bits) and mantissa (1 bit). For em >= 2 (normal numbers, 2^(e-1)(1+m/2))
+    they go into float32's low exponent bits and top mantissa bit, rebiased by 126; em = 1 is
+    e2m1's one subnormal (0.5 = 126 << 23 in float32) and em = 0 is zero, hence em * (126 << 23)
+    for those two. No float32 subnormal is ever formed, so nothing depends on flush-to-zero.
+    """
+    em = code & 7
+    magnitude = tl.where(em >= 2, (em << 22) + (126 << 23), em * (126 << 23))
+    return (magnitude | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequant_fp4_tile(packed, scale, QUANT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """One K step of a packed weight -> [BLOCK_N, BLOCK_K] in DTYPE, K in natural order.
+
+    packed: uint8 [BLOCK_N, BLOCK_K / G, G / 2], byte j of a row holding elements 2j (low
+    nibble) and 2j + 1 (high nibble); scale: uint8 [BLOCK_N, BLOCK_K / G], one per G-wide group
+    along K (G = 16 for nvfp4: e4m3 bits, 32 for mxfp4: e8m0). The launcher hands e4m3 scales
+    over as their bytes, so masked loads can fill with a plain 0. Loading the bytes as a 3-D
+    tile puts the group on its own axis, so the scale broadcasts without a gather or a reshape.
+    The product value * scale is formed in float32 and is exact there (2 + 4 significant bits for
+    nvfp4, a power of two for mxfp4), so the final cast to bf16 (or fp16, within its range) is
+    exact as well: the dot sees exactly the dequantized weight of SPEC section 1.
+    """
+    if QUANT == "nvfp4":
+        s = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        # e8m0: 2^(s - 127) is float32 with exponent field s; s = 0 (2^-127, a float32
+        # subnormal) is spelled out.
+        biased = scale.to(tl.int32)
+        s = tl.where(biased == 0, 5.877471754111438e-39, (biased << 23).to(tl.float32, bitcast=True))
+    s = s[:, :, None]
+    byte = packed.to(tl.int32)
+    low = _e2m1_to_fp32(byte & 15) * s
+    high = _e2m1_to_fp32(byte >> 4) * s
+    # join puts the two nibbles of a byte side by side: [..., G/2, 2] flattens to K order.
+    return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)).to(DTYPE)
+
+
+# The GPU path of the e2m1 decode (bf16 dots), 4 packed bytes (8 values) per asm block, about
+# 3 instructions a value where the portable bit arithmetic above takes about 10. Why it matters:
+# streaming 4-bit weights at 4.55 TB/s is 9.1e12 values/s, about 35 values per clock per SM of
+# an H200, while its integer pipe does 64 lane-operations per clock per SM: at 10 operations a
+# value the decode, not HBM, would set the pace even at T = 1.
+# A byte b goes to the high byte of a 16-bit half (prmt), so its high nibble sits in
+# bf16's sign bit and the top bits 12-14; >> 6 moves the 3 magnitude bits to bf16's two lowest
+# exponent bits and top mantissa bit: the bf16 bits of value * 2^-126 (em = 1, the e2m1
+# subnormal 0.5, becomes a bf16 subnormal; the bf16 FMA keeps subnormals). The low nibble is
+# the same after << 4. The multiplier $5/$6 brings the 2^-126 back together with the block
+# scale: nvfp4 folds it into one multiply (scale * 2^117, the last 2^9 is applied to the
+# accumulator with the global scale, so no bf16 ever overflows); mxfp4's 2^(s-127) can be up
+# to 2^127, so it takes 2^126 first (exact: a normal e2m1 value) and the scale second.
+_E2M1_BF16_ASM_HEAD = """
+{
+.reg .b32 t0, t1, lo0, lo1, hi0, hi1, m, z;
+mov.b32 z, 0;
+prmt.b32 t0, $4, z, 0x1404;
+prmt.b32 t1, $4, z, 0x3424;
+shl.b32 lo0, t0, 4;
+shr.b32 m, t0, 2;
+and.b32 lo0, lo0, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 lo0, lo0, m;
+shl.b32 lo1, t1, 4;
+shr.b32 m, t1, 2;
+and.b32 lo1, lo1, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 lo1, lo1, m;
+shr.b32 m, t0, 6;
+and.b32 hi0, t0, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 hi0, hi0, m;
+shr.b32 m, t1, 6;
+and.b32 hi1, t1, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 hi1, hi1, m;
+"""
+_E2M1_BF16_ASM_NVFP4 = tl.constexpr(_E2M1_BF16_ASM_HEAD + """
+mul.rn.bf16x2 $0, lo0, $5;
+mul.rn.bf16x2 $1, lo1, $6;
+mul.rn.bf16x2 $2, hi0, $5;
+mul.rn.bf16x2 $3, hi1, $6;
+}
+""")
+_E2M1_BF16_ASM_MXFP4 = tl.constexpr(_E2M1_BF16_ASM_HEAD + """
+mov.b32 m, 0x7E807E80;
+mul.rn.bf16x2 lo0, lo0, m;
+mul.rn.bf16x2 lo1, lo1, m;
+mul.rn.bf16x2 hi0, hi0, m;
+mul.rn.bf16x2 hi1, hi1, m;
+mul.rn.bf16x2 $0, lo0, $5;
+mul.rn.bf16x2 $1, lo1, $6;
+mul.rn.bf16x2 $2, hi0, $5;
+mul.rn.bf16x2 $3, hi1, $6;
+}
+""")
+# nvfp4's block-scale multiplier in the bf16 fast path is scale * 2^117 (not 2^126: 448 * 2^126
+# overflows bf16); the accumulator takes the remaining 2^9.
+NVFP4_FAST_EPILOGUE = 512.0
+
+
+@triton.jit
+def _dequant_fp4_tile_bf16_asm(packed, scale, QUANT: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr):
+    """_dequant_fp4_tile for bf16 on the GPU (inline PTX; see _E2M1_BF16_ASM_HEAD). nvfp4's
+    result is the dequantized weight / 512 (NVFP4_FAST_EPILOGUE), exactly."""
+    if QUANT == "nvfp4":
+        factor = (scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                  * 1.661534994731145e+35).to(tl.bfloat16)                    # * 2^117
+        low, high = tl.inline_asm_elementwise(
+            _E2M1_BF16_ASM_NVFP4, "=r,=r,=r,=r,r,r,r", [packed, factor[:, :, None]],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        factor = (scale.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)      # 2^(s - 127)
+        low, high = tl.inline_asm_elementwise(
+            _E2M1_BF16_ASM_MXFP4, "=r,=r,=r,=r,r,r,r", [packed, factor[:, :, None]],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+    w_global_scale_ptr,             # nvfp4: float32 [E, N], the global scale per weight row
     sorted_pair_ids_ptr, block_expert_ids_ptr, topk_ids_ptr, topk_weights_ptr,
     N, K, num_pairs, top_k, num_experts, local_expert_offset, num_m_blocks,
     stride_am, stride_asm,
     stride_we, stride_wn,
     stride_wse, stride_wsn,
-    stride_be, stride_om,
+    stride_be, stride_om, stride_wge,
     alpha, limit,
     ALIGN_BLOCK_M: tl.constexpr,    # block_m of the dispatch (a multiple of BLOCK_M)
     DIRECT: tl.constexpr,           # one pair per block, read from topk_ids (no dispatch)
     GATHER_A: tl.constexpr,         # A row = pair // top_k (GEMM1) instead of the slot (GEMM2)
     ATOMIC_OUT: tl.constexpr,       # GEMM2: add into out[token] instead of storing out[pair]
-    QUANT: tl.constexpr,            # "none" | "fp8" | "fp8_block"
+    QUANT: tl.constexpr,            # "none" | "fp8" | "fp8_block" | "nvfp4" | "mxfp4"
     ACTIVATION: tl.constexpr,       # GEMM1: "swiglu" | "geglu" | "swiglu_oai" | "relu2"; GEMM2: "none"
     HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -207,10 +477,21 @@ def _grouped_gemm_kernel(
     UPCAST: tl.constexpr,           # interpreter only: its 16-bit tl.dot is wrong, use fp32
     DOT_PRECISION: tl.constexpr,    # "ieee" for fp32 operands: no silent TF32
     EVEN_K: tl.constexpr,
+    FAST_FP4: tl.constexpr = False,  # GPU, bf16: decode e2m1 with inline PTX (not interpretable)
+    SPLIT_K: tl.constexpr = 1,      # programs sharing one output tile's reduction (ATOMIC_OUT)
+    PROMOTE_STEPS: tl.constexpr = 1,  # fp8: K steps between promotions of the partial sum
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (common.pdl_prologue)
 ):
+    pdl_prologue(USE_PDL)
     # Grouped ordering: GROUP_M consecutive row blocks walk the N tiles together, so a weight
     # tile read from HBM is reused from L2 by the other row blocks of the same expert.
     pid = tl.program_id(0)
+    if SPLIT_K > 1:
+        # neighbouring programs take neighbouring K chunks of the same tile
+        split = pid % SPLIT_K
+        pid = pid // SPLIT_K
+    else:
+        split = 0
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     blocks_per_group = GROUP_M * num_n_blocks
     first_m = (pid // blocks_per_group) * GROUP_M
@@ -247,6 +528,7 @@ def _grouped_gemm_kernel(
     w_rows = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
     w_expert_ptr = w_ptr + expert * stride_we
+    FP4: tl.constexpr = QUANT == "nvfp4" or QUANT == "mxfp4"
     if SWAP_AB:
         a_ptrs = a_ptr + a_rows[None, :] * stride_am + offs_k[:, None]       # [BK, BM]
         w_ptrs = w_expert_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
@@ -255,6 +537,16 @@ def _grouped_gemm_kernel(
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]       # [BM, BK]
         w_ptrs = w_expert_ptr + w_rows[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if FP4:
+        # Packed rows: K/2 bytes, scale group G along K. A K step reads [BN, BK/G, G/2] bytes
+        # (3-D so each scale group has its own axis) and [BN, BK/G] scales, whatever SWAP_AB.
+        SCALE_GROUP: tl.constexpr = 16 if QUANT == "nvfp4" else 32
+        offs_g = tl.arange(0, BLOCK_K // SCALE_GROUP)
+        step_bytes = (offs_g[:, None] * (SCALE_GROUP // 2)
+                      + tl.arange(0, SCALE_GROUP // 2)[None, :])                 # [BK/G, G/2]
+        w_ptrs = w_expert_ptr + w_rows[:, None, None] * stride_wn + step_bytes[None, :, :]
+        w_scale_ptrs = (w_scale_ptr + expert * stride_wse + w_rows[:, None] * stride_wsn
+                        + offs_g[None, :])                                      # [BN, BK/G]
 
     if QUANT == "fp8_block":
         if ACTIVATION == "none" or ACTIVATION == "relu2":
@@ -265,9 +557,51 @@ def _grouped_gemm_kernel(
         w_scale_ptrs = w_scale_ptr + expert * stride_wse + scale_rows * stride_wsn
         a_scale_ptrs = a_scale_ptr + a_rows * stride_asm
 
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    num_k_steps = tl.cdiv(K, BLOCK_K)
+    kb_start = 0
+    kb_end = num_k_steps
+    if SPLIT_K > 1:
+        steps_per_split = tl.cdiv(num_k_steps, SPLIT_K)
+        kb_start = split * steps_per_split
+        kb_end = tl.minimum(kb_start + steps_per_split, num_k_steps)
+        a_ptrs += kb_start * BLOCK_K
+        if FP4:
+            w_ptrs += kb_start * (BLOCK_K // 2)
+            w_scale_ptrs += kb_start * (BLOCK_K // SCALE_GROUP)
+        else:
+            w_ptrs += kb_start * BLOCK_K
+    if QUANT == "fp8" and PROMOTE_STEPS > 1:
+        part = tl.zeros_like(acc)
+    for kb in range(kb_start, kb_end):
         k_left = K - kb * BLOCK_K
-        if SWAP_AB:
+        if FP4:
+            if SWAP_AB:
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=row_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
+            else:
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            if EVEN_K:
+                packed = tl.load(w_ptrs)
+                w_s = tl.load(w_scale_ptrs)
+            else:
+                # K is a multiple of the scale group (layout.py checks it), so the tail of K
+                # ends on a group boundary: one mask per group, constant along its bytes (which
+                # keeps the byte loads vectorized and pipelined); masked bytes read as code 0.
+                group_ok = offs_g * SCALE_GROUP < k_left
+                packed = tl.load(w_ptrs, mask=group_ok[None, :, None], other=0)
+                w_s = tl.load(w_scale_ptrs, mask=group_ok[None, :], other=0)
+            if FAST_FP4:
+                w = _dequant_fp4_tile_bf16_asm(packed, w_s, QUANT, BLOCK_N, BLOCK_K)
+            else:
+                w = _dequant_fp4_tile(packed, w_s, QUANT, BLOCK_N, BLOCK_K, a_ptr.dtype.element_ty)
+            if not SWAP_AB:
+                w = tl.trans(w)                                                 # [BK, BN]
+        elif SWAP_AB:
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs)
@@ -297,20 +631,36 @@ def _grouped_gemm_kernel(
         elif QUANT == "fp8":
             # Hopper's fp8 MMA keeps only about 14 bits while it accumulates (measured here:
             # 1.2e-2 relative error at K=2048 with Triton's sm_90 default of never promoting):
-            # promote the partial sum into the fp32 accumulator every BLOCK_K, as DeepGEMM does
-            # every 128 (and as the fp8_block branch does by construction).
-            if SWAP_AB:
-                acc = tl.dot(w, a, acc, max_num_imprecise_acc=BLOCK_K)
+            # the partial sum is promoted into the fp32 accumulator. PROMOTE_STEPS == 1: every
+            # K step, inside the dot (each step then waits for its MMAs); > 1: the MMAs chain
+            # asynchronously through `part` for that many steps, then one promotion.
+            if PROMOTE_STEPS == 1:
+                if SWAP_AB:
+                    acc = tl.dot(w, a, acc, max_num_imprecise_acc=BLOCK_K)
+                else:
+                    acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
             else:
-                acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
+                if SWAP_AB:
+                    part = tl.dot(w, a, part)
+                else:
+                    part = tl.dot(a, w, part)
+                if (kb - kb_start) % PROMOTE_STEPS == PROMOTE_STEPS - 1:
+                    acc += part
+                    part = tl.zeros_like(part)
         else:
             if SWAP_AB:
                 acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
             else:
                 acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        if FP4:
+            w_ptrs += BLOCK_K // 2
+            w_scale_ptrs += BLOCK_K // SCALE_GROUP
+        else:
+            w_ptrs += BLOCK_K
 
+    if QUANT == "fp8" and PROMOTE_STEPS > 1:
+        acc += part
     if SWAP_AB:
         acc = tl.trans(acc)
 
@@ -318,8 +668,14 @@ def _grouped_gemm_kernel(
         a_s = tl.load(a_scale_ptr + a_rows * stride_asm, mask=row_ok, other=0.0)
         w_s = tl.load(w_scale_ptr + expert * stride_wse + w_rows * stride_wsn)
         acc = acc * a_s[:, None] * w_s[None, :]
+    if QUANT == "nvfp4":
+        global_scale = tl.load(w_global_scale_ptr + expert * stride_wge + w_rows)
+        if FAST_FP4:
+            global_scale = global_scale * 512.0  # NVFP4_FAST_EPILOGUE
+        acc = acc * global_scale[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert * stride_be + w_rows)[None, :]
+        if split == 0:  # with split-K, the bias is added once
+            acc += tl.load(bias_ptr + expert * stride_be + w_rows)[None, :]
 
     out_ty = out_ptr.dtype.element_ty
     if ACTIVATION == "none":
@@ -376,9 +732,42 @@ class Routing:
         return self.num_pairs if self.direct else self.sorted_pair_ids.numel()
 
 
+# Compile-only mode (the autotuner's parallel precompilation): launches become Triton warmups,
+# which compile (asynchronously inside triton's AsyncCompileMode) without running anything.
+_COMPILE_ONLY = contextvars.ContextVar("moe_ops_grouped_gemm_compile_only", default=False)
+
+
+@contextlib.contextmanager
+def compile_only() -> Iterator[None]:
+    """Inside: grouped-GEMM launches compile their kernel and return without running it (their
+    outputs are left unwritten). Used to compile many candidate configs in parallel."""
+    token = _COMPILE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY.reset(token)
+
+
+def _launcher(grid):
+    if _COMPILE_ONLY.get():
+        return functools.partial(_grouped_gemm_kernel.warmup, grid=grid)
+    return _grouped_gemm_kernel[grid]
+
+
+def use_fast_fp4(quant: str, dtype: torch.dtype, config: GemmConfig) -> bool:
+    """Whether a launch decodes 4-bit weights with inline PTX (_dequant_fp4_tile_bf16_asm).
+
+    Only with swap-AB: there the decoded tile is the MMA's register operand. Without it the
+    tile goes to shared memory, and Triton 3.6 aborts compiling that path ("Illegal shared
+    layout" in TritonGPUOptimizeDotOperands, hoisting the shared-memory store through the asm
+    and the join): those configs use the portable decode."""
+    return (quant in FP4_QUANTS and FP4_FAST_DEQUANT and not INTERPRET
+            and dtype == torch.bfloat16 and config.swap_ab)
+
+
 def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmConfig, *,
             n: int, k: int, gemm: int, quant: str, activation: str, alpha: float, limit: float,
-            atomic_out: bool, interpret_upcast: bool):
+            atomic_out: bool, interpret_upcast: bool, global_scale=None):
     if routing.direct:
         num_m_blocks = routing.num_pairs
     else:
@@ -389,19 +778,28 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
     if quant == "fp8_block" and FP8_BLOCK % config.block_k:
         # the one config error that would not fail to compile but give wrong sums
         raise ValueError(f"fp8_block needs block_k dividing {FP8_BLOCK}, got {config.block_k}")
-    grid = (num_m_blocks * cdiv(n, config.block_n),)
-    if quant == "fp8_block":
-        stride_asm, stride_wse, stride_wsn = a_scale.stride(0), w_scale.stride(0), w_scale.stride(1)
+    if quant in FP4_QUANTS and config.block_k < max(32, fp4_scale_block(quant)):
+        raise ValueError(f"{quant} needs block_k >= {max(32, fp4_scale_block(quant))}, "
+                         f"got {config.block_k}")
+    if config.split_k > 1 and not atomic_out:
+        raise ValueError(f"split_k={config.split_k} needs the atomic output (GEMM2, combine='atomic')")
+    grid = (num_m_blocks * cdiv(n, config.block_n) * config.split_k,)
+    if quant == "fp8_block" or quant in FP4_QUANTS:
+        stride_asm = a_scale.stride(0) if a_scale is not None else 0
+        stride_wse, stride_wsn = w_scale.stride(0), w_scale.stride(1)
+        if w_scale.dtype == torch.float8_e4m3fn:
+            w_scale = w_scale.view(torch.uint8)  # nvfp4: the kernel decodes the e4m3 bits
     elif quant == "fp8":
         stride_asm, stride_wse, stride_wsn = 1, w_scale.stride(0), 1
     else:
         stride_asm = stride_wse = stride_wsn = 0
     operands_fp32 = interpret_upcast or (quant == "none" and a.dtype == torch.float32)
     dummy = routing.topk_weights
-    _grouped_gemm_kernel[grid](
+    _launcher(grid)(
         a, a_scale if a_scale is not None else dummy, w,
         w_scale if w_scale is not None else dummy,
         bias if bias is not None else dummy, out,
+        global_scale if global_scale is not None else dummy,
         routing.sorted_pair_ids if not routing.direct else routing.topk_ids,
         routing.block_expert_ids if not routing.direct else routing.topk_ids,
         routing.topk_ids, routing.topk_weights,
@@ -411,6 +809,7 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
         w.stride(0), w.stride(1),
         stride_wse, stride_wsn,
         bias.stride(0) if bias is not None else 0, out.stride(0),
+        global_scale.stride(0) if global_scale is not None else 0,
         alpha, limit,
         ALIGN_BLOCK_M=routing.align_block_m, DIRECT=routing.direct, GATHER_A=gemm == 1,
         ATOMIC_OUT=atomic_out, QUANT=quant, ACTIVATION=activation if gemm == 1 else "none",
@@ -419,25 +818,36 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
         GROUP_M=config.group_m, SWAP_AB=config.swap_ab,
         UPCAST=interpret_upcast, DOT_PRECISION="ieee" if operands_fp32 else "tf32",
         EVEN_K=k % config.block_k == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FAST_FP4=use_fast_fp4(quant, a.dtype, config),
+        SPLIT_K=config.split_k, USE_PDL=use_pdl(a.device),
+        PROMOTE_STEPS=max(1, FP8_PROMOTE_K // config.block_k) if quant == "fp8" else 1,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(a.device),
     )
+
+
+def _reduction_size(w: torch.Tensor, quant: str) -> int:
+    """K of a kernel-layout weight [E, N, K] (packed 4-bit: [E, N, K/2] bytes)."""
+    return w.shape[2] * (2 if quant in FP4_QUANTS else 1)
 
 
 def gemm1(a, a_scale, w13, w13_scale, b13, intermediate, routing: Routing, config: GemmConfig,
           *, quant: str, activation: str, alpha: float, limit: float,
-          interpret_upcast: bool = False) -> None:
+          interpret_upcast: bool = False, w13_global_scale=None) -> None:
     """intermediate[slot] = act(x[token] @ w13[e]^T (scaled) + b13[e]) for every routed pair."""
     _launch(a, a_scale, w13, w13_scale, b13, intermediate, routing, config,
-            n=w13.shape[1], k=w13.shape[2], gemm=1, quant=quant, activation=activation,
-            alpha=alpha, limit=limit, atomic_out=False, interpret_upcast=interpret_upcast)
+            n=w13.shape[1], k=_reduction_size(w13, quant), gemm=1, quant=quant,
+            activation=activation, alpha=alpha, limit=limit, atomic_out=False,
+            interpret_upcast=interpret_upcast, global_scale=w13_global_scale)
 
 
 def gemm2(a, a_scale, w2, w2_scale, b2, out, routing: Routing, config: GemmConfig, *,
-          quant: str, atomic_out: bool, interpret_upcast: bool = False) -> None:
+          quant: str, atomic_out: bool, interpret_upcast: bool = False,
+          w2_global_scale=None) -> None:
     """out[pair] (or += into out[token]) = w * (intermediate[slot] @ w2[e]^T (scaled) + b2[e])."""
     _launch(a, a_scale, w2, w2_scale, b2, out, routing, config,
-            n=w2.shape[1], k=w2.shape[2], gemm=2, quant=quant, activation="none",
-            alpha=0.0, limit=0.0, atomic_out=atomic_out, interpret_upcast=interpret_upcast)
+            n=w2.shape[1], k=_reduction_size(w2, quant), gemm=2, quant=quant, activation="none",
+            alpha=0.0, limit=0.0, atomic_out=atomic_out, interpret_upcast=interpret_upcast,
+            global_scale=w2_global_scale)
 
 
 @triton.jit
@@ -445,8 +855,9 @@ def _combine_pair_rows_kernel(
     pair_out_ptr, topk_ids_ptr, out_ptr,
     H, top_k, num_experts, local_expert_offset,
     stride_pm, stride_om,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slot = tl.arange(0, TOP_K)
@@ -471,5 +882,6 @@ def combine_pair_rows(pair_out: torch.Tensor, routing: Routing, out: torch.Tenso
         pair_out, routing.topk_ids, out,
         H, routing.top_k, routing.num_experts, routing.local_expert_offset,
         pair_out.stride(0), out.stride(0),
-        TOP_K=top_k_p2, BLOCK_H=block_h, num_warps=4,
+        TOP_K=top_k_p2, BLOCK_H=block_h, num_warps=4, USE_PDL=use_pdl(out.device),
+        **pdl_launch_options(out.device),
     )

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from moe_ops.routing import DEEPSEEK_DENOMINATOR_EPS
+from moe_ops.kernels.common import pdl_launch_options, pdl_prologue, use_pdl
 
 # Below the key of any real score (the lowest is -inf's), so a taken or padding expert never wins.
 _TAKEN = tl.constexpr(-(2**63 - 1))
@@ -84,7 +85,9 @@ def _route_kernel(
     G_PAD: tl.constexpr,
     GS_PAD: tl.constexpr,
     K_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     # int64 from the start: token * stride overflows int32 for large batches.
     tokens = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -262,6 +265,8 @@ def triton_route(
         G_PAD=g_pad,
         GS_PAD=gs_pad,
         K_PAD=triton.next_power_of_2(top_k),
+        USE_PDL=use_pdl(router_logits.device),
         num_warps=num_warps,
+        **pdl_launch_options(router_logits.device),
     )
     return topk_ids, topk_weights

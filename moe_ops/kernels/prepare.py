@@ -1,0 +1,510 @@
+"""Weight preparation on the device: quantize a checkpoint matrix and write it straight into the
+kernel layout through its cached row permutation (moe_ops.layout), in one pass.
+
+Weight preparation is a pure streaming job (read the checkpoint once, write the kernel layout
+once), so the kernels here read a tile of checkpoint rows, quantize it in registers and store
+the quantized rows (and their scales) at the rows the permutation index names. Nothing the size
+of a weight is ever materialized: the plain-torch route (moe_ops.quant's reference functions,
+then `index_copy_`) makes several float32 copies of each tensor and is many times slower.
+
+The quantization math is moe_ops.quant's, operation for operation, so the bytes are identical:
+- every division the reference does is a correctly rounded one here (`tl.div_rn`; Triton's `/`
+  on float32 is an approximate division on the GPU), and `scalar / tensor`, which torch computes
+  as `tensor.reciprocal() * scalar`, is computed that way;
+- float32 -> e4m3 is the GPU's own conversion (cvt.rn.satfinite: round to nearest even,
+  saturating at 448, which is quant._to_fp8's clamp-then-cast), one instruction per two values;
+  in the interpreter (whose float8 cast rounds wrongly, see common.round_to_e4m3_grid) and on
+  GPUs without that instruction it is emulated bit for bit (`_e4m3_bits`);
+- float32 -> e2m1 is quant.e2m1_encode's rounding, done by float fmas (`_e2m1_bits`);
+- nvfp4's per-block inverse scale is looked up in a per-expert table that the launcher builds
+  with quant.quantize_nvfp4's own expressions (`_nvfp4_inverse_table`);
+- per-expert factors (fp8's 448/amax, nvfp4's global scale and its inverse) are computed by the
+  launcher with the reference's own torch expressions, from an amax reduced here (a max is exact
+  in any order);
+- launches disable FMA contraction, so no multiply-add is fused into a differently rounded op
+  (the explicit `tl.fma`s below are exact products plus one rounding, as intended).
+
+Weights are finite (as moe_ops.quant assumes): NaN handling is not reproduced.
+
+Where the time goes: these kernels must run at memory bandwidth, so the per-element work is kept
+to a handful of instructions (hardware e4m3 conversion, e2m1 codes by float adds and mins rather
+than comparisons and integer sums, bf16 pairs widened by a shift and a mask), the per-element
+address math is 32-bit (64-bit only per row and per expert), and tiles that divide the matrix
+evenly are loaded and stored without masks.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_ops import quant as q
+from moe_ops.kernels import INTERPRET
+from moe_ops.kernels.common import cdiv, next_power_of_2, round_to_e4m3_grid
+
+# ---------------------------------------------------------------------------------------------
+# Tile shapes and warps. Every kernel here is a streaming kernel: what matters is enough bytes in
+# flight per SM (a few tens of KiB) and few instructions per byte.
+# ---------------------------------------------------------------------------------------------
+# fp8_block: one program per 128 x 128 scale block (the block's amax needs all of it); 32 KiB of
+# bf16 per program over 8 warps (about 90 registers on sm_90: two programs, 64 KiB in flight
+# per SM).
+_FP8_BLOCK_TILE = (q.FP8_BLOCK, q.FP8_BLOCK)
+_FP8_BLOCK_WARPS = 8
+# fp8 (per-expert scale): any tile works; 8 K elements (16 KiB of bf16) per program.
+_FP8_TILE = (32, 256)
+_FP8_WARPS = 4
+# fp4: a tile is _FP4_TILE_PAIRS element pairs (= output bytes; 16 KiB of bf16 read). Its width
+# is the largest power of two up to _FP4_MAX_PAIRS that divides the row (K/2 bytes), so no column
+# is ever masked (gpt_oss' 2880 = 45 * 64 gets 32-pair = 128-byte source rows: still whole cache
+# lines); the height fills the tile.
+_FP4_TILE_PAIRS = 4096
+_FP4_MAX_PAIRS = 256
+_FP4_WARPS = 4
+# amax: each program reduces _AMAX_ITERS tiles of _AMAX_TILE elements (64 KiB of bf16), so the
+# partial maxima are few; a contiguous expert is read as rows of _AMAX_TILE[1] elements whatever
+# its shape (full-width vector loads, no masks).
+_AMAX_TILE = (8, 1024)
+_AMAX_ITERS = 4
+_AMAX_WARPS = 8
+# Whole-tile programs of a bit copy: 16 KiB per program.
+_COPY_TILE_BYTES = 16384
+
+_HW_E4M3: dict = {}
+
+
+def _hw_e4m3(device: torch.device) -> bool:
+    """Whether the GPU converts float32 -> e4m3 itself (cvt.rn.satfinite.e4m3x2.f32, sm_89+);
+    never in the interpreter."""
+    if INTERPRET or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    hw = _HW_E4M3.get(index)
+    if hw is None:
+        hw = _HW_E4M3[index] = torch.cuda.get_device_capability(index) >= (8, 9)
+    return hw
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """float32 (already clamped to +-448) -> the float8_e4m3fn byte of its nearest-even rounding.
+
+    The sign bit is taken from v: a negative value that rounds to zero is -0 (0x80), as torch's
+    cast gives it; the Triton interpreter's float8 cast drops the sign of zero.
+    """
+    magnitude = round_to_e4m3_grid(v).to(tl.float8e4nv).to(tl.uint8, bitcast=True) & 0x7F
+    sign = ((v.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    return magnitude | sign
+
+
+@triton.jit
+def _to_e4m3(v, HW_E4M3: tl.constexpr):
+    """float32 -> (float8_e4m3fn byte as uint8, its value as float32): quant._to_fp8, i.e. clamp
+    to +-448 and round to nearest even (a negative value that rounds to zero is -0)."""
+    if HW_E4M3:
+        # cvt.rn.satfinite saturates finite values to +-448: the clamp is part of it.
+        f8 = v.to(tl.float8e4nv)
+        return f8.to(tl.uint8, bitcast=True), f8.to(tl.float32)
+    else:
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        return _e4m3_bits(v), round_to_e4m3_grid(v)
+
+
+@triton.jit
+def _e2m1_bits(y, SATURATE: tl.constexpr):
+    """float32 -> int32 whose low byte is the e2m1 magnitude code of y (the bits of 2^23 + code)
+    as moe_ops.quant.e2m1_encode gives it.
+
+    For m = |y| the code is the rounding, to nearest with ties to even, of the piecewise-linear
+    c(m) = min(2m, m + 2, m/2 + 4): c maps the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 onto
+    0..7 and is affine between neighbours, so the midpoints land on n + 1/2 and ties to the even
+    code are ties to the even mantissa, exactly e2m1_encode's >= / > choice. Rounding is monotone
+    and commutes with adding 2 or 4 (even shifts keep the tie parity), so each line is rounded on
+    its own and the minimum taken after. Each rounding is one fma whose product is exact (m times
+    a power of two) and whose addend 2^23 (ulp 1) makes float32's own rounding the rounding to an
+    integer. Past 6 (only nvfp4 gets there, through a block scale rounded down) saturates at
+    code 7. Five to six float instructions per value instead of seven comparisons, conversions
+    and integer adds.
+    """
+    m = tl.abs(y)
+    r = tl.minimum(tl.minimum(tl.fma(m, 2.0, 8388608.0), m + 8388610.0),
+                   tl.fma(m, 0.5, 8388612.0))
+    if SATURATE:
+        r = tl.minimum(r, 8388615.0)
+    return r.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_pack(lo, hi, SATURATE: tl.constexpr):
+    """float32 pairs -> uint8 of their e2m1 codes, lo in the low nibble (quant.pack_e2m1).
+
+    The low byte of (bits of hi) << 4 + (bits of lo) is the packed pair (2^23's bits have a zero
+    low byte): one shift-add. A value that rounds to zero is +0: the sign bit goes on only below
+    -0.25 (code != 0 and y < 0).
+    """
+    packed = (_e2m1_bits(hi, SATURATE) << 4) + _e2m1_bits(lo, SATURATE)
+    signs = tl.where(lo < -0.25, 0x08, 0) + tl.where(hi < -0.25, 0x80, 0)
+    return (packed + signs).to(tl.uint8)
+
+
+@triton.jit
+def _load(ptr, mask, EVEN: tl.constexpr):
+    """A load that is masked (0 where masked off) unless the tile is known to be in bounds."""
+    if EVEN:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=0)
+
+
+@triton.jit
+def _fp8_kernel(
+    src_ptr, dst_ptr, dst_rows_ptr, scale_ptr, scale_rows_ptr, factor_ptr,
+    N, K, num_col_blocks,
+    stride_se, stride_sn, stride_sk,
+    stride_de, stride_dn,
+    stride_ce, stride_cn,
+    QUANT: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+    UNIT_K: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One tile [BLOCK_N, BLOCK_K] of src[e] -> e4m3 rows dst[e, dst_rows[r]] (+ its scale).
+
+    QUANT "fp8":       factor = 448/amax of the expert (the scales are per expert, written by
+                       the launcher).
+    QUANT "fp8_block": BLOCK_N = BLOCK_K = 128, one block: values and its scale, written at
+                       scale row scale_rows[row block], column = column block.
+    UNIT_K: src's last dimension is contiguous (32-bit column offsets); EVEN: the tile grid
+    divides [N, K] (no masks).
+    """
+    pid = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    row_block = pid // num_col_blocks
+    col_block = pid % num_col_blocks
+    rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col_block * BLOCK_K + tl.arange(0, BLOCK_K)
+    if UNIT_K:
+        col_offsets = cols[None, :]
+    else:
+        col_offsets = cols.to(tl.int64)[None, :] * stride_sk
+    src = src_ptr + e * stride_se + (rows.to(tl.int64) * stride_sn)[:, None] + col_offsets
+    if EVEN:
+        mask = None
+        x = tl.load(src).to(tl.float32)
+        dst_rows = tl.load(dst_rows_ptr + rows)
+    else:
+        row_mask = rows < N
+        mask = row_mask[:, None] & (cols < K)[None, :]
+        x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        dst_rows = tl.load(dst_rows_ptr + rows, mask=row_mask, other=0)
+    dst = dst_ptr + e * stride_de + (dst_rows.to(tl.int64) * stride_dn)[:, None] + cols[None, :]
+
+    if QUANT == "fp8":
+        inv = tl.load(factor_ptr + e)
+    else:
+        # quant.quantize_fp8_block: amax of the block (padding counts as 0), 448/amax or 0.
+        # torch evaluates `448 / tensor` as tensor.reciprocal() * 448: two roundings, kept.
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        inv = tl.where(amax > 0, tl.div_rn(1.0, tl.where(amax > 0, amax, 1.0)) * 448.0, 0.0)
+        scale_row = tl.load(scale_rows_ptr + row_block).to(tl.int64)
+        tl.store(scale_ptr + e * stride_ce + scale_row * stride_cn + col_block,
+                 tl.div_rn(amax, 448.0))
+    values, _ = _to_e4m3(x * inv, HW_E4M3)
+    tl.store(dst, values, mask=mask)
+
+
+@triton.jit
+def _fp4_kernel(
+    src_ptr, dst_ptr, dst_rows_ptr, scale_ptr, scale_rows_ptr, table_ptr, factor2_ptr,
+    N, num_col_blocks,
+    stride_se, stride_sn, stride_sk,
+    stride_de, stride_dn,
+    stride_ce, stride_cn,
+    QUANT: tl.constexpr,
+    SRC: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_PAIRS: tl.constexpr,
+):
+    """One tile of src[e] (BLOCK_N rows, 2 * BLOCK_PAIRS columns; the tile grid divides the
+    columns) -> packed e2m1 rows dst[e, dst_rows[r]] and their block scales at rows
+    scale_rows[r].
+
+    QUANT "nvfp4": e4m3 block scales (16 along K); factor2 = the inverse of the expert's global
+                   scale (0 for a zero expert), table = the inverse of each block scale times
+                   the global scale, per expert and e4m3 byte.
+    QUANT "mxfp4": e8m0 block scales (32 along K).
+    SRC "bf16" / "f16": src is the int32 view of a 16-bit source with contiguous rows: one load
+                   gives a pair of values, element 2i in the low half, which is the pair one
+                   output byte packs (no shuffles to split even and odd columns); "strided": any
+                   float dtype and strides, even and odd columns loaded apart.
+    """
+    GROUP_PAIRS: tl.constexpr = 8 if QUANT == "nvfp4" else 16
+    GROUPS: tl.constexpr = BLOCK_PAIRS // GROUP_PAIRS
+    pid = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    row_block = pid // num_col_blocks
+    col_block = pid % num_col_blocks
+    rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Loaded and stored as 2-D [rows, pairs] tiles (lanes along a row: coalesced, 16-byte
+    # vectors); viewed as [rows, groups, pairs per group] for the block scales.
+    pairs = col_block * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
+    groups = col_block * GROUPS + tl.arange(0, GROUPS)
+    src_rows = src_ptr + e * stride_se + rows.to(tl.int64) * stride_sn
+    if EVEN_N:
+        row_mask = None
+        mask = None
+    else:
+        row_mask = rows < N
+        mask = row_mask[:, None]
+    if SRC == "strided":
+        src = src_rows[:, None] + pairs.to(tl.int64)[None, :] * (2 * stride_sk)
+        lo = _load(src, mask, EVEN_N).to(tl.float32)
+        hi = _load(src + stride_sk, mask, EVEN_N).to(tl.float32)
+    else:
+        w = _load(src_rows[:, None] + pairs[None, :], mask, EVEN_N)
+        if SRC == "bf16":
+            # A bf16 is the top half of the float32 of the same value.
+            lo = (w << 16).to(tl.float32, bitcast=True)
+            hi = (w & -65536).to(tl.float32, bitcast=True)
+        else:
+            lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    lo = tl.reshape(lo, (BLOCK_N, GROUPS, GROUP_PAIRS))
+    hi = tl.reshape(hi, (BLOCK_N, GROUPS, GROUP_PAIRS))
+    block_amax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)
+
+    if QUANT == "nvfp4":
+        # quant.quantize_nvfp4: block scale = e4m3(amax / 6 * inv_global); the values are
+        # divided by block scale * global scale through its (correctly rounded) inverse.
+        # The inverse comes from the expert's table over the 128 non-negative e4m3 bytes (see
+        # _nvfp4_inverse_table): one cached load per block instead of a division.
+        inv_global = tl.load(factor2_ptr + e)
+        block_scale, _ = _to_e4m3(tl.div_rn(block_amax, 6.0) * inv_global, HW_E4M3)
+        factor = tl.load(table_ptr + e * 128 + block_scale.to(tl.int32))
+    else:
+        # quant.quantize_mxfp4: exponent = ceil(log2(amax / 6)), exactly, from the bits of
+        # y = amax / 6: for a normal y = 1.m * 2^E it is E, plus 1 unless m == 0; a
+        # subnormal y lies in (0, 2^-126): -126 above 2^-127, else <= -127 (clamped).
+        y = tl.div_rn(block_amax, 6.0)
+        bits = y.to(tl.int32, bitcast=True)
+        biased = (bits >> 23) & 0xFF
+        mantissa = bits & 0x7FFFFF
+        exponent = tl.where(biased == 0, tl.where(mantissa > 0x400000, -126, -127),
+                            biased - 127 + (mantissa != 0).to(tl.int32))
+        exponent = tl.where(block_amax > 0, exponent, -127)
+        exponent = tl.minimum(tl.maximum(exponent, -127), 127)
+        # 2^-exponent, built exactly (2^-127 is subnormal: bit 22 alone).
+        factor = tl.where(exponent == 127, tl.full(exponent.shape, 0x400000, tl.int32),
+                          (127 - exponent) << 23).to(tl.float32, bitcast=True)
+        block_scale = (exponent + 127).to(tl.uint8)
+    # mxfp4's scaled values never pass 6 (2^exponent >= amax / 6): no saturation needed.
+    f = factor[:, :, None]
+    packed = tl.reshape(_e2m1_pack(lo * f, hi * f, QUANT == "nvfp4"), (BLOCK_N, BLOCK_PAIRS))
+
+    dst_rows = _load(dst_rows_ptr + rows, row_mask, EVEN_N).to(tl.int64)
+    dst = dst_ptr + e * stride_de + dst_rows * stride_dn
+    tl.store(dst[:, None] + pairs[None, :], packed, mask=mask)
+    scale_rows = _load(scale_rows_ptr + rows, row_mask, EVEN_N).to(tl.int64)
+    scale = scale_ptr + e * stride_ce + scale_rows * stride_cn
+    tl.store(scale[:, None] + groups[None, :], block_scale, mask=mask)
+
+
+@triton.jit
+def _amax_kernel(
+    src_ptr, out_ptr, N, K, num_col_blocks, programs,
+    stride_se, stride_sn, stride_sk,
+    UNIT_K: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ITERS: tl.constexpr,
+):
+    """out[e, pid] = max |src[e]| over ITERS row tiles of one column block; the launcher reduces
+    over programs. The tiles' loads are independent (a running elementwise max), so several are
+    in flight at once, and the block-wide reduction happens once per program."""
+    pid = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    row_block = pid // num_col_blocks
+    cols = (pid % num_col_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+    if UNIT_K:
+        col_offsets = cols[None, :]
+    else:
+        col_offsets = cols.to(tl.int64)[None, :] * stride_sk
+    base = src_ptr + e * stride_se
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for i in tl.static_range(ITERS):
+        rows = (row_block * ITERS + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        src = base + (rows.to(tl.int64) * stride_sn)[:, None] + col_offsets
+        if EVEN:
+            x = tl.load(src)
+        else:
+            x = tl.load(src, mask=(rows < N)[:, None] & (cols < K)[None, :], other=0.0)
+        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    tl.store(out_ptr + e * programs + pid, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _scatter_rows_kernel(
+    src_ptr, dst_ptr, dst_rows_ptr, N, K, num_col_blocks,
+    stride_se, stride_sn, stride_sk,
+    stride_de, stride_dn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """dst[e, dst_rows[r], :] = src[e, r, :] for one tile, bits as they are."""
+    pid = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    rows = (pid // num_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (pid % num_col_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_mask = rows < N
+    mask = row_mask[:, None] & (cols < K)[None, :]
+    src = (src_ptr + e * stride_se + rows.to(tl.int64)[:, None] * stride_sn
+           + cols.to(tl.int64)[None, :] * stride_sk)
+    values = tl.load(src, mask=mask)
+    dst_rows = tl.load(dst_rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    tl.store(dst_ptr + e * stride_de + dst_rows[:, None] * stride_dn + cols[None, :], values,
+             mask=mask)
+
+
+def _rows_view(w: torch.Tensor, width: int) -> Optional[torch.Tensor]:
+    """w [E, N, K] with contiguous experts as [E, N*K/width, width] (same memory), or None."""
+    e, n, k = w.shape
+    if w.stride(2) != 1 or (n > 1 and w.stride(1) != k) or (n * k) % width:
+        return None
+    return w.as_strided((e, n * k // width, width), (w.stride(0), width, 1))
+
+
+def amax_per_expert(w: torch.Tensor) -> torch.Tensor:
+    """max |w[e]| as float32 [E] (== w.float().abs().amax(dim=(1, 2)) for finite w)."""
+    e, n, k = w.shape
+    if e == 0 or n == 0 or k == 0:
+        return torch.zeros(e, dtype=torch.float32, device=w.device)
+    block_n, block_k = _AMAX_TILE
+    flat = _rows_view(w, block_k)
+    if flat is not None:  # a max does not care about the shape: read full-width rows
+        w = flat
+        n, k = w.shape[1:]
+    else:
+        block_k = min(block_k, next_power_of_2(k))
+        block_n = max(1, _AMAX_TILE[0] * _AMAX_TILE[1] // block_k)
+    iters = max(1, min(_AMAX_ITERS, cdiv(n, block_n)))
+    col_blocks = cdiv(k, block_k)
+    programs = cdiv(n, block_n * iters) * col_blocks
+    even = n % (block_n * iters) == 0 and k % block_k == 0
+    partial = torch.empty((e, programs), dtype=torch.float32, device=w.device)
+    _amax_kernel[(programs, e)](w, partial, n, k, col_blocks, programs, *w.stride(),
+                                UNIT_K=w.stride(2) == 1, EVEN=even, BLOCK_N=block_n,
+                                BLOCK_K=block_k, ITERS=iters, num_warps=_AMAX_WARPS)
+    return partial.amax(dim=1)
+
+
+def _nvfp4_inverse_table(global_scale: torch.Tensor) -> torch.Tensor:
+    """[E, 128] float32: quant.quantize_nvfp4's inv_full for block scale byte b (0..127, every
+    byte a non-negative e4m3 scale can be) of expert e, by the reference's own torch expressions
+    (so on every device the same bits as the reference); 0 where the scale is not > 0."""
+    values = torch.arange(128, dtype=torch.uint8, device=global_scale.device)
+    full_scale = values.view(q.FP8_DTYPE).float()[None, :] * global_scale[:, None]
+    return torch.where(full_scale > 0, 1.0 / full_scale, torch.zeros_like(full_scale))
+
+
+def _fp4_source(w: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """w as the kernel reads it: the int32 view of a 16-bit source whose rows are contiguous
+    (pairs of values), else w itself, read column by column."""
+    if (w.dtype in (torch.bfloat16, torch.float16) and w.stride(2) == 1
+            and w.shape[2] % 2 == 0 and w.stride(0) % 2 == 0 and w.stride(1) % 2 == 0
+            and w.data_ptr() % 4 == 0):
+        return w.view(torch.int32), "bf16" if w.dtype == torch.bfloat16 else "f16"
+    return w, "strided"
+
+
+def quantize_scatter(
+    w: torch.Tensor,
+    quant: str,
+    dst: torch.Tensor,
+    dst_rows: torch.Tensor,
+    scale_dst: Optional[torch.Tensor] = None,
+    scale_rows: Optional[torch.Tensor] = None,
+    factor: Optional[torch.Tensor] = None,
+    factor2: Optional[torch.Tensor] = None,
+) -> None:
+    """Quantize w [E, N, K] (any float dtype, any strides) into the kernel-layout tensors.
+
+    dst [E, *, K or K/2] gets row r of the quantized w at row dst_rows[r]; scale_dst gets the
+    block scales at rows scale_rows[...] (fp8_block: one per 128 rows; fp4: one per row).
+    factor / factor2: per-expert float32 [E] (see _fp8_kernel and _fp4_kernel).
+    """
+    e, n, k = w.shape
+    if e == 0 or n == 0 or k == 0:
+        return
+    # The kernel layout's rows are contiguous; rows are addressed through strides 0 and 1.
+    assert dst.stride(-1) == 1 and (scale_dst is None or scale_dst.stride(-1) == 1)
+    has_scale = scale_dst is not None
+    # e4m3 bytes are stored as uint8 (see _to_e4m3).
+    dst = dst.view(torch.uint8) if dst.dtype == q.FP8_DTYPE else dst
+    if has_scale and scale_dst.dtype == q.FP8_DTYPE:
+        scale_dst = scale_dst.view(torch.uint8)
+    hw = _hw_e4m3(w.device)
+    scale_strides = (scale_dst.stride(0), scale_dst.stride(1)) if has_scale else (0, 0)
+    scale_arg = scale_dst if has_scale else dst
+    scale_rows_arg = scale_rows if scale_rows is not None else dst_rows
+
+    if quant in ("fp8", "fp8_block"):
+        block_n, block_k = _FP8_BLOCK_TILE if quant == "fp8_block" else _FP8_TILE
+        col_blocks = cdiv(k, block_k)
+        _fp8_kernel[(cdiv(n, block_n) * col_blocks, e)](
+            w, dst, dst_rows, scale_arg, scale_rows_arg,
+            factor if factor is not None else dst_rows,
+            n, k, col_blocks, *w.stride(), dst.stride(0), dst.stride(1), *scale_strides,
+            QUANT=quant, HW_E4M3=hw, UNIT_K=w.stride(2) == 1,
+            EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=_FP8_BLOCK_WARPS if quant == "fp8_block" else _FP8_WARPS,
+            enable_fp_fusion=False,
+        )
+        return
+
+    if quant == "nvfp4":
+        table = _nvfp4_inverse_table(factor)
+    group_pairs = q.fp4_scale_block(quant) // 2
+    pairs = k // 2
+    assert pairs % group_pairs == 0, "fp4 rows are whole scale blocks"
+    # The widest power-of-two tile width (in pairs) that divides the row: no column masks.
+    block_pairs = group_pairs
+    while block_pairs * 2 <= _FP4_MAX_PAIRS and pairs % (block_pairs * 2) == 0:
+        block_pairs *= 2
+    block_n = min(max(1, _FP4_TILE_PAIRS // block_pairs), next_power_of_2(n))
+    col_blocks = pairs // block_pairs
+    src, kind = _fp4_source(w)
+    _fp4_kernel[(cdiv(n, block_n) * col_blocks, e)](
+        src, dst, dst_rows, scale_arg, scale_rows_arg,
+        table if quant == "nvfp4" else dst_rows, factor2 if factor2 is not None else dst_rows,
+        n, col_blocks, *src.stride(), dst.stride(0), dst.stride(1), *scale_strides,
+        QUANT=quant, SRC=kind, HW_E4M3=hw, EVEN_N=n % block_n == 0, BLOCK_N=block_n,
+        BLOCK_PAIRS=block_pairs, num_warps=_FP4_WARPS, enable_fp_fusion=False,
+    )
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def scatter_rows(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """dst[e, dst_rows[r]] = src[e, r] for src [E, N, K] of dst's dtype (any strides), bit for bit."""
+    e, n, k = src.shape
+    if e == 0 or n == 0 or k == 0:
+        return
+    size = src.element_size()
+    # Moved as integers of the same width: a copy must not touch the bits (NaN payloads,
+    # float8 has no arithmetic here anyway).
+    src_bits, dst_bits = src.view(_BITS[size]), dst.view(_BITS[size])
+    block_k = min(triton.next_power_of_2(k), _COPY_TILE_BYTES // size // 4)
+    block_n = max(1, _COPY_TILE_BYTES // size // block_k)
+    col_blocks = cdiv(k, block_k)
+    grid = (cdiv(n, block_n) * col_blocks, e)
+    _scatter_rows_kernel[grid](src_bits, dst_bits, dst_rows, n, k, col_blocks, *src_bits.stride(),
+                               dst_bits.stride(0), dst_bits.stride(1),
+                               BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)

@@ -1,0 +1,444 @@
+"""Tune the Triton experts kernels for a model's MoE layer over every token bucket (SPEC §6).
+
+    python -m moe_ops.tune --model deepseek_v3 --quant fp8_block              # -> tuning.json
+    python -m moe_ops.tune --model mixtral_8x7b --quant fp8 --cache my.json
+    python -m moe_ops.tune --model qwen3_30b_a3b --quant none --ship          # package tables
+    python -m moe_ops.tune --experts 64 --hidden 2048 --intermediate 1408 --top-k 6 --quant none
+
+For each bucket B (1, 2, 4, ... tune_max_num_tokens) the layer runs on synthetic inputs of B
+tokens (moe_ops.synthetic: weights in the served format with valid scales, two routings:
+balanced and Zipf-skewed, timed together so neither decides alone). GEMM1's candidates are
+profiled with GEMM2 at its default, then GEMM2's with GEMM1 at its winner (the dispatch tile,
+max(block_m) of the two, is shared: tuning GEMM2 second sees it). Each candidate's output must
+match the default config's; timing replays CUDA graphs with L2 flushed before every call
+(tuning.graph_timer). Last, the tuned pair is timed head to head with the default pair,
+interleaved, and kept only if it is faster: a shipped table never makes a bucket slower.
+
+All candidate kernels of a bucket are compiled in parallel first (Triton's AsyncCompileMode on a
+thread pool), which is most of the wall time of a cold run.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from moe_ops import synthetic
+from moe_ops.models import MODELS, MoEShape
+from moe_ops.tuning import (
+    SHIPPED_DIR, ProblemKey, Timer, Tuner, autotune, default_timer, force_config, get_tuner,
+    gpu_name, problem_key, token_buckets,
+)
+
+DEFAULT_CACHE = "tuning.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiling one bucket
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class InputSet:
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+
+
+class LayerRunner:
+    """The tuner's Runner for one GEMM of a layer at one bucket: runs the whole layer on every
+    input set with the GEMM under test at `config` and the other GEMM at `other`."""
+
+    def __init__(self, layer, inputs: Sequence[InputSet], tuner: Tuner, gemm: int,
+                 other, candidates: Callable, default: Callable):
+        self.layer, self.inputs, self.tuner, self.gemm = layer, inputs, tuner, gemm
+        self.other, self._candidates, self._default = other, candidates, default
+
+    def configs(self, config):
+        return (config, self.other) if self.gemm == 1 else (self.other, config)
+
+    def candidates(self, key: ProblemKey):
+        return self._candidates(key.problem())
+
+    def default(self, key: ProblemKey):
+        return self._default(key.problem())
+
+    def run(self, key: ProblemKey, config) -> torch.Tensor:
+        return run_layer(self.layer, self.inputs, self.tuner, *self.configs(config))
+
+
+def run_layer(layer, inputs: Sequence[InputSet], tuner: Tuner, config1, config2) -> torch.Tensor:
+    with force_config(config1, config2, tuner=tuner):
+        outs = [layer(s.x, topk_ids=s.topk_ids, topk_weights=s.topk_weights) for s in inputs]
+    return torch.cat(outs)
+
+
+def make_inputs(layer, shape: MoEShape, tokens: int, *, seed: int) -> List[InputSet]:
+    """Two input sets of `tokens` tokens: balanced and skewed routing (the layer's own router)."""
+    import moe_ops
+
+    sets = []
+    for skew in (False, True):
+        s = seed + 2 * int(skew)
+        x = synthetic.hidden_states(tokens, shape.hidden_size, dtype=layer.dtype,
+                                    device=layer.w13.device, seed=s)
+        logits = synthetic.router_logits(tokens, shape.num_experts, skew=skew, device=x.device,
+                                         seed=s + 1)
+        ids, weights = moe_ops.route(logits, shape.top_k, routing=shape.routing,
+                                     routing_bias=layer.routing_bias, n_group=shape.n_group,
+                                     topk_group=shape.topk_group,
+                                     routed_scaling_factor=shape.routed_scaling_factor)
+        sets.append(InputSet(x, ids, weights))
+    return sets
+
+
+def build_layer(shape: MoEShape, quant: str, *, dtype: torch.dtype, device: torch.device,
+                seed: int = 0):
+    """A FusedMoE on the Triton backend with random weights in the quant mode's format."""
+    import moe_ops
+
+    layer = moe_ops.FusedMoE(shape.num_experts, shape.hidden_size, shape.intermediate_size,
+                             shape.top_k, quant=quant, dtype=dtype, device=device,
+                             backend="triton", **shape.layer_kwargs())
+    ckpt = synthetic.random_checkpoint(shape.num_experts, shape.hidden_size,
+                                       shape.intermediate_size, quant=quant, gated=shape.gated,
+                                       bias=shape.bias, dtype=dtype, device=device, seed=seed)
+    routing_bias = (synthetic.routing_bias(shape.num_experts, device=device, seed=seed + 7)
+                    if shape.routing == "deepseek_v3" else None)
+    layer.load_weights(**ckpt, routing_bias=routing_bias)
+    del ckpt
+    return layer
+
+
+def bucket_keys(layer, shape: MoEShape, quant: str, inputs: Sequence[InputSet], bucket: int,
+                tuner: Tuner):
+    """The two ProblemKeys (and GemmProblems) triton_experts looks up for this bucket."""
+    from moe_ops.kernels.experts import gemm_problems
+
+    x = inputs[0].x
+    problem1, problem2 = gemm_problems(x, shape.top_k, layer.w13, layer.w2, shape.activation, quant)
+    key1 = problem_key(problem1, num_tokens=bucket, top_k=shape.top_k, activation=shape.activation,
+                       device=x.device, max_num_tokens=tuner.max_num_tokens)
+    key2 = dataclasses.replace(key1, gemm=2, n=problem2.n, k=problem2.k)
+    return (key1, problem1), (key2, problem2)
+
+
+def precompile(jobs: Sequence[Callable[[], Any]], workers: Optional[int] = None) -> float:
+    """Compile the grouped-GEMM kernels that `jobs` would launch, in parallel, without running
+    them. Returns the seconds spent. A job that fails here fails again (and is rejected) when
+    profiled."""
+    from moe_ops.kernels.grouped_gemm import compile_only
+
+    start = time.perf_counter()
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # an older triton: compiled one by one when first run
+        return 0.0
+    workers = workers or min(32, os.cpu_count() or 4)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        with AsyncCompileMode(pool, ignore_errors=True), compile_only():
+            for job in jobs:
+                with contextlib.suppress(Exception):
+                    job()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _per_call(timer: Timer, calls: int) -> Timer:
+    return lambda fn: timer(fn) / calls
+
+
+def head_to_head(timer: Timer, run_a: Callable[[], Any], run_b: Callable[[], Any],
+                 rounds: int = 3) -> tuple:
+    """Median times of two runs measured alternately (a, b, a, b, ...): drift hits both."""
+    a_times, b_times = [], []
+    for _ in range(rounds):
+        a_times.append(timer(run_a))
+        b_times.append(timer(run_b))
+    a_times.sort()
+    b_times.sort()
+    return a_times[len(a_times) // 2], b_times[len(b_times) // 2]
+
+
+@dataclass
+class BucketResult:
+    bucket: int
+    default_us: float
+    tuned_us: float
+    gemm1: Dict[str, Any]
+    gemm2: Dict[str, Any]
+    kept: bool            # the tuned pair beat the default head to head
+    candidates: int
+    rejected: int
+    compile_s: float
+    seconds: float
+
+    @property
+    def speedup(self) -> float:
+        return self.default_us / self.tuned_us if self.tuned_us > 0 else float("nan")
+
+
+def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *,
+                timer: Timer, seed: int = 0, compile_workers: Optional[int] = None,
+                max_candidates: Optional[int] = None,
+                progress: Optional[Callable[[str], None]] = None) -> BucketResult:
+    from moe_ops.kernels.grouped_gemm import default_config
+    from moe_ops import tuning
+
+    def experts_candidates(problem):
+        return tuning.experts_candidates(problem)[:max_candidates]
+
+    start = time.perf_counter()
+    inputs = make_inputs(layer, shape, bucket, seed=seed + bucket)
+    # the runs time every input set: report (and store) the time of one layer call
+    timer = _per_call(timer, len(inputs))
+    (key1, problem1), (key2, problem2) = bucket_keys(layer, shape, quant, inputs, bucket, tuner)
+    default1, default2 = default_config(key1.problem()), default_config(key2.problem())
+    cands1, cands2 = experts_candidates(key1.problem()), experts_candidates(key2.problem())
+    for key in (key1, key2):  # re-tune: forget what this process had
+        tuner.memory.pop(key, None)
+        tuner.records.pop(key, None)
+        tuner._resolved.pop(key, None)
+
+    # GEMM2's candidates are compiled beside GEMM1's default; a GEMM1 winner with a larger
+    # block_m changes the dispatch tile, and those few variants compile when first profiled.
+    jobs = [lambda c=c: run_layer(layer, inputs[:1], tuner, c, default2) for c in cands1]
+    jobs += [lambda c=c: run_layer(layer, inputs[:1], tuner, default1, c) for c in cands2]
+    compile_s = precompile(jobs, compile_workers) if layer.w13.is_cuda else 0.0
+
+    def report(stage: str):
+        if progress is None:
+            return None
+        return lambda done, total: progress(f"{stage} {done}/{total}")
+
+    runner1 = LayerRunner(layer, inputs, tuner, 1, default2, experts_candidates, default_config)
+    best1 = tuner.tune(key1, runner1, timer, progress=report("gemm1"))
+    runner2 = LayerRunner(layer, inputs, tuner, 2, best1, experts_candidates, default_config)
+    best2 = tuner.tune(key2, runner2, timer, progress=report("gemm2"))
+    record1, record2 = tuner.records[key1], tuner.records[key2]
+
+    default_s, tuned_s = head_to_head(
+        timer, lambda: run_layer(layer, inputs, tuner, default1, default2),
+        lambda: run_layer(layer, inputs, tuner, best1, best2))
+    kept = tuned_s < default_s or (best1, best2) == (default1, default2)
+    if not kept:
+        # not faster than the defaults head to head: store the defaults (a tuned table never
+        # makes a bucket slower)
+        best1, best2, tuned_s = default1, default2, default_s
+        for key, config, record in ((key1, default1, record1), (key2, default2, record2)):
+            tuner.memory[key] = config
+            record["config"] = dataclasses.asdict(config)
+            record["us"] = default_s * 1e6
+    for record in (record1, record2):
+        record["layer_default_us"] = default_s * 1e6
+        record["layer_tuned_us"] = tuned_s * 1e6
+    return BucketResult(bucket, default_s * 1e6, tuned_s * 1e6, dataclasses.asdict(best1),
+                        dataclasses.asdict(best2), kept,
+                        record1["candidates"] + record2["candidates"],
+                        record1["rejected"] + record2["rejected"], compile_s,
+                        time.perf_counter() - start)
+
+
+class Progress:
+    """One status line on stderr, rewritten in place on a terminal, else one line per update."""
+
+    def __init__(self, total: int, label: str, stream=sys.stderr):
+        self.total, self.label, self.stream, self.done = total, label, stream, 0
+        self.start = time.perf_counter()
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+
+    def update(self, detail: str = "", advance: int = 0) -> None:
+        self.done += advance
+        width = 24
+        filled = int(width * self.done / max(self.total, 1))
+        bar = "#" * filled + "." * (width - filled)
+        line = (f"{self.label} [{bar}] {self.done}/{self.total} buckets "
+                f"{time.perf_counter() - self.start:6.1f}s {detail}")
+        if self.tty:
+            self.stream.write("\r" + line.ljust(110))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def tune_model(shape: MoEShape, quant: str, *, buckets: Optional[Sequence[int]] = None,
+               tuner: Optional[Tuner] = None, dtype: torch.dtype = torch.bfloat16,
+               device: Optional[torch.device] = None, timer: Optional[Timer] = None,
+               seed: int = 0, compile_workers: Optional[int] = None,
+               max_candidates: Optional[int] = None, show_progress: bool = True) -> Dict[str, Any]:
+    """Tune every bucket of one (layer shape, quant); the tuned entries stay in tuner.memory /
+    tuner.records (save them with tuner.save or write_cache_file). Returns a report. The tuner
+    must be the one the layer's calls consult (the process-wide get_tuner(), the default)."""
+    tuner = get_tuner() if tuner is None else tuner
+    device = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    timer = default_timer() if timer is None else timer
+    buckets = list(token_buckets(tuner.max_num_tokens) if buckets is None else buckets)
+    start = time.perf_counter()
+    layer = build_layer(shape, quant, dtype=dtype, device=device, seed=seed)
+    setup_s = time.perf_counter() - start
+    bar = Progress(len(buckets), f"{shape.name} {quant}") if show_progress else None
+    results: List[BucketResult] = []
+    with autotune(tuner=tuner):
+        for bucket in buckets:
+            if bar is not None:
+                bar.update(f"bucket {bucket}")
+            show = (lambda detail, b=bucket: bar.update(f"bucket {b} {detail}")) if bar else None
+            results.append(tune_bucket(layer, shape, quant, bucket, tuner, timer=timer,
+                                       seed=seed, compile_workers=compile_workers,
+                                       max_candidates=max_candidates, progress=show))
+            if bar is not None:
+                r = results[-1]
+                bar.update(f"bucket {bucket}: {r.default_us:.1f} -> {r.tuned_us:.1f} us", advance=1)
+    if bar is not None:
+        bar.close()
+    del layer
+    return {
+        "model": shape.name, "quant": quant, "dtype": str(dtype).replace("torch.", ""),
+        "gpu": gpu_name(device), "setup_s": setup_s,
+        "tuning_s": time.perf_counter() - start - setup_s,
+        "compile_s": sum(r.compile_s for r in results),
+        "buckets": [dict(dataclasses.asdict(r), speedup=r.speedup) for r in results],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI
+# ---------------------------------------------------------------------------------------------
+
+def shipped_path(gpu: str, model: str, quant: str, directory: Path = SHIPPED_DIR) -> Path:
+    slug = re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")
+    return directory / f"{slug}__{model}__{quant}.json"
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m moe_ops.tune",
+        description="Tune the Triton fused-MoE kernels of one layer shape over all token buckets "
+                    "and write the configs to a cache file (used by moe_ops.autotune(cache=...) "
+                    "and moe_ops.tuning.load_cache) or to the package's shipped tables.")
+    p.add_argument("--model", choices=sorted(MODELS), help="a known layer shape")
+    p.add_argument("--quant", default=None,
+                   help="quant mode (default: every mode the model is served in)")
+    p.add_argument("--experts", type=int, help="custom shape: number of (local) experts")
+    p.add_argument("--hidden", type=int, help="custom shape: hidden size H")
+    p.add_argument("--intermediate", type=int, help="custom shape: intermediate size I")
+    p.add_argument("--top-k", type=int, help="custom shape: experts per token")
+    p.add_argument("--activation", default="swiglu", help="custom shape: activation")
+    p.add_argument("--routing", default="renormalize", help="custom shape: routing method")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="largest bucket (default tune_max_num_tokens = 8192)")
+    p.add_argument("--buckets", default=None,
+                   help="comma-separated token buckets to tune (default: all)")
+    p.add_argument("--cache", default=None,
+                   help=f"cache file to merge the results into (default {DEFAULT_CACHE})")
+    p.add_argument("--ship", action="store_true",
+                   help="write the package's shipped table for this GPU instead of --cache")
+    p.add_argument("--report", default=None,
+                   help="also write a JSON report (per bucket: default vs tuned us, configs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile-workers", type=int, default=None)
+    p.add_argument("--max-candidates", type=int, default=None,
+                   help="profile at most this many configs per GEMM (default: the whole short "
+                        "list, about 8-10)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    custom = (args.experts, args.hidden, args.intermediate, args.top_k)
+    if args.model is None and None in custom:
+        p.error("give --model, or --experts, --hidden, --intermediate and --top-k")
+    if args.model is not None and any(v is not None for v in custom):
+        p.error("--model and a custom shape (--experts ...) exclude each other")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.model is not None:
+        shape = MODELS[args.model]
+    else:
+        shape = MoEShape("custom", args.experts, args.hidden, args.intermediate, args.top_k,
+                         routing=args.routing, activation=args.activation,
+                         quant=(args.quant or "none",))
+    quants = [args.quant] if args.quant else list(shape.quant)
+    from moe_ops.quant import QUANT_MODES
+    for quant in quants:
+        if quant not in QUANT_MODES:
+            print(f"--quant: {quant!r} is not one of {QUANT_MODES}", file=sys.stderr)
+            return 2
+    if not torch.cuda.is_available():
+        from moe_ops import kernels
+        if not kernels.INTERPRET:
+            print("moe_ops.tune needs a CUDA GPU (or TRITON_INTERPRET=1 for a functional run "
+                  "on CPU)", file=sys.stderr)
+            return 2
+    dtype = getattr(torch, args.dtype)
+    tuner = get_tuner()
+    if args.max_tokens is not None:
+        tuner.max_num_tokens = args.max_tokens
+    buckets = None if args.buckets is None else [int(b) for b in args.buckets.split(",")]
+    reports = []
+    for quant in quants:
+        tuner.records.clear()
+        tuner.memory.clear()
+        report = tune_model(shape, quant, buckets=buckets, tuner=tuner, dtype=dtype,
+                            seed=args.seed, compile_workers=args.compile_workers,
+                            max_candidates=args.max_candidates, show_progress=not args.quiet)
+        if args.ship:
+            path = shipped_path(report["gpu"], shape.name, quant)
+            if path.exists():
+                path.unlink()  # a shipped table is replaced whole, not merged
+        else:
+            path = Path(args.cache or DEFAULT_CACHE)
+        tuner.save(path)
+        report["written_to"] = str(path)
+        reports.append(report)
+        print(format_report(report))
+    if args.report:
+        payload = {"command": "python -m moe_ops.tune " + " ".join(
+                       sys.argv[1:] if argv is None else argv),
+                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "torch": torch.__version__, "reports": reports}
+        try:
+            import triton
+            payload["triton"] = triton.__version__
+        except ImportError:
+            pass
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(json.dumps(payload, indent=1))
+    return 0
+
+
+def format_report(report: Dict[str, Any]) -> str:
+    lines = [f"{report['model']} {report['quant']} on {report['gpu']}: tuned "
+             f"{len(report['buckets'])} buckets in {report['tuning_s']:.1f} s "
+             f"(compiling {report['compile_s']:.1f} s, setup {report['setup_s']:.1f} s) "
+             f"-> {report.get('written_to', '')}",
+             f"{'bucket':>7} {'default us':>11} {'tuned us':>10} {'speedup':>8}  gemm1 / gemm2"]
+    for b in report["buckets"]:
+        c1, c2 = b["gemm1"], b["gemm2"]
+        short = lambda c: (f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} "
+                           f"s{c['num_stages']}{' swap' if c['swap_ab'] else ''}")
+        lines.append(f"{b['bucket']:>7} {b['default_us']:>11.1f} {b['tuned_us']:>10.1f} "
+                     f"{b['speedup']:>7.2f}x  {short(c1)} / {short(c2)}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The tuning driver (python -m moe_ops.tune) on CPU: synthetic inputs, the per-bucket flow
+(GEMM1 then GEMM2, outputs checked, head-to-head against the defaults), the cache file it writes
+and that the layer's own calls look those entries up; the candidate short lists; the model table.
+Timings on CPU mean nothing: fake timers decide where the test needs a winner."""
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import moe_ops
+from moe_ops import synthetic, tune, tuning
+from moe_ops import quant as q
+from moe_ops.kernels.grouped_gemm import (
+    GemmConfig, GemmProblem, default_config, is_valid_config, tuning_candidates,
+)
+from moe_ops.models import MODELS, MoEShape
+from moe_ops.tuning import Tuner, token_buckets
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = MoEShape("tiny", 4, 64, 32, 2, quant=("none",))
+# the Triton backend runs on the GPU where there is one, else on the interpreter (conftest)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def tuner(monkeypatch):
+    """A fresh process-wide tuner (the layer's calls consult get_tuner())."""
+    fresh = Tuner(shipped_dir=None)
+    monkeypatch.setattr(tuning, "_TUNER", fresh)
+    return fresh
+
+
+def test_models_match_benchmark_shapes():
+    shapes = json.loads((ROOT / "benchmarks" / "shapes.json").read_text())["models"]
+    assert set(shapes) == set(MODELS)
+    for name, entry in shapes.items():
+        assert MoEShape.from_json(name, entry) == MODELS[name]
+
+
+@pytest.mark.parametrize("quant", q.QUANT_MODES)
+def test_random_checkpoint_loads_with_valid_scales(quant):
+    shape = MoEShape("t", 4, 64, 64, 2, bias=True)
+    ckpt = synthetic.random_checkpoint(4, 64, 64, quant=quant, bias=True, seed=3)
+    layer = moe_ops.FusedMoE(4, 64, 64, 2, quant=quant, bias=True, backend="reference")
+    layer.load_weights(**ckpt)
+    x = synthetic.hidden_states(5, 64, seed=1)
+    logits = synthetic.router_logits(5, 4, seed=2)
+    out = layer(x, logits)
+    assert torch.isfinite(out.float()).all() and out.float().abs().max() > 0
+    # the dequantized weights have the spread of a trained layer, N(0, 1/fan_in)
+    from moe_ops.reference import dequantize_weight
+    weights = layer.kernel_weights()
+    w2 = dequantize_weight(weights["w2"][0], weights.get("w2_scale", [None])[0]
+                           if "w2_scale" in weights else None,
+                           weights["w2_global_scale"][0] if "w2_global_scale" in weights else None,
+                           quant)
+    std = float(w2.float().std())
+    assert 0.5 / 64 ** 0.5 < std < 2.0 / 64 ** 0.5, (quant, std)
+
+
+def test_skewed_routing_is_skewed_and_balanced_is_not():
+    def top_share(skew):
+        logits = synthetic.router_logits(4096, 64, skew=skew, seed=5)
+        ids = logits.topk(4, dim=-1).indices
+        counts = torch.bincount(ids.flatten(), minlength=64).float()
+        return float(counts.max() / counts.mean())
+    assert top_share(False) < 1.5
+    assert top_share(True) > 4.0
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_candidates_short_valid_default_first(name):
+    shape = MODELS[name]
+    n13 = 2 * shape.intermediate_size if shape.gated else shape.intermediate_size
+    for quant in ("none", "fp8", "fp8_block"):
+        for bucket in token_buckets():
+            m = bucket * shape.top_k / shape.num_experts
+            for problem in (GemmProblem(1, shape.num_experts, n13, shape.hidden_size, m,
+                                        torch.bfloat16, quant, shape.gated),
+                            GemmProblem(2, shape.num_experts, shape.hidden_size,
+                                        shape.intermediate_size, m, torch.bfloat16, quant,
+                                        shape.gated)):
+                configs = tuning_candidates(problem)
+                assert configs[0] == default_config(problem)
+                assert len(set(configs)) == len(configs) and 3 <= len(configs) <= 12
+                assert all(is_valid_config(problem, c) for c in configs)
+
+
+def test_tune_model_writes_entries_the_layer_looks_up(tuner, tmp_path):
+    """Every bucket gets both GEMMs' entries, with their timings; a layer call at a token count
+    of that bucket launches the tuned configs."""
+    def timer(fn):  # every config equally fast: the defaults stay (ties never win)
+        fn()
+        return 1.0
+
+    report = tune.tune_model(TINY, "none", buckets=[1, 2], tuner=tuner, timer=timer,
+                             max_candidates=2, show_progress=False, device=DEVICE)
+    assert [b["bucket"] for b in report["buckets"]] == [1, 2]
+    assert len(tuner.records) == 4
+    for record in tuner.records.values():
+        assert record["candidates"] == 1 and "layer_tuned_us" in record
+    path = tmp_path / "cache.json"
+    tuner.save(path)
+    fresh = Tuner(shipped_dir=None)
+    assert fresh.load(path) == 4
+    for key, config in tuner.memory.items():
+        assert fresh.lookup(key) == config
+
+
+def test_head_to_head_keeps_defaults_when_tuned_is_slower(tuner):
+    calls = {"n": 0}
+
+    def timer(fn):
+        # per-candidate timings say "non-default wins", the head to head says the opposite
+        calls["n"] += 1
+        fn()
+        return 1.0 / calls["n"] if calls["n"] <= 6 else (2.0 if calls["n"] % 2 == 0 else 1.0)
+
+    layer = tune.build_layer(TINY, "none", dtype=torch.bfloat16, device=DEVICE)
+    with tuning.autotune(tuner=tuner):
+        result = tune.tune_bucket(layer, TINY, "none", 1, tuner, timer=timer, max_candidates=2)
+    if not result.kept:
+        assert result.tuned_us == result.default_us
+        for key, config in tuner.memory.items():
+            assert config == default_config(key.problem())
+
+
+def test_cli_on_the_interpreter(tuner, tmp_path, capsys):
+    cache, report = tmp_path / "t.json", tmp_path / "r.json"
+    rc = tune.main(["--experts", "4", "--hidden", "64", "--intermediate", "32", "--top-k", "2",
+                    "--buckets", "1", "--max-candidates", "2", "--cache", str(cache),
+                    "--report", str(report), "--quiet"])
+    assert rc == 0
+    entries = json.loads(cache.read_text())["entries"]
+    assert len(entries) == 2 and all("gemm=" in k and "bucket=1" in k for k in entries)
+    data = json.loads(report.read_text())
+    assert data["command"].startswith("python -m moe_ops.tune")
+    (bucket,) = data["reports"][0]["buckets"]
+    assert bucket["default_us"] > 0 and bucket["tuned_us"] > 0
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        tune.main(["--experts", "4"])
+    assert tune.main(["--model", "mixtral_8x7b", "--quant", "int3"]) == 2
+
+
+def test_shipped_path_is_per_gpu_model_quant(tmp_path):
+    path = tune.shipped_path("NVIDIA H200", "deepseek_v3", "fp8_block", tmp_path)
+    assert path.name == "nvidia_h200__deepseek_v3__fp8_block.json"
