@@ -56,6 +56,7 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):
 import torch  # noqa: E402
 
 import moe_ops  # noqa: E402
+from moe_ops.models import MoEShape  # noqa: E402
 from baseline import BaselineWeights, TorchBaseline, probe_capabilities  # noqa: E402
 import hf_peers  # noqa: E402  (imports transformers only when peers are built)
 
@@ -80,45 +81,8 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Shapes
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelConfig:
-    name: str
-    num_experts: int
-    hidden_size: int
-    intermediate_size: int
-    top_k: int
-    routing: str
-    activation: str = "swiglu"
-    n_group: Optional[int] = None
-    topk_group: Optional[int] = None
-    routed_scaling_factor: float = 1.0
-    bias: bool = False
-    quant: tuple[str, ...] = ("none",)
-
-    @property
-    def gated(self) -> bool:
-        return self.activation != "relu2"
-
-    @property
-    def n13(self) -> int:
-        """Rows of the fused gate/up weight of one expert."""
-        return 2 * self.intermediate_size if self.gated else self.intermediate_size
-
-    def layer_kwargs(self) -> dict[str, Any]:
-        return dict(routing=self.routing, n_group=self.n_group, topk_group=self.topk_group,
-                    routed_scaling_factor=self.routed_scaling_factor, activation=self.activation,
-                    bias=self.bias)
-
-    @classmethod
-    def from_json(cls, name: str, entry: dict[str, Any]) -> "ModelConfig":
-        return cls(name=name, num_experts=int(entry["num_experts"]),
-                   hidden_size=int(entry["hidden_size"]),
-                   intermediate_size=int(entry["intermediate_size"]), top_k=int(entry["top_k"]),
-                   routing=entry.get("routing", "renormalize"),
-                   activation=entry.get("activation", "swiglu"), n_group=entry.get("n_group"),
-                   topk_group=entry.get("topk_group"),
-                   routed_scaling_factor=float(entry.get("routed_scaling_factor", 1.0)),
-                   bias=bool(entry.get("bias", False)), quant=tuple(entry.get("quant", ("none",))))
+# A layer shape of shapes.json (the package's own table of known models, moe_ops.models).
+ModelConfig = MoEShape
 
 
 @dataclass

@@ -407,7 +407,7 @@ def _device_parts(weight: torch.Tensor, quant: str, targets: dict[str, torch.Ten
         # The per-expert factors by the reference's own expressions, from an exact amax.
         amax = prepare.amax_per_expert(weight)
         if quant == "fp8":
-            factor, per_row = q._inverse_scale(amax), amax / q.FP8_MAX
+            factor, per_row = q._inverse_scale(amax), q._exact_div(amax, q.FP8_MAX)
             role = "scale"
         else:
             factor, factor2 = q.nvfp4_global_scale(amax)

@@ -26,6 +26,11 @@ class MoEShape:
     def gated(self) -> bool:
         return self.activation != "relu2"
 
+    @property
+    def n13(self) -> int:
+        """Rows of the fused gate/up weight of one expert."""
+        return 2 * self.intermediate_size if self.gated else self.intermediate_size
+
     def layer_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments of moe_ops.FusedMoE besides the sizes."""
         return dict(routing=self.routing, n_group=self.n_group, topk_group=self.topk_group,

@@ -178,7 +178,7 @@ class BucketResult:
     tuned_us: float
     gemm1: Dict[str, Any]
     gemm2: Dict[str, Any]
-    kept: bool            # the tuned pair beat the default head to head
+    kept: bool            # a tuned pair other than the defaults beat them head to head
     candidates: int
     rejected: int
     compile_s: float
@@ -231,8 +231,13 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
     default_s, tuned_s = head_to_head(
         timer, lambda: run_layer(layer, inputs, tuner, default1, default2),
         lambda: run_layer(layer, inputs, tuner, best1, best2))
-    kept = tuned_s < default_s or (best1, best2) == (default1, default2)
-    if not kept:
+    same = (best1, best2) == (default1, default2)
+    kept = tuned_s < default_s and not same
+    if same:
+        # the defaults won every stage: the two timings are of the same configs (their gap is
+        # run-to-run spread), so the tuned time is the default's
+        tuned_s = default_s
+    elif not kept:
         # not faster than the defaults head to head: store the defaults (a tuned table never
         # makes a bucket slower)
         best1, best2, tuned_s = default1, default2, default_s
@@ -407,6 +412,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             path = Path(args.cache or DEFAULT_CACHE)
         tuner.save(path)
+        if args.ship:
+            Path(f"{path}.lock").unlink(missing_ok=True)  # the writers' lock is not package data
         report["written_to"] = str(path)
         reports.append(report)
         print(format_report(report))

@@ -114,14 +114,21 @@ def linked_token_count(*tensors_and_dims: Any) -> int:
 # Keys
 # ---------------------------------------------------------------------------------------------
 
+# The source files a tunable kernel is built from: the module of its @triton.jit entry point and
+# the modules of the device functions it calls (activations, fp8 rounding, the PDL prologue).
+KERNEL_SOURCES = {GROUPED_GEMM: ("grouped_gemm", "common")}
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_source_hash(kernel: str = GROUPED_GEMM) -> str:
-    """sha256 (16 hex digits) of the kernel module's source text: a config tuned for one
-    version of a kernel never silently applies to another."""
+    """sha256 (16 hex digits) of the source text of the kernel's modules (KERNEL_SOURCES): a
+    config tuned for one version of a kernel never silently applies to another."""
     import importlib
-    module = importlib.import_module(f"moe_ops.kernels.{kernel}")
-    text = Path(module.__file__).read_bytes()
-    return hashlib.sha256(text).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for name in KERNEL_SOURCES.get(kernel, (kernel,)):
+        module = importlib.import_module(f"moe_ops.kernels.{name}")
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=64)

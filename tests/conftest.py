@@ -12,6 +12,8 @@
 import os
 import subprocess
 
+import pytest
+
 
 def _has_cuda() -> bool:
     # Asked without importing torch: importing torch first could pull in triton.
@@ -28,3 +30,20 @@ if not HAS_CUDA:
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty returns NaN-filled floats and garbage ints, so kernel outputs left unwritten
+    show (every kernel allocates its outputs with torch.empty)."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.dtype.is_floating_point:
+            t.fill_(float("nan"))
+        elif t.dtype in (torch.int32, torch.int64):
+            t.fill_(1 << 30)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)

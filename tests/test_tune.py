@@ -151,3 +151,50 @@ def test_cli_rejects_bad_arguments(capsys):
 def test_shipped_path_is_per_gpu_model_quant(tmp_path):
     path = tune.shipped_path("NVIDIA H200", "deepseek_v3", "fp8_block", tmp_path)
     assert path.name == "nvidia_h200__deepseek_v3__fp8_block.json"
+
+
+def test_shipped_tables_cover_every_model_and_quant_on_the_h200():
+    """Every (model, quant) of shapes.json has an H200 table with both GEMMs of every bucket,
+    tuned on this kernel source (else the tables are ignored there: re-run
+    `python -m moe_ops.tune --model M --quant Q --ship` on an H200 after a kernel change)."""
+    expected = tuning.current_metadata(gpu="NVIDIA H200")
+    for name, shape in MODELS.items():
+        for quant in shape.quant:
+            path = tune.shipped_path("NVIDIA H200", name, quant)
+            assert path.exists(), f"no shipped table {path.name}"
+            meta = json.loads(path.read_text())["metadata"]
+            assert meta["kernel_hash"] == expected["kernel_hash"], (
+                f"{path.name} was tuned on another kernel source: re-tune it on an H200")
+            entries = tuning.read_cache_file(path, expected=expected,
+                                             fields=tuning._SHIPPED_FIELDS)
+            got = {(k.gemm, k.bucket) for k in entries if k.quant == quant}
+            assert got == {(g, b) for g in (1, 2) for b in token_buckets()}, path.name
+            assert not Path(f"{path}.lock").exists()
+
+
+def test_shipped_tables_hold_the_keys_the_layer_looks_up():
+    """The keys triton_experts computes for a real layer of each model (shapes only: meta
+    tensors in the kernel layout) are the shipped tables' keys, at every bucket."""
+    from moe_ops import layout
+    from moe_ops.kernels.experts import gemm_problems
+    expected = tuning.current_metadata(gpu="NVIDIA H200")
+    for name, shape in MODELS.items():
+        for quant in shape.quant:
+            specs = layout.plan_layout(quant=quant, activation=shape.activation,
+                                       num_local_experts=shape.num_experts,
+                                       hidden_size=shape.hidden_size,
+                                       intermediate_size=shape.intermediate_size,
+                                       bias=shape.bias, dtype=torch.bfloat16, device="meta")
+            w13 = torch.empty(specs["w13"].shape, dtype=specs["w13"].dtype, device="meta")
+            w2 = torch.empty(specs["w2"].shape, dtype=specs["w2"].dtype, device="meta")
+            table = tuning.read_cache_file(tune.shipped_path("NVIDIA H200", name, quant),
+                                           expected=expected, fields=tuning._SHIPPED_FIELDS)
+            for bucket in token_buckets():
+                x = torch.empty(bucket, shape.hidden_size, dtype=torch.bfloat16, device="meta")
+                p1, p2 = gemm_problems(x, shape.top_k, w13, w2, shape.activation, quant)
+                for p in (p1, p2):
+                    key = dataclasses.replace(
+                        tuning.problem_key(p, num_tokens=bucket, top_k=shape.top_k,
+                                           activation=shape.activation),
+                        gpu="NVIDIA H200")
+                    assert key in table, (name, quant, bucket, p.gemm)

@@ -139,10 +139,15 @@ def test_problem_key_derives_components_from_the_problem():
 
 
 def test_kernel_hash_is_the_source_text_hash():
+    """The hash covers the kernel's module and the device functions' module (common.py)."""
     import hashlib
+    import moe_ops.kernels.common as common
     import moe_ops.kernels.grouped_gemm as gg
-    with open(gg.__file__, "rb") as f:
-        assert tuning.kernel_source_hash() == hashlib.sha256(f.read()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for module in (gg, common):
+        with open(module.__file__, "rb") as f:
+            digest.update(f.read())
+    assert tuning.kernel_source_hash() == digest.hexdigest()[:16]
 
 
 # -- lookup chain -----------------------------------------------------------------------------
