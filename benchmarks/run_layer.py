@@ -105,7 +105,7 @@ def main() -> int:
         import moe_ops.kernels.experts  # noqa: F401
     except ImportError:
         triton_ok = False
-    triton_quants = ("none", "fp8", "fp8_block")
+    from moe_ops.experts import TRITON_QUANTS as triton_quants  # every mode the kernels cover
     dtype = torch.bfloat16
     torch.manual_seed(args.seed)
 

@@ -113,8 +113,10 @@ _MAX_VALIDATED_SIGNATURES = 4096
 
 
 def _signature(tensors: tuple, activation: str, quant: str) -> tuple:
+    # Contiguity is part of it: the validation requires contiguous kernel-layout tensors, and a
+    # strided view of the same shape must not slip past on an earlier call's pass.
     return (activation, quant) + tuple(
-        None if t is None else (t.shape, t.dtype, t.device) for t in tensors)
+        None if t is None else (t.shape, t.dtype, t.device, t.is_contiguous()) for t in tensors)
 
 
 def fused_experts(

@@ -196,6 +196,15 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
     from moe_ops.kernels.grouped_gemm import default_config
     from moe_ops import tuning
 
+    # The layer's calls consult the process-wide tuner: force_config on another one would not
+    # reach them, and every "candidate" would silently run the defaults.
+    if tuner is not get_tuner():
+        raise ValueError("tuner: must be the process-wide moe_ops.tuning.get_tuner(), which the "
+                         "layer's calls consult")
+    if not tuner.may_profile():
+        raise RuntimeError("tune_bucket runs inside moe_ops.tuning.autotune(tuner=...), not "
+                           "while capturing or compiling")
+
     def experts_candidates(problem):
         return tuning.experts_candidates(problem)[:max_candidates]
 
@@ -243,6 +252,7 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
         best1, best2, tuned_s = default1, default2, default_s
         for key, config, record in ((key1, default1, record1), (key2, default2, record2)):
             tuner.memory[key] = config
+            tuner._resolved.pop(key, None)
             record["config"] = dataclasses.asdict(config)
             record["us"] = default_s * 1e6
     for record in (record1, record2):
@@ -362,7 +372,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--compile-workers", type=int, default=None)
     p.add_argument("--max-candidates", type=int, default=None,
                    help="profile at most this many configs per GEMM (default: the whole short "
-                        "list, about 8-10)")
+                        "list, 3 to 13)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     custom = (args.experts, args.hidden, args.intermediate, args.top_k)
@@ -397,7 +407,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tuner = get_tuner()
     if args.max_tokens is not None:
         tuner.max_num_tokens = args.max_tokens
-    buckets = None if args.buckets is None else [int(b) for b in args.buckets.split(",")]
+    buckets = None
+    if args.buckets is not None:
+        # Only the buckets themselves: another count would be profiled at that count but stored
+        # under the bucket it rounds up to (bucket_of), overwriting or misrepresenting it.
+        valid = token_buckets(tuner.max_num_tokens)
+        try:
+            buckets = [int(b) for b in args.buckets.split(",")]
+        except ValueError:
+            buckets = []
+        if not buckets or any(b not in valid for b in buckets):
+            print(f"--buckets: {args.buckets!r}; each must be one of {valid}", file=sys.stderr)
+            return 2
     reports = []
     for quant in quants:
         tuner.records.clear()
@@ -441,7 +462,8 @@ def format_report(report: Dict[str, Any]) -> str:
     for b in report["buckets"]:
         c1, c2 = b["gemm1"], b["gemm2"]
         short = lambda c: (f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} "
-                           f"s{c['num_stages']}{' swap' if c['swap_ab'] else ''}")
+                           f"s{c['num_stages']}{' swap' if c['swap_ab'] else ''}"
+                           f"{' split%d' % c['split_k'] if c.get('split_k', 1) > 1 else ''}")
         lines.append(f"{b['bucket']:>7} {b['default_us']:>11.1f} {b['tuned_us']:>10.1f} "
                      f"{b['speedup']:>7.2f}x  {short(c1)} / {short(c2)}")
     return "\n".join(lines)

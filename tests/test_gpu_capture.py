@@ -54,10 +54,12 @@ def test_capture_inside_autotune_does_not_profile(layer, monkeypatch):
     tuner = tuning.Tuner(shipped_dir=None)
     monkeypatch.setattr(tuning, "_TUNER", tuner)
     x, logits = inputs(48, 3)   # bucket 64, untuned in this fresh tuner
+    layer(x, logits)   # outside autotune: compile bucket 64's default kernels before capturing
     with tuning.autotune(tuner=tuner):
         graph = torch.cuda.CUDAGraph()
         layer(x[:1], logits[:1])   # bucket 1 is profiled here, eagerly: allowed
         profiled = tuner.profile_count
+        assert profiled == 2       # GEMM1 and GEMM2 of bucket 1
         with torch.cuda.graph(graph):
             out = layer(x, logits)
         assert tuner.profile_count == profiled   # lookups only while capturing

@@ -74,7 +74,7 @@ def test_skewed_routing_is_skewed_and_balanced_is_not():
 def test_candidates_short_valid_default_first(name):
     shape = MODELS[name]
     n13 = 2 * shape.intermediate_size if shape.gated else shape.intermediate_size
-    for quant in ("none", "fp8", "fp8_block"):
+    for quant in q.QUANT_MODES:
         for bucket in token_buckets():
             m = bucket * shape.top_k / shape.num_experts
             for problem in (GemmProblem(1, shape.num_experts, n13, shape.hidden_size, m,
@@ -84,7 +84,9 @@ def test_candidates_short_valid_default_first(name):
                                         shape.gated)):
                 configs = tuning_candidates(problem)
                 assert configs[0] == default_config(problem)
-                assert len(set(configs)) == len(configs) and 3 <= len(configs) <= 12
+                # at most 13: 4-bit GEMM2 at decode has its own default, the decode list and
+                # the split-K ones
+                assert len(set(configs)) == len(configs) and 3 <= len(configs) <= 13
                 assert all(is_valid_config(problem, c) for c in configs)
 
 
@@ -107,6 +109,15 @@ def test_tune_model_writes_entries_the_layer_looks_up(tuner, tmp_path):
     assert fresh.load(path) == 4
     for key, config in tuner.memory.items():
         assert fresh.lookup(key) == config
+    # the layer's own calls (outside autotune) look up exactly those keys
+    layer = tune.build_layer(TINY, "none", dtype=torch.bfloat16, device=DEVICE)
+    looked_up = []
+    real_lookup = tuner.lookup
+    tuner.lookup = lambda key: looked_up.append(key) or real_lookup(key)
+    for tokens in (1, 2):
+        (inputs,) = tune.make_inputs(layer, TINY, tokens, seed=0)[:1]
+        layer(inputs.x, topk_ids=inputs.topk_ids, topk_weights=inputs.topk_weights)
+    assert set(looked_up) == set(tuner.memory)
 
 
 def test_head_to_head_keeps_defaults_when_tuned_is_slower(tuner):
@@ -121,10 +132,13 @@ def test_head_to_head_keeps_defaults_when_tuned_is_slower(tuner):
     layer = tune.build_layer(TINY, "none", dtype=torch.bfloat16, device=DEVICE)
     with tuning.autotune(tuner=tuner):
         result = tune.tune_bucket(layer, TINY, "none", 1, tuner, timer=timer, max_candidates=2)
-    if not result.kept:
-        assert result.tuned_us == result.default_us
-        for key, config in tuner.memory.items():
-            assert config == default_config(key.problem())
+    assert calls["n"] == 10  # each GEMM: its default and one candidate; then 3 rounds of 2
+    assert not result.kept
+    assert result.tuned_us == result.default_us
+    assert len(tuner.memory) == 2
+    for key, config in tuner.memory.items():
+        assert config == default_config(key.problem())
+        assert tuner.lookup(key) == config
 
 
 def test_cli_on_the_interpreter(tuner, tmp_path, capsys):
@@ -146,6 +160,11 @@ def test_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         tune.main(["--experts", "4"])
     assert tune.main(["--model", "mixtral_8x7b", "--quant", "int3"]) == 2
+    # a count that is not a bucket would be stored under the bucket it rounds up to
+    for buckets in ("3", "1,2,x", "16384"):
+        assert tune.main(["--model", "mixtral_8x7b", "--quant", "none",
+                          "--buckets", buckets]) == 2
+    assert "--buckets" in capsys.readouterr().err
 
 
 def test_shipped_path_is_per_gpu_model_quant(tmp_path):
