@@ -57,6 +57,9 @@ import torch  # noqa: E402
 
 import moe_ops  # noqa: E402
 from moe_ops.models import MoEShape  # noqa: E402
+from moe_ops.synthetic import (  # noqa: E402
+    E2M1_RMS, FP8_VALUE_STD, NVFP4_BLOCK_SCALE, expert_chunks, generator, random_fp8, uniform,
+)
 from baseline import BaselineWeights, TorchBaseline, probe_capabilities  # noqa: E402
 import hf_peers  # noqa: E402  (imports transformers only when peers are built)
 
@@ -64,12 +67,9 @@ DEFAULT_SHAPES = BENCH_DIR / "shapes.json"
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_BLOCK = 128
-# Random fp8 weight values are drawn N(0, 64^2) and clamped to +-448 (a per-tensor quantized
-# weight fills e4m3's range about like that); their scale brings them back to N(0, 1/fan_in).
-FP8_VALUE_STD = 64.0
-# RMS of e2m1 values when all 16 codes are equally likely: sqrt(mean(m^2)) over the magnitudes.
-E2M1_RMS = math.sqrt((0 + 0.25 + 1 + 2.25 + 4 + 9 + 16 + 36) / 8)
-FP4_BLOCK_SCALE = 64.0  # typical nvfp4 block scale value (e4m3), global scale takes the rest
+# Random weights in the served formats (values and scales with the spread of N(0, 1/fan_in)):
+# the package's synthetic-layer helpers, shared with the tuner.
+FP4_BLOCK_SCALE = NVFP4_BLOCK_SCALE  # typical nvfp4 block scale value (e4m3), global scale takes the rest
 BF16_MATH_QUANTS = ("none", "nvfp4", "mxfp4")  # W4A16: the math is bf16
 TRITON_QUANTS = ("none", "fp8", "fp8_block", "nvfp4", "mxfp4")
 
@@ -180,32 +180,7 @@ class LayerWeights:
     baseline: Optional[BaselineWeights]
 
 
-def _generator(device: torch.device, seed: int) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
-
-
-def _chunks(num_experts: int, per_expert: int, chunk_elements: int):
-    step = max(1, chunk_elements // max(per_expert, 1))
-    for start in range(0, num_experts, step):
-        yield start, min(num_experts, start + step)
-
-
-def _random_fp8(shape: tuple[int, ...], device: torch.device, gen: torch.Generator,
-                chunk_elements: int) -> torch.Tensor:
-    out = torch.empty(shape, dtype=FP8_DTYPE, device=device)
-    per_expert = math.prod(shape[1:])
-    for start, end in _chunks(shape[0], per_expert, chunk_elements):
-        values = torch.empty((end - start,) + tuple(shape[1:]), dtype=torch.bfloat16, device=device)
-        values.normal_(0.0, FP8_VALUE_STD, generator=gen).clamp_(-FP8_MAX, FP8_MAX)
-        out[start:end] = values.to(FP8_DTYPE)
-    return out
-
-
-def _uniform(shape: tuple[int, ...], low: float, high: float, device: torch.device,
-             gen: torch.Generator) -> torch.Tensor:
-    return torch.empty(shape, dtype=torch.float32, device=device).uniform_(low, high, generator=gen)
+_generator, _chunks, _random_fp8, _uniform = generator, expert_chunks, random_fp8, uniform  # local names
 
 
 def _dequantize_fp4_chunked(packed: torch.Tensor, scale: torch.Tensor, quant: str,

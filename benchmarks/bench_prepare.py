@@ -85,12 +85,6 @@ def model_configs(tiny: bool) -> dict[str, dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
-def _per_expert_chunks(num_experts: int, per_expert_elements: int, limit_elements: int = 1 << 27):
-    step = max(1, limit_elements // max(per_expert_elements, 1))
-    for start in range(0, num_experts, step):
-        yield start, min(num_experts, start + step)
-
-
 def bf16_checkpoint(cfg: dict[str, Any], device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
     e, h, i = cfg["num_experts"], cfg["hidden_size"], cfg["intermediate_size"]
     gen = torch.Generator(device=device)
@@ -98,7 +92,7 @@ def bf16_checkpoint(cfg: dict[str, Any], device: torch.device, seed: int = 0) ->
 
     def randn(*shape: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=torch.bfloat16, device=device)
-        for start, end in _per_expert_chunks(shape[0], out[0].numel()):
+        for start, end in layout.expert_chunks(shape[0], out[0].numel(), 1 << 27):
             out[start:end].normal_(0.0, 0.02, generator=gen)
         return out
 
@@ -120,7 +114,7 @@ def prequantize(ckpt: dict[str, torch.Tensor], quant: str) -> dict[str, torch.Te
             continue
         w = ckpt[name]
         parts: dict[str, list[torch.Tensor]] = {}
-        for start, end in _per_expert_chunks(w.shape[0], w[0].numel(), 1 << 25):
+        for start, end in layout.expert_chunks(w.shape[0], w[0].numel(), 1 << 25):
             chunk = w[start:end]
             if quant == "fp8_block":
                 pieces = dict(zip(("", "_scale"), q.quantize_fp8_block(chunk)))

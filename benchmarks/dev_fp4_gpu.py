@@ -41,7 +41,7 @@ from moe_ops.kernels.grouped_gemm import GemmConfig, default_config  # noqa: E40
 from moe_ops.reference import fused_experts_reference  # noqa: E402
 
 READ_TBPS = 4.55
-E2M1_RMS = math.sqrt((0 + 0.25 + 1 + 2.25 + 4 + 9 + 16 + 36) / 8)
+from moe_ops.synthetic import E2M1_RMS  # noqa: E402
 MODELS = {
     "deepseek_v3": dict(E=256, H=7168, I=2048, k=8, quant="nvfp4", activation="swiglu", bias=False),
     "gpt_oss_120b": dict(E=128, H=2880, I=2880, k=4, quant="mxfp4", activation="swiglu_oai",

@@ -105,8 +105,10 @@ def clear_permutation_cache() -> None:
 CHUNK_BYTES = 256 << 20
 
 
-def _expert_chunks(num_experts: int, bytes_per_expert: int):
-    step = max(1, CHUNK_BYTES // max(bytes_per_expert, 1))
+def expert_chunks(num_experts: int, per_expert: int, budget: int = CHUNK_BYTES):
+    """(start, end) ranges of whole experts of about `budget` (in the unit of `per_expert`:
+    bytes, elements) each, at least one expert: bounds the temporaries of per-expert work."""
+    step = max(1, budget // max(per_expert, 1))
     for start in range(0, num_experts, step):
         yield start, min(num_experts, start + step)
 
@@ -142,7 +144,7 @@ def apply_permutation(
         start += rows
         same = source.device == destination.device and source.dtype == destination.dtype
         per_expert = source[0].numel() * destination.element_size() if source.shape[0] else 0
-        chunks = [(0, source.shape[0])] if same else _expert_chunks(source.shape[0], per_expert)
+        chunks = [(0, source.shape[0])] if same else expert_chunks(source.shape[0], per_expert)
         for e0, e1 in chunks:
             chunk = source[e0:e1].to(device=destination.device, dtype=destination.dtype)
             target = destination[e0:e1]
@@ -445,7 +447,7 @@ def _quantize_into(
         same = weight.device == value_dst.device
         chunks = ([(0, e)] if kernels and same else
                   # float32 copies of the chunk: the reference makes several
-                  _expert_chunks(e, weight[0].numel() * (weight.element_size() if kernels else 4)))
+                  expert_chunks(e, weight[0].numel() * (weight.element_size() if kernels else 4)))
         for e0, e1 in chunks:
             chunk = weight[e0:e1].to(value_dst.device)
             targets = {part: destination[r][e0:e1] for part, r in roles.items()}

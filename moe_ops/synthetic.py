@@ -12,11 +12,12 @@ Everything is generated on the target device, in expert chunks (no layer-sized f
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, Tuple
 
 import torch
 
 from moe_ops import quant as q
+from moe_ops.layout import expert_chunks
 
 # fp8 values are drawn N(0, 64) (well inside e4m3's +-448 and above its subnormals) and the
 # scale brings them to the layer's spread.
@@ -33,20 +34,15 @@ def generator(device: torch.device | str, seed: int) -> torch.Generator:
     return gen
 
 
-def _expert_chunks(num_experts: int, per_expert: int, chunk_elements: int) -> Iterator[Tuple[int, int]]:
-    step = max(1, chunk_elements // max(per_expert, 1))
-    for start in range(0, num_experts, step):
-        yield start, min(num_experts, start + step)
-
-
-def _uniform(shape, low: float, high: float, device, gen) -> torch.Tensor:
+def uniform(shape, low: float, high: float, device, gen) -> torch.Tensor:
+    """float32 uniform in [low, high): scales that are never zero."""
     return torch.empty(shape, dtype=torch.float32, device=device).uniform_(low, high, generator=gen)
 
 
 def random_fp8(shape: Tuple[int, ...], device, gen, chunk_elements: int = 1 << 28) -> torch.Tensor:
     out = torch.empty(shape, dtype=q.FP8_DTYPE, device=device)
     per_expert = math.prod(shape[1:])
-    for start, end in _expert_chunks(shape[0], per_expert, chunk_elements):
+    for start, end in expert_chunks(shape[0], per_expert, chunk_elements):
         values = torch.empty((end - start,) + tuple(shape[1:]), dtype=torch.bfloat16, device=device)
         values.normal_(0.0, FP8_VALUE_STD, generator=gen).clamp_(-q.FP8_MAX, q.FP8_MAX)
         out[start:end] = values.to(q.FP8_DTYPE)
@@ -78,7 +74,7 @@ def random_checkpoint(num_experts: int, hidden_size: int, intermediate_size: int
             else:
                 scale_shape = (e, -(-n // q.FP8_BLOCK), -(-k // q.FP8_BLOCK))
                 low, high = 0.5, 1.5
-            ckpt[f"{name}_scale"] = _uniform(scale_shape, low, high, device, gen) * (std / FP8_VALUE_STD)
+            ckpt[f"{name}_scale"] = uniform(scale_shape, low, high, device, gen) * (std / FP8_VALUE_STD)
     elif quant in ("nvfp4", "mxfp4"):
         block = q.fp4_scale_block(quant)
         for name, (n, k, std) in [(nm, (i, h, std13)) for nm in names13] + [("w2", (h, i, std2))]:
@@ -86,9 +82,9 @@ def random_checkpoint(num_experts: int, hidden_size: int, intermediate_size: int
             ckpt[name] = torch.empty(e, n, k // 2, dtype=torch.uint8, device=device).random_(
                 0, 256, generator=gen)
             if quant == "nvfp4":
-                ckpt[f"{name}_scale"] = (_uniform((e, n, k // block), 0.5, 1.5, device, gen)
+                ckpt[f"{name}_scale"] = (uniform((e, n, k // block), 0.5, 1.5, device, gen)
                                          * NVFP4_BLOCK_SCALE).to(q.FP8_DTYPE)
-                ckpt[f"{name}_global_scale"] = _uniform((e,), 0.75, 1.25, device, gen) * (
+                ckpt[f"{name}_global_scale"] = uniform((e,), 0.75, 1.25, device, gen) * (
                     std / (E2M1_RMS * NVFP4_BLOCK_SCALE))
             else:
                 center = q.E8M0_BIAS + round(math.log2(std / E2M1_RMS))
@@ -129,7 +125,7 @@ def hidden_states(num_tokens: int, hidden_size: int, *, dtype: torch.dtype = tor
 
 
 def routing_bias(num_experts: int, *, device: torch.device | str = "cpu",
-                 seed: int = 0) -> Optional[torch.Tensor]:
+                 seed: int = 0) -> torch.Tensor:
     """DeepSeek-V3's score-correction bias: small, random."""
     gen = generator(device, seed)
     return torch.empty(num_experts, dtype=torch.float32, device=device).normal_(0, 0.05, generator=gen)
