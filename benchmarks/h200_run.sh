@@ -2,7 +2,9 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|all]
+# tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
+# of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -24,5 +26,9 @@ fi
 if [[ "$what" == bench || "$what" == all ]]; then
   python3 benchmarks/bench.py --out "$out/h200.json" --plot "$out/h200.png" --deadline-s "${DEADLINE_S:-420}" \
     2> "$out/bench.log" || status=1
+fi
+if [[ "$what" == tune ]]; then
+  pairs=$(python3 -c "import json; m = json.load(open('benchmarks/shapes.json'))['models']; print(' '.join(f'{n}:{q}' for n, e in m.items() for q in e['quant']))")
+  SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh $pairs || status=1
 fi
 exit $status

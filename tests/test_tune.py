@@ -183,7 +183,8 @@ def test_shipped_tables_cover_every_model_and_quant_on_the_h200():
             assert path.exists(), f"no shipped table {path.name}"
             meta = json.loads(path.read_text())["metadata"]
             assert meta["kernel_hash"] == expected["kernel_hash"], (
-                f"{path.name} was tuned on another kernel source: re-tune it on an H200")
+                f"{path.name} was tuned on another kernel source: re-tune on an H200 with "
+                "`bash benchmarks/h200_run.sh tune`")
             entries = tuning.read_cache_file(path, expected=expected,
                                              fields=tuning._SHIPPED_FIELDS)
             got = {(k.gemm, k.bucket) for k in entries if k.quant == quant}
