@@ -57,21 +57,15 @@ import torch  # noqa: E402
 
 import moe_ops  # noqa: E402
 from moe_ops.models import MoEShape  # noqa: E402
-from moe_ops.synthetic import (  # noqa: E402
-    E2M1_RMS, FP8_VALUE_STD, NVFP4_BLOCK_SCALE, expert_chunks, generator, random_fp8, uniform,
-)
+from moe_ops import synthetic  # noqa: E402
+from moe_ops.quant import FP8_BLOCK  # noqa: E402
+from moe_ops.synthetic import expert_chunks, generator  # noqa: E402
 from baseline import BaselineWeights, TorchBaseline, probe_capabilities  # noqa: E402
 import hf_peers  # noqa: E402  (imports transformers only when peers are built)
 
 DEFAULT_SHAPES = BENCH_DIR / "shapes.json"
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-FP8_BLOCK = 128
-# Random weights in the served formats (values and scales with the spread of N(0, 1/fan_in)):
-# the package's synthetic-layer helpers, shared with the tuner.
-FP4_BLOCK_SCALE = NVFP4_BLOCK_SCALE  # typical nvfp4 block scale value (e4m3), global scale takes the rest
+# Random weights in the served formats come from moe_ops.synthetic (shared with the tuner).
 BF16_MATH_QUANTS = ("none", "nvfp4", "mxfp4")  # W4A16: the math is bf16
-TRITON_QUANTS = ("none", "fp8", "fp8_block", "nvfp4", "mxfp4")
 
 
 def log(message: str) -> None:
@@ -180,7 +174,7 @@ class LayerWeights:
     baseline: Optional[BaselineWeights]
 
 
-_generator, _chunks, _random_fp8, _uniform = generator, expert_chunks, random_fp8, uniform  # local names
+_generator, _chunks = generator, expert_chunks  # local names
 
 
 def _dequantize_fp4_chunked(packed: torch.Tensor, scale: torch.Tensor, quant: str,
@@ -210,92 +204,45 @@ def make_weights(cfg: ModelConfig, quant: str, *, device: torch.device | str,
     torch baseline reads (sharing storage with the checkpoint tensors where it can).
     """
     device = torch.device(device)
-    gen = _generator(device, seed)
     e = num_local_experts or cfg.num_experts
-    h, i, n13 = cfg.hidden_size, cfg.intermediate_size, cfg.n13
-    parts = 2 if cfg.gated else 1  # matrices fused into w13: gate (w1) and up (w3)
-    std13, std2 = 1.0 / math.sqrt(h), 1.0 / math.sqrt(i)
-    ckpt: dict[str, torch.Tensor] = {}
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    drawn = quant if prequantized else "none"
+    w = synthetic.random_weights(e, h, i, quant=drawn, gated=cfg.gated, bias=cfg.bias,
+                                 dtype=dtype, device=device, seed=seed,
+                                 chunk_elements=chunk_elements)
+    # The checkpoint's w1 / w3 are views of the stacked tensors, which the baseline reads.
+    ckpt = synthetic.checkpoint_views(w, cfg.gated)
     base: dict[str, Optional[torch.Tensor]] = dict(w13=None, w13_scale=None, w2_scale=None,
-                                                   b13=None, b2=None)
-
-    def put13(name: str, pieces: list[torch.Tensor]) -> None:
-        """Checkpoint w1 (gate) / w3 (up) tensors (`name` is "w{}", "w{}_scale", ...)."""
-        for index, piece in zip((1, 3), pieces):
-            ckpt[name.format(index)] = piece
-
-    def split_rows(t: torch.Tensor, rows: int) -> list[torch.Tensor]:
-        """Views of the gate and up halves of a concatenated [E, parts * rows, ...] tensor."""
-        return [t.narrow(1, p * rows, rows) for p in range(parts)]
-
-    if quant == "none" or not prequantized:
-        w13 = torch.empty(e, n13, h, dtype=dtype, device=device).normal_(0.0, std13, generator=gen)
-        w2 = torch.empty(e, h, i, dtype=dtype, device=device).normal_(0.0, std2, generator=gen)
-        put13("w{}", split_rows(w13, i))
-        ckpt["w2"] = w2
+                                                   b13=w.get("b13"), b2=w.get("b2"))
+    if drawn == "none":
         if quant == "none":
-            base.update(w13=w13, w2=w2)
+            base.update(w13=w["w13"], w2=w["w2"])
         elif with_baseline:
-            base.update(_baseline_from_high_precision(w13, w2, quant, cfg, dtype))
-    elif quant in ("fp8", "fp8_block"):
-        w13 = _random_fp8((e, n13, h), device, gen, chunk_elements)
-        w2 = _random_fp8((e, h, i), device, gen, chunk_elements)
-        put13("w{}", split_rows(w13, i))
-        ckpt["w2"] = w2
-        if quant == "fp8":
-            s13 = [_uniform((e,), 0.75, 1.25, device, gen) * (std13 / FP8_VALUE_STD) for _ in range(parts)]
-            s2 = _uniform((e,), 0.75, 1.25, device, gen) * (std2 / FP8_VALUE_STD)
-            row13 = torch.cat([s[:, None].expand(e, i) for s in s13], dim=1)
-            row2 = s2[:, None].expand(e, h)
-        else:
-            ib, hb = _cdiv(i, FP8_BLOCK), _cdiv(h, FP8_BLOCK)
-            s13 = [_uniform((e, ib, hb), 0.5, 1.5, device, gen) * (std13 / FP8_VALUE_STD) for _ in range(parts)]
-            s2 = _uniform((e, hb, ib), 0.5, 1.5, device, gen) * (std2 / FP8_VALUE_STD)
-            # Rowwise stand-in for the baseline: the mean block scale along K, per row.
-            row13 = torch.cat([s.mean(dim=-1).repeat_interleave(FP8_BLOCK, dim=1)[:, :i] for s in s13], dim=1)
-            row2 = s2.mean(dim=-1).repeat_interleave(FP8_BLOCK, dim=1)[:, :h]
-        put13("w{}_scale", s13)
-        ckpt["w2_scale"] = s2
-        base.update(w13=w13, w2=w2, w13_scale=row13.contiguous(), w2_scale=row2.contiguous())
-    elif quant in ("nvfp4", "mxfp4"):
-        packed13 = torch.empty(e, n13, h // 2, dtype=torch.uint8, device=device).random_(0, 256, generator=gen)
-        packed2 = torch.empty(e, h, i // 2, dtype=torch.uint8, device=device).random_(0, 256, generator=gen)
+            base.update(_baseline_from_high_precision(w["w13"], w["w2"], quant, cfg, dtype))
+    elif quant == "fp8":
+        base.update(w13=w["w13"], w2=w["w2"],
+                    w13_scale=w["w13_scale"].repeat_interleave(i, dim=1),
+                    w2_scale=w["w2_scale"][:, None].expand(e, h).contiguous())
+    elif quant == "fp8_block":
+        # Rowwise stand-in for the baseline: the mean block scale along K, per row.
+        def rows(scale: torch.Tensor, n: int) -> torch.Tensor:
+            return scale.mean(dim=-1).repeat_interleave(FP8_BLOCK, dim=1)[:, :n]
+        parts13 = w["w13_scale"].split(_cdiv(i, FP8_BLOCK), dim=1)
+        base.update(w13=w["w13"], w2=w["w2"],
+                    w13_scale=torch.cat([rows(s13, i) for s13 in parts13], dim=1).contiguous(),
+                    w2_scale=rows(w["w2_scale"], h).contiguous())
+    elif with_baseline:  # nvfp4 / mxfp4: the baseline reads the dequantized weights
         rows13 = rows2 = None
         if quant == "nvfp4":
-            def block_scale(n: int, k: int, std: float) -> torch.Tensor:
-                return (_uniform((e, n, k // 16), 0.5, 1.5, device, gen) * FP4_BLOCK_SCALE).to(FP8_DTYPE)
-            g13 = [_uniform((e,), 0.75, 1.25, device, gen) * (std13 / (E2M1_RMS * FP4_BLOCK_SCALE))
-                   for _ in range(parts)]
-            g2 = _uniform((e,), 0.75, 1.25, device, gen) * (std2 / (E2M1_RMS * FP4_BLOCK_SCALE))
-            put13("w{}_global_scale", g13)
-            ckpt["w2_global_scale"] = g2
-            rows13 = torch.cat([g[:, None].expand(e, i) for g in g13], dim=1)
-            rows2 = g2[:, None].expand(e, h)
-        else:
-            def block_scale(n: int, k: int, std: float) -> torch.Tensor:
-                center = 127 + round(math.log2(std / E2M1_RMS))
-                offset = torch.empty((e, n, k // 32), dtype=torch.int32, device=device).random_(-1, 2, generator=gen)
-                return (offset + center).clamp(0, 254).to(torch.uint8)
-        sc13, sc2 = block_scale(n13, h, std13), block_scale(h, i, std2)
-        put13("w{}", split_rows(packed13, i))
-        put13("w{}_scale", split_rows(sc13, i))
-        ckpt["w2"], ckpt["w2_scale"] = packed2, sc2
-        if with_baseline:
-            base.update(w13=_dequantize_fp4_chunked(packed13, sc13, quant, rows13, dtype, chunk_elements),
-                        w2=_dequantize_fp4_chunked(packed2, sc2, quant, rows2, dtype, chunk_elements))
-    else:
-        raise ValueError(f"quant: unknown {quant!r}")
-
-    if cfg.bias:
-        b13 = torch.empty(e, n13, dtype=torch.float32, device=device).normal_(0.0, 0.1, generator=gen)
-        b2 = torch.empty(e, h, dtype=torch.float32, device=device).normal_(0.0, 0.1, generator=gen)
-        put13("b{}", split_rows(b13, i))
-        ckpt["b2"] = b2
-        base.update(b13=b13, b2=b2)
+            rows13 = w["w13_global_scale"].repeat_interleave(i, dim=1)
+            rows2 = w["w2_global_scale"][:, None].expand(e, h)
+        base.update(w13=_dequantize_fp4_chunked(w["w13"], w["w13_scale"], quant, rows13, dtype,
+                                                chunk_elements),
+                    w2=_dequantize_fp4_chunked(w["w2"], w["w2_scale"], quant, rows2, dtype,
+                                               chunk_elements))
     routing_bias = None
     if cfg.routing == "deepseek_v3":
-        routing_bias = torch.empty(cfg.num_experts, dtype=torch.float32, device=device).normal_(
-            0.0, 0.05, generator=gen)
+        routing_bias = synthetic.routing_bias(cfg.num_experts, device=device, seed=seed + 7)
     baseline = BaselineWeights(**base) if with_baseline and base["w13"] is not None else None
     return LayerWeights(ckpt, routing_bias, baseline)
 

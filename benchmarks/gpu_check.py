@@ -40,7 +40,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 BENCH_DIR = Path(__file__).resolve().parent
 if str(BENCH_DIR) not in sys.path:
@@ -52,7 +52,7 @@ import bench  # noqa: E402  (puts the repository root on sys.path too)
 import moe_ops  # noqa: E402
 from bench import ModelConfig, _generator, _short, build_layer, reference_forward  # noqa: E402
 
-TRITON_QUANTS = ("none", "fp8", "fp8_block", "nvfp4", "mxfp4")
+from moe_ops.experts import TRITON_QUANTS  # noqa: E402
 FULL_TOKENS = (1, 7, 64, 1000, 16384)
 QUICK_TOKENS = (1, 7, 64, 1000)
 QUICK_PLAN = {"qwen3_30b_a3b": ("none", "fp8"), "deepseek_v3": ("fp8_block",)}

@@ -12,7 +12,7 @@ Everything is generated on the target device, in expert chunks (no layer-sized f
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Tuple
 
 import torch
 
@@ -49,56 +49,97 @@ def random_fp8(shape: Tuple[int, ...], device, gen, chunk_elements: int = 1 << 2
     return out
 
 
+def random_weights(num_experts: int, hidden_size: int, intermediate_size: int, *,
+                   quant: str = "none", gated: bool = True, bias: bool = False,
+                   dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                   seed: int = 0, chunk_elements: int = 1 << 28) -> Dict[str, torch.Tensor]:
+    """Random expert weights in the quant mode's own format (quant "none": `dtype`), gate and up
+    stacked as in a fused checkpoint: "w13" [E, parts * I, H (/2 packed)] (the gate's rows, then
+    the up's; parts = 2 gated, 1 not), "w2" [E, H, I (/2)], and as the mode has them "w13_scale"
+    / "w2_scale" (fp8: per expert, [E, parts] / [E]; fp8_block: [E, parts * ceil(I/128),
+    ceil(H/128)] / [E, ceil(H/128), ceil(I/128)]; fp4: per row and group), nvfp4's
+    "w13_global_scale" [E, parts] / "w2_global_scale" [E], and "b13" / "b2" (float32).
+    checkpoint_views splits them into SPEC §1's w1 / w3 without copies."""
+    device = torch.device(device)
+    gen = generator(device, seed)
+    e, h, i = num_experts, hidden_size, intermediate_size
+    parts = 2 if gated else 1
+    std13, std2 = 1.0 / math.sqrt(h), 1.0 / math.sqrt(i)
+    shapes = {"w13": (parts * i, h, std13), "w2": (h, i, std2)}   # rows, K, spread
+    w: Dict[str, torch.Tensor] = {}
+    if quant == "none":
+        for name, (n, k, std) in shapes.items():
+            w[name] = torch.empty(e, n, k, dtype=dtype, device=device).normal_(0, std, generator=gen)
+    elif quant in ("fp8", "fp8_block"):
+        for name, (n, k, std) in shapes.items():
+            w[name] = random_fp8((e, n, k), device, gen, chunk_elements)
+        for name, (n, k, std) in shapes.items():
+            per = parts if name == "w13" else 1
+            if quant == "fp8":
+                scale = uniform((e, per), 0.75, 1.25, device, gen)
+            else:
+                nb = -(-(n // per) // q.FP8_BLOCK)
+                scale = uniform((e, per * nb, -(-k // q.FP8_BLOCK)), 0.5, 1.5, device, gen)
+            scale = scale * (std / FP8_VALUE_STD)
+            w[f"{name}_scale"] = scale if name == "w13" or quant == "fp8_block" else scale[:, 0]
+    elif quant in ("nvfp4", "mxfp4"):
+        block = q.fp4_scale_block(quant)
+        for name, (n, k, std) in shapes.items():
+            # every byte is two valid e2m1 codes (the format has no NaN)
+            w[name] = torch.empty(e, n, k // 2, dtype=torch.uint8, device=device).random_(
+                0, 256, generator=gen)
+        for name, (n, k, std) in shapes.items():
+            if quant == "nvfp4":
+                w[f"{name}_scale"] = (uniform((e, n, k // block), 0.5, 1.5, device, gen)
+                                      * NVFP4_BLOCK_SCALE).to(q.FP8_DTYPE)
+            else:
+                center = q.E8M0_BIAS + round(math.log2(std / E2M1_RMS))
+                offset = torch.empty((e, n, k // block), dtype=torch.int32, device=device).random_(
+                    -1, 2, generator=gen)
+                w[f"{name}_scale"] = (offset + center).clamp(0, 254).to(torch.uint8)
+        if quant == "nvfp4":
+            for name, (n, k, std) in shapes.items():
+                g = uniform((e, parts if name == "w13" else 1), 0.75, 1.25, device, gen) * (
+                    std / (E2M1_RMS * NVFP4_BLOCK_SCALE))
+                w[f"{name}_global_scale"] = g if name == "w13" else g[:, 0]
+    else:
+        raise ValueError(f"quant: unknown mode {quant!r}")
+    if bias:
+        w["b13"] = torch.empty(e, parts * i, dtype=torch.float32, device=device).normal_(
+            0, 0.1, generator=gen)
+        w["b2"] = torch.empty(e, h, dtype=torch.float32, device=device).normal_(0, 0.1, generator=gen)
+    return w
+
+
+def checkpoint_views(weights: Dict[str, torch.Tensor], gated: bool = True) -> Dict[str, torch.Tensor]:
+    """random_weights' stacked tensors as FusedMoE.load_weights keywords: w1 (gate) and w3 (up)
+    are views of the w13 tensors' halves (per-expert scales: their columns); w2's pass as they
+    are."""
+    parts = 2 if gated else 1
+    ckpt: Dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        if not name.startswith(("w13", "b13")):
+            ckpt[name] = t
+            continue
+        for p, index in zip(range(parts), (1, 3)):
+            key = name.replace("13", str(index), 1)
+            if t.dim() == 2 and not name.startswith("b"):   # one scale per expert and part
+                ckpt[key] = t[:, p].contiguous()
+            else:
+                rows = t.shape[1] // parts
+                ckpt[key] = t.narrow(1, p * rows, rows)
+    return ckpt
+
+
 def random_checkpoint(num_experts: int, hidden_size: int, intermediate_size: int, *,
                       quant: str = "none", gated: bool = True, bias: bool = False,
                       dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                       seed: int = 0, chunk_elements: int = 1 << 28) -> Dict[str, torch.Tensor]:
     """Keyword arguments for FusedMoE.load_weights (SPEC §1 checkpoint layout), random, in the
     quant mode's own format (quant "none": `dtype`)."""
-    device = torch.device(device)
-    gen = generator(device, seed)
-    e, h, i = num_experts, hidden_size, intermediate_size
-    std13, std2 = 1.0 / math.sqrt(h), 1.0 / math.sqrt(i)
-    names13 = ("w1", "w3") if gated else ("w1",)
-    ckpt: Dict[str, torch.Tensor] = {}
-    if quant == "none":
-        for name in names13:
-            ckpt[name] = torch.empty(e, i, h, dtype=dtype, device=device).normal_(0, std13, generator=gen)
-        ckpt["w2"] = torch.empty(e, h, i, dtype=dtype, device=device).normal_(0, std2, generator=gen)
-    elif quant in ("fp8", "fp8_block"):
-        for name, (n, k, std) in [(nm, (i, h, std13)) for nm in names13] + [("w2", (h, i, std2))]:
-            ckpt[name] = random_fp8((e, n, k), device, gen, chunk_elements)
-            if quant == "fp8":
-                scale_shape = (e,)
-                low, high = 0.75, 1.25
-            else:
-                scale_shape = (e, -(-n // q.FP8_BLOCK), -(-k // q.FP8_BLOCK))
-                low, high = 0.5, 1.5
-            ckpt[f"{name}_scale"] = uniform(scale_shape, low, high, device, gen) * (std / FP8_VALUE_STD)
-    elif quant in ("nvfp4", "mxfp4"):
-        block = q.fp4_scale_block(quant)
-        for name, (n, k, std) in [(nm, (i, h, std13)) for nm in names13] + [("w2", (h, i, std2))]:
-            # every byte is two valid e2m1 codes (the format has no NaN)
-            ckpt[name] = torch.empty(e, n, k // 2, dtype=torch.uint8, device=device).random_(
-                0, 256, generator=gen)
-            if quant == "nvfp4":
-                ckpt[f"{name}_scale"] = (uniform((e, n, k // block), 0.5, 1.5, device, gen)
-                                         * NVFP4_BLOCK_SCALE).to(q.FP8_DTYPE)
-                ckpt[f"{name}_global_scale"] = uniform((e,), 0.75, 1.25, device, gen) * (
-                    std / (E2M1_RMS * NVFP4_BLOCK_SCALE))
-            else:
-                center = q.E8M0_BIAS + round(math.log2(std / E2M1_RMS))
-                offset = torch.empty((e, n, k // block), dtype=torch.int32, device=device).random_(
-                    -1, 2, generator=gen)
-                ckpt[f"{name}_scale"] = (offset + center).clamp(0, 254).to(torch.uint8)
-    else:
-        raise ValueError(f"quant: unknown mode {quant!r}")
-    if bias:
-        for name in names13:
-            ckpt[name.replace("w", "b")] = torch.empty(e, i, dtype=torch.float32, device=device).normal_(
-                0, 0.1, generator=gen)
-        ckpt["b2"] = torch.empty(e, h, dtype=torch.float32, device=device).normal_(0, 0.1, generator=gen)
-    return ckpt
+    return checkpoint_views(random_weights(
+        num_experts, hidden_size, intermediate_size, quant=quant, gated=gated, bias=bias,
+        dtype=dtype, device=device, seed=seed, chunk_elements=chunk_elements), gated)
 
 
 def router_logits(num_tokens: int, num_experts: int, *, skew: bool = False,

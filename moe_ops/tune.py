@@ -38,8 +38,8 @@ import torch
 from moe_ops import synthetic
 from moe_ops.models import MODELS, MoEShape
 from moe_ops.tuning import (
-    SHIPPED_DIR, ProblemKey, Timer, Tuner, autotune, default_timer, force_config, get_tuner,
-    gpu_name, problem_key, token_buckets,
+    SHIPPED_DIR, ProblemKey, Timer, Tuner, autotune, default_timer, experts_keys, force_config,
+    get_tuner, gpu_name, token_buckets,
 )
 
 DEFAULT_CACHE = "tuning.json"
@@ -128,9 +128,9 @@ def bucket_keys(layer, shape: MoEShape, quant: str, inputs: Sequence[InputSet], 
 
     x = inputs[0].x
     problem1, problem2 = gemm_problems(x, shape.top_k, layer.w13, layer.w2, shape.activation, quant)
-    key1 = problem_key(problem1, num_tokens=bucket, top_k=shape.top_k, activation=shape.activation,
-                       device=x.device, max_num_tokens=tuner.max_num_tokens)
-    key2 = dataclasses.replace(key1, gemm=2, n=problem2.n, k=problem2.k)
+    key1, key2 = experts_keys(problem1, problem2, num_tokens=bucket, top_k=shape.top_k,
+                              activation=shape.activation, device=x.device,
+                              max_num_tokens=tuner.max_num_tokens)
     return (key1, problem1), (key2, problem2)
 
 

@@ -771,6 +771,15 @@ class _CallRunner:
         return self._run(config)
 
 
+def experts_keys(problem1: GemmProblem, problem2: GemmProblem, *, num_tokens: int, top_k: int,
+                 activation: str, device: Optional[torch.device] = None,
+                 max_num_tokens: int = TUNE_MAX_NUM_TOKENS):
+    """The keys of a triton_experts call's GEMM1 and GEMM2 (they differ in gemm, n and k)."""
+    key1 = problem_key(problem1, num_tokens=num_tokens, top_k=top_k, activation=activation,
+                       device=device, max_num_tokens=max_num_tokens)
+    return key1, dataclasses.replace(key1, gemm=2, n=problem2.n, k=problem2.k)
+
+
 def experts_configs(problem1: GemmProblem, problem2: GemmProblem, *, num_tokens: int,
                     top_k: int, activation: str, device: Optional[torch.device] = None,
                     profile: Optional[Callable[[GemmConfig, GemmConfig], torch.Tensor]] = None,
@@ -783,9 +792,9 @@ def experts_configs(problem1: GemmProblem, problem2: GemmProblem, *, num_tokens:
     profiling = profile is not None and tuner.may_profile()
     if not profiling and not (tuner._forced or tuner.memory or tuner.user or tuner.shipped):
         return default_config(problem1), default_config(problem2)  # nothing tuned: as before
-    key1 = problem_key(problem1, num_tokens=num_tokens, top_k=top_k, activation=activation,
-                       device=device, max_num_tokens=tuner.max_num_tokens)
-    key2 = dataclasses.replace(key1, gemm=2, n=problem2.n, k=problem2.k)
+    key1, key2 = experts_keys(problem1, problem2, num_tokens=num_tokens, top_k=top_k,
+                              activation=activation, device=device,
+                              max_num_tokens=tuner.max_num_tokens)
     runner1 = None
     if profiling:
         now2 = tuner.lookup(key2) or default_config(problem2)
@@ -797,7 +806,8 @@ def experts_configs(problem1: GemmProblem, problem2: GemmProblem, *, num_tokens:
 
 __all__ = [
     "ProblemKey", "Runner", "TUNE_MAX_NUM_TOKENS", "Tuner", "TuningCacheWarning", "autotune",
-    "bucket_of", "current_metadata", "experts_candidates", "experts_configs", "force_config", "get_tuner",
+    "bucket_of", "current_metadata", "experts_candidates", "experts_configs", "experts_keys",
+    "force_config", "get_tuner",
     "is_capturing", "is_compiling", "kernel_source_hash", "linked_token_count", "load_cache",
     "problem_key", "read_cache_file", "token_buckets", "valid_configs", "write_cache_file",
 ]

@@ -212,9 +212,7 @@ def test_shipped_tables_hold_the_keys_the_layer_looks_up():
             for bucket in token_buckets():
                 x = torch.empty(bucket, shape.hidden_size, dtype=torch.bfloat16, device="meta")
                 p1, p2 = gemm_problems(x, shape.top_k, w13, w2, shape.activation, quant)
-                for p in (p1, p2):
-                    key = dataclasses.replace(
-                        tuning.problem_key(p, num_tokens=bucket, top_k=shape.top_k,
-                                           activation=shape.activation),
-                        gpu="NVIDIA H200")
-                    assert key in table, (name, quant, bucket, p.gemm)
+                for key in tuning.experts_keys(p1, p2, num_tokens=bucket, top_k=shape.top_k,
+                                               activation=shape.activation):
+                    key = dataclasses.replace(key, gpu="NVIDIA H200")
+                    assert key in table, (name, quant, bucket, key.gemm)

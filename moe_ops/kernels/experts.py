@@ -24,6 +24,7 @@ from moe_ops.kernels.align import moe_align
 from moe_ops.kernels.common import is_gated, upcast_dots
 from moe_ops.kernels.grouped_gemm import (
     FP4_QUANTS, GemmConfig, GemmProblem, Routing, combine_pair_rows, gemm1, gemm2,
+    _reduction_size as reduction_size,
 )
 from moe_ops.tuning import experts_configs
 
@@ -54,9 +55,8 @@ def gemm_problems(x: torch.Tensor, top_k: int, w13: torch.Tensor, w2: torch.Tens
     E, N13 = w13.shape[0], w13.shape[1]
     rows = T * top_k / E
     gated = is_gated(activation)
-    I = w2.shape[2] * (2 if quant in FP4_QUANTS else 1)  # packed 4-bit: two values a byte
     return (GemmProblem(1, E, N13, H, rows, x.dtype, quant, gated),
-            GemmProblem(2, E, H, I, rows, x.dtype, quant, gated))
+            GemmProblem(2, E, H, reduction_size(w2, quant), rows, x.dtype, quant, gated))
 
 
 def triton_experts(
@@ -93,8 +93,8 @@ def triton_experts(
     top_k = topk_ids.shape[1]
     E = w13.shape[0]
     fp4 = quant in FP4_QUANTS
-    I = w2.shape[2] * (2 if fp4 else 1)
     problem1, problem2 = gemm_problems(x, top_k, w13, w2, activation, quant)
+    I = problem2.k
     config1, config2 = gemm1_config, gemm2_config
     if config1 is None or config2 is None:
         # Tuned configs (SPEC §6), else default_config(problem): see tuning.py.
