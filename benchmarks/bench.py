@@ -179,15 +179,22 @@ _generator, _chunks = generator, expert_chunks  # local names
 
 def _dequantize_fp4_chunked(packed: torch.Tensor, scale: torch.Tensor, quant: str,
                             row_scale: Optional[torch.Tensor], dtype: torch.dtype,
-                            chunk_elements: int) -> torch.Tensor:
-    """Packed e2m1 [E, N, K/2] + block scales (+ nvfp4's global scale per row [E, N]) -> dtype."""
+                            chunk_elements: int, kernel_order_k: Optional[int] = None) -> torch.Tensor:
+    """Packed e2m1 [E, N, K/2] + block scales (+ nvfp4's global scale per row [E, N]) -> dtype.
+    With `kernel_order_k` = K: the packed rows are the kernel layout's (quant.py's kernel order,
+    padded), the scales padded the same way."""
     from moe_ops import quant as q
 
     e, n, half_k = packed.shape
-    out = torch.empty(e, n, 2 * half_k, dtype=dtype, device=packed.device)
-    for start, end in _chunks(e, n * 2 * half_k, max(1, chunk_elements // 8)):
+    k = kernel_order_k if kernel_order_k is not None else 2 * half_k
+    out = torch.empty(e, n, k, dtype=dtype, device=packed.device)
+    for start, end in _chunks(e, n * k, max(1, chunk_elements // 8)):
         rows = None if row_scale is None else row_scale[start:end]
-        out[start:end] = q.dequantize_fp4(packed[start:end], scale[start:end], quant, rows).to(dtype)
+        part, part_scale = packed[start:end], scale[start:end]
+        if kernel_order_k is not None:
+            part = q.fp4_from_kernel_order(part, k)
+            part_scale = part_scale[..., :k // q.fp4_scale_block(quant)]
+        out[start:end] = q.dequantize_fp4(part, part_scale, quant, rows).to(dtype)
     return out
 
 
@@ -685,10 +692,10 @@ def build_bf16_peer(cfg: ModelConfig, quant: str, layer: moe_ops.FusedMoE, *, ba
     path must beat, since it reads about 3.6x fewer weight bytes for the same math."""
     weights = layer.kernel_weights()
     dense = {}
-    for name in ("w13", "w2"):
+    for name, k in (("w13", cfg.hidden_size), ("w2", cfg.intermediate_size)):
         dense[name] = _dequantize_fp4_chunked(
             weights[name], weights[name + "_scale"], quant, weights.get(name + "_global_scale"),
-            layer.dtype, chunk_elements)
+            layer.dtype, chunk_elements, kernel_order_k=k)
     bf16 = moe_ops.FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k,
                             **cfg.layer_kwargs(), quant="none", dtype=layer.dtype,
                             device=dense["w13"].device, backend=backend)

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+from moe_ops import quant as q  # noqa: E402
 from moe_ops.kernels import grouped_gemm as gg  # noqa: E402
 from moe_ops.kernels.experts import gemm_problems, triton_experts  # noqa: E402
 from moe_ops.kernels.grouped_gemm import GemmConfig, default_config  # noqa: E402
@@ -111,18 +112,21 @@ def make_weights(model: str, seed: int = 0) -> dict:
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     out = {}
     for name, rows, cols in (("w13", 2 * I, H), ("w2", H, I)):
-        out[name] = torch.randint(0, 256, (E, rows, cols // 2), dtype=torch.uint8, device=DEVICE,
-                                  generator=g)
+        # random natural bytes, then the kernel order and padded scales (quant.py)
+        natural = torch.randint(0, 256, (E, rows, cols // 2), dtype=torch.uint8, device=DEVICE,
+                                generator=g)
+        out[name] = q.fp4_to_kernel_order(natural)
         std = 1.0 / math.sqrt(cols)
         if quant == "nvfp4":
             block = torch.rand(E, rows, cols // group, device=DEVICE, generator=g) * 64 + 32
-            out[name + "_scale"] = block.to(torch.float8_e4m3fn)
+            out[name + "_scale"] = q.fp4_pad_scales(block.to(torch.float8_e4m3fn), cols, quant)
             glob = (torch.rand(E, device=DEVICE, generator=g) + 0.5) * std / (E2M1_RMS * 64)
             out[name + "_global_scale"] = glob[:, None].expand(E, rows).contiguous()
         else:
             center = 127 + round(math.log2(std / E2M1_RMS))
-            out[name + "_scale"] = (center + torch.randint(-1, 2, (E, rows, cols // group),
-                                                           device=DEVICE, generator=g)).to(torch.uint8)
+            scale = (center + torch.randint(-1, 2, (E, rows, cols // group), device=DEVICE,
+                                            generator=g)).to(torch.uint8)
+            out[name + "_scale"] = q.fp4_pad_scales(scale, cols, quant)
     if m["bias"]:
         out["b13"] = torch.randn(E, 2 * I, device=DEVICE, generator=g) * 0.1
         out["b2"] = torch.randn(E, H, device=DEVICE, generator=g) * 0.1

@@ -5,6 +5,8 @@
 #     bash benchmarks/h200_run.sh [check|bench|tune|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
+# fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
+# mxfp4 models, compute-sanitizer on the small layers, dev_fp4_gpu timings, bench_prepare).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -26,6 +28,21 @@ fi
 if [[ "$what" == bench || "$what" == all ]]; then
   python3 benchmarks/bench.py --out "$out/h200.json" --plot "$out/h200.png" --deadline-s "${DEADLINE_S:-420}" \
     2> "$out/bench.log" || status=1
+fi
+if [[ "$what" == fp4 ]]; then
+  python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_fp4.py tests/test_layout.py \
+    tests/test_prepare_fp4_order.py tests/test_quant.py > "$out/pytest_fp4.log" 2>&1 || status=1
+  tail -n 3 "$out/pytest_fp4.log"
+  python3 benchmarks/gpu_check.py --models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4 \
+    --json "$out/gpu_check_fp4.json" > "$out/gpu_check_fp4.log" 2>&1 || status=1
+  tail -n 14 "$out/gpu_check_fp4.log"
+  compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/gpu_check.py --sanitize \
+    > "$out/sanitize.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|passed|failed" "$out/sanitize.log" | tail -n 3
+  python3 benchmarks/dev_fp4_gpu.py --deadline-s "${DEADLINE_S:-150}" --out "$out" > "$out/fp4_dev.log" 2>&1 || status=1
+  tail -n 40 "$out/fp4_dev.log"
+  python3 benchmarks/bench_prepare.py --out "$out/prepare.json" > "$out/prepare.log" 2>&1 || status=1
+  tail -n 16 "$out/prepare.log"
 fi
 if [[ "$what" == tune ]]; then
   pairs=$(python3 -c "import json; m = json.load(open('benchmarks/shapes.json'))['models']; print(' '.join(f'{n}:{q}' for n, e in m.items() for q in e['quant']))")

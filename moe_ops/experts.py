@@ -74,10 +74,17 @@ def validate_experts_args(
     check(w2.dim() == 3, "w2", "a 3-D kernel-layout tensor [E, H, I]", list(w2.shape))
     fp4 = quant in ("nvfp4", "mxfp4")
     num_experts, hidden = w13.shape[0], x.shape[1]
-    intermediate = w2.shape[2] * (2 if fp4 else 1)
-    w13_hidden = w13.shape[2] * (2 if fp4 else 1)
-    check(hidden == w13_hidden, "hidden_states", f"{w13_hidden} columns (hidden_size, from w13 "
-          f"{list(w13.shape)})", list(x.shape))
+    if fp4:
+        # Packed rows in quant.py's kernel order are padded: the sizes come from the rows of
+        # w13 and from hidden_states, the widths are then checked against the layout below.
+        intermediate = w13.shape[1] // 2 if is_gated(activation) else w13.shape[1]
+        check(w13.shape[2] == q.fp4_padded_k(hidden) // 2, "hidden_states",
+              f"a hidden_size whose packed, padded rows are w13's {w13.shape[2]} bytes "
+              f"(w13 {list(w13.shape)})", list(x.shape))
+    else:
+        intermediate = w2.shape[2]
+        check(hidden == w13.shape[2], "hidden_states", f"{w13.shape[2]} columns (hidden_size, "
+              f"from w13 {list(w13.shape)})", list(x.shape))
     check(w2.shape[0] == num_experts, "w2", f"{num_experts} experts like w13", w2.shape[0])
     check(w2.shape[1] == hidden, "w2", f"{hidden} rows (hidden_size of hidden_states)", w2.shape[1])
     specs = plan_layout(quant=quant, activation=activation, num_local_experts=num_experts,

@@ -81,9 +81,9 @@ class FusedMoE(nn.Module):
                                    intermediate_size=intermediate_size, bias=bias)
         specs = layout.plan_layout(**self._layout_config, dtype=dtype, device=device)
         self._roles = tuple(specs)
+        for role, tensor in layout.allocate(specs, device).items():
+            self.register_parameter(role, nn.Parameter(tensor, requires_grad=False))
         for role, spec in specs.items():
-            self.register_parameter(role, nn.Parameter(
-                torch.empty(spec.shape, dtype=spec.dtype, device=device), requires_grad=False))
             self.register_buffer(f"{role}_permutation", layout.row_permutation(spec.key),
                                  persistent=False)
         if routing == "deepseek_v3":

@@ -34,7 +34,8 @@ from moe_ops import quant as q
 from moe_ops.errors import check
 
 # Bump when the meaning of a LayoutKey's index changes: cached indices then never match.
-LAYOUT_VERSION = 1
+# 2: packed fp4 rows in quant.py's kernel order, padded to a multiple of FP4_K_ALIGN columns.
+LAYOUT_VERSION = 2
 
 # Gate and up rows alternate one by one: the fused GEMM1 epilogue splits an accumulator tile
 # [BM, BN] into [BM, BN/2, 2] whatever BN is, so the layout needs no tile size.
@@ -56,7 +57,8 @@ class LayoutKey:
     source_rows: tuple[int, ...]  # rows of each source along the permuted axis (gate, up)
     row_shape: tuple[int, ...]  # shape of one row (elements after packing), () for scalars
     dtype: str  # storage dtype of the kernel-layout tensor
-    packing: str  # "e2m1x2" for two fp4 values per byte, "none" otherwise
+    packing: str  # "e2m1x2-kernel": fp4 pairs in quant.py's kernel order; "padded" (fp4
+    # block scales, rows padded like their weight's); "none" otherwise
     interleave_rows: int  # gate/up alternate every this many rows; 0 = sources concatenated
     rows_per_entry: int  # weight rows one row of this tensor stands for (128 for block scales)
     layout_version: int
@@ -142,20 +144,33 @@ def apply_permutation(
         rows = source.shape[1]
         index = destination_rows[start:start + rows]
         start += rows
+        fp4 = isinstance(source, NaturalFp4)
+        if fp4:
+            source = source.packed
         same = source.device == destination.device and source.dtype == destination.dtype
         per_expert = source[0].numel() * destination.element_size() if source.shape[0] else 0
-        chunks = [(0, source.shape[0])] if same else expert_chunks(source.shape[0], per_expert)
+        chunks = ([(0, source.shape[0])] if same and not (fp4 and not kernels)
+                  else expert_chunks(source.shape[0], per_expert))
         for e0, e1 in chunks:
             chunk = source[e0:e1].to(device=destination.device, dtype=destination.dtype)
             target = destination[e0:e1]
             if kernels and chunk.dim() == 3:
                 from moe_ops.kernels import prepare
 
-                prepare.scatter_rows(chunk, target, index)
+                if fp4:
+                    prepare.scatter_fp4_rows(chunk, target, index)
+                else:
+                    # a narrower source (padded fp4 scale rows) leaves the padding as it is
+                    prepare.scatter_rows(chunk, target, index)
                 continue
+            if fp4:
+                chunk = q.fp4_to_kernel_order(chunk)
             if destination.dtype == q.FP8_DTYPE:
                 # index_copy_ has no float8 kernel; the bytes are what we move, bit for bit.
                 target, chunk = target.view(torch.uint8), chunk.contiguous().view(torch.uint8)
+            if chunk.dim() == 3 and chunk.shape[-1] < target.shape[-1]:
+                # fp4 block scales of a padded row: the padding is zero
+                chunk = torch.nn.functional.pad(chunk, (0, target.shape[-1] - chunk.shape[-1]))
             target.index_copy_(1, index, chunk)
 
 
@@ -169,6 +184,12 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     key: LayoutKey
+
+    @property
+    def zero_padded(self) -> bool:
+        """fp4 weights and scales: rows padded past K, the padding zero (allocated so, never
+        written by a load)."""
+        return self.key.packing != "none"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -206,9 +227,14 @@ def plan_layout(
         check(h % block == 0, "hidden_size", f"a multiple of {block} for quant={quant!r}", h)
         check(i % block == 0, "intermediate_size", f"a multiple of {block} for quant={quant!r}", i)
     weight_dtype = {"none": dtype, "fp8": q.FP8_DTYPE, "fp8_block": q.FP8_DTYPE}.get(quant, torch.uint8)
-    packing = "e2m1x2" if fp4 else "none"
-    add("w13", i, (h // 2 if fp4 else h,), weight_dtype, gated, packing)
-    add("w2", h, (i // 2 if fp4 else i,), weight_dtype, False, packing)
+    if fp4:
+        # quant.py's kernel order: rows of K codes padded to Kp = fp4_padded_k(K)
+        hp, ip = q.fp4_padded_k(h), q.fp4_padded_k(i)
+        add("w13", i, (hp // 2,), weight_dtype, gated, "e2m1x2-kernel")
+        add("w2", h, (ip // 2,), weight_dtype, False, "e2m1x2-kernel")
+    else:
+        add("w13", i, (h,), weight_dtype, gated)
+        add("w2", h, (i,), weight_dtype, False)
     if quant == "fp8":
         # Per-tensor scales expanded to one per row: the kernel reads a per-channel vector.
         add("w13_scale", i, (), torch.float32, gated)
@@ -220,8 +246,8 @@ def plan_layout(
     elif fp4:
         b = q.fp4_scale_block(quant)
         scale_dtype = q.FP8_DTYPE if quant == "nvfp4" else torch.uint8
-        add("w13_scale", i, (h // b,), scale_dtype, gated)
-        add("w2_scale", h, (i // b,), scale_dtype, False)
+        add("w13_scale", i, (hp // b,), scale_dtype, gated, "padded")
+        add("w2_scale", h, (ip // b,), scale_dtype, False, "padded")
         if quant == "nvfp4":
             add("w13_global_scale", i, (), torch.float32, gated)
             add("w2_global_scale", h, (), torch.float32, False)
@@ -232,7 +258,8 @@ def plan_layout(
 
 
 def allocate(specs: dict[str, TensorSpec], device: torch.device | str) -> dict[str, torch.Tensor]:
-    return {role: torch.empty(spec.shape, dtype=spec.dtype, device=device) for role, spec in specs.items()}
+    return {role: (torch.zeros if spec.zero_padded else torch.empty)(spec.shape, dtype=spec.dtype, device=device)
+            for role, spec in specs.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +299,18 @@ class Quantized:
     weight: torch.Tensor  # [E, N, K] float, the checkpoint matrix
     quant: str
     part: str
+
+
+@dataclass(frozen=True, eq=False)
+class NaturalFp4:
+    """A pre-quantized fp4 checkpoint matrix (natural packing, [E, N, K/2]): a source that
+    `apply_permutation` re-orders into quant.py's kernel order on the way in."""
+
+    packed: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.packed.shape
 
 
 def _is_prequantized(weight: torch.Tensor, quant: str) -> bool:
@@ -318,7 +357,7 @@ def _weight_sources(ckpt: Checkpoint, name: str, quant: str, rows: int, cols: in
     _check_tensor(weight, name, (e, rows, cols // 2), (torch.uint8,))
     scale_dtype = q.FP8_DTYPE if quant == "nvfp4" else torch.uint8
     _check_tensor(scale, name + "_scale", (e, rows, cols // block), (scale_dtype,))
-    pieces = {"value": weight, "scale": scale}
+    pieces = {"value": NaturalFp4(weight), "scale": scale}
     if quant == "nvfp4":
         _check_tensor(global_scale, name + "_global_scale", (e,), (torch.float32,))
         pieces["global_scale"] = global_scale[:, None].expand(e, rows)
@@ -391,11 +430,13 @@ def _reference_parts(weight: torch.Tensor, quant: str) -> dict[str, torch.Tensor
     if quant == "fp8_block":
         value, scale = q.quantize_fp8_block(weight)
         return {"value": value, "scale": scale}
+    k = weight.shape[2]
     if quant == "nvfp4":
         value, scale, global_scale = q.quantize_nvfp4(weight)
-        return {"value": value, "scale": scale, "global_scale": global_scale[:, None].expand(e, rows)}
+        return {"value": q.fp4_to_kernel_order(value), "scale": q.fp4_pad_scales(scale, k, quant),
+                "global_scale": global_scale[:, None].expand(e, rows)}
     value, scale = q.quantize_mxfp4(weight)
-    return {"value": value, "scale": scale}
+    return {"value": q.fp4_to_kernel_order(value), "scale": q.fp4_pad_scales(scale, k, quant)}
 
 
 def _device_parts(weight: torch.Tensor, quant: str, targets: dict[str, torch.Tensor],

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_ops.errors import check
+
 QUANT_MODES = ("none", "fp8", "fp8_block", "nvfp4", "mxfp4")
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -149,6 +151,58 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., K/2] -> codes uint8 [..., K]."""
     low, high = packed & 0xF, packed >> 4
     return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel order of packed e2m1 rows (what the W4A16 GEMMs stream)
+# ---------------------------------------------------------------------------------------------
+# Hopper's MMA takes the (dequantized) weight tile from registers in a fixed fragment layout:
+# in each 16-wide slice c of K, thread t of a group of four holds elements 16c + 2t + q and
+# 16c + 2t + q + 8 (q = 0, 1). The kernel order puts exactly those codes in one byte and all of
+# a thread's bytes of a row next to each other, so a K step is one wide load a thread and the
+# e2m1 decode needs no byte shuffles (2.2x faster decode GEMMs than the natural order on an
+# H200, benchmarks/results/h200_fp4_layout.json). A row of K codes, padded with zero codes to
+# Kp = K rounded up to FP4_K_ALIGN (so every K step of up to 256 columns reads whole runs,
+# unmasked), is 4 runs of Kp/8 bytes:
+#     byte t * Kp/8 + 2c + q  =  code(16c + 2t + q)  |  code(16c + 2t + q + 8) << 4
+# Block scales keep their natural order, padded with zeros to Kp / block (value 0 * 0 = 0).
+FP4_K_ALIGN = 256
+
+
+def fp4_padded_k(k: int) -> int:
+    """K of a kernel-order row: K rounded up to FP4_K_ALIGN."""
+    return -(-k // FP4_K_ALIGN) * FP4_K_ALIGN
+
+
+def fp4_to_kernel_order(packed: torch.Tensor) -> torch.Tensor:
+    """Natural packed rows uint8 [..., K/2] -> kernel order [..., Kp/2] (see FP4_K_ALIGN)."""
+    k = packed.shape[-1] * 2
+    kp = fp4_padded_k(k)
+    codes = unpack_e2m1(packed)
+    if kp != k:
+        codes = torch.nn.functional.pad(codes, (0, kp - k))
+    codes = codes.unflatten(-1, (kp // 16, 2, 4, 2))            # [..., c, h, t, q]
+    byte = codes.select(-3, 0) | (codes.select(-3, 1) << 4)     # [..., c, t, q]
+    return byte.transpose(-3, -2).flatten(-3).contiguous()      # [..., t, c, q]
+
+
+def fp4_from_kernel_order(kernel: torch.Tensor, k: int) -> torch.Tensor:
+    """Kernel-order rows uint8 [..., Kp/2] -> natural packed [..., K/2] (the inverse)."""
+    kp = kernel.shape[-1] * 2
+    check(kp == fp4_padded_k(k), "kernel-order fp4 rows", f"{fp4_padded_k(k) // 2} bytes for K={k}", kp // 2)
+    byte = kernel.unflatten(-1, (4, kp // 16, 2)).transpose(-3, -2)  # [..., c, t, q]
+    codes = torch.stack((byte & 0xF, byte >> 4), dim=-3)             # [..., c, h, t, q]
+    return pack_e2m1(codes.flatten(-4)[..., :k])
+
+
+def fp4_pad_scales(scale: torch.Tensor, k: int, quant: str) -> torch.Tensor:
+    """Block scales [..., K/block] -> [..., Kp/block], zero-padded (any dtype, by its bytes)."""
+    block = fp4_scale_block(quant)
+    extra = (fp4_padded_k(k) - k) // block
+    if extra == 0:
+        return scale
+    raw = scale.view(torch.uint8)
+    return torch.nn.functional.pad(raw, (0, extra)).view(scale.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,10 +44,13 @@ def dequantize_weight(
     global_scale: Optional[torch.Tensor],
     quant: str,
     scale_rows: Optional[torch.Tensor] = None,
+    k: Optional[int] = None,
 ) -> torch.Tensor:
-    """One expert's kernel-layout weight [N, K(/2)] -> float32 [N, K].
+    """One expert's kernel-layout weight [N, K] (fp4: [N, Kp/2] in quant.py's kernel order)
+    -> float32 [N, K].
 
     `scale_rows` maps each weight row to its fp8_block scale row (gate/up interleave of w13).
+    `k`: the reduction size, needed for the 4-bit modes (their rows are padded).
     """
     if quant == "none":
         return weight.float()
@@ -58,7 +61,10 @@ def dequantize_weight(
         if scale_rows is None:
             return weight.float() * q.expand_block_scales(scale, n, k)
         return weight.float() * scale[scale_rows].repeat_interleave(q.FP8_BLOCK, dim=1)[:, :k]
-    return q.dequantize_fp4(weight, scale, quant, global_scale)
+    if k is None:
+        raise ValueError(f"dequantize_weight: quant={quant!r} needs k (its rows are padded)")
+    natural = q.fp4_from_kernel_order(weight, k)
+    return q.dequantize_fp4(natural, scale[..., :k // q.fp4_scale_block(quant)], quant, global_scale)
 
 
 def quantize_activation(a: torch.Tensor, quant: str) -> torch.Tensor:
@@ -116,13 +122,14 @@ def fused_experts_reference(
             return None if t is None else t[expert]
 
         w13_e = dequantize_weight(w13[expert], expert_tensor(w13_scale), expert_tensor(w13_global_scale),
-                                  quant, scale_rows)
+                                  quant, scale_rows, k=hidden)
         h = quantize_activation(x[tokens], quant) @ w13_e.T
         if b13 is not None:
             h = h + b13[expert]
         # The intermediate is stored in the layer dtype between the two GEMMs.
         a = apply_activation(h, activation, alpha, limit).to(x.dtype)
-        w2_e = dequantize_weight(w2[expert], expert_tensor(w2_scale), expert_tensor(w2_global_scale), quant)
+        w2_e = dequantize_weight(w2[expert], expert_tensor(w2_scale), expert_tensor(w2_global_scale), quant,
+                                 k=a.shape[1])
         y = quantize_activation(a, quant) @ w2_e.T
         if b2 is not None:
             y = y + b2[expert]

@@ -177,10 +177,11 @@ def test_fp4_through_the_public_op(poisoned_empty):
 @triton.jit
 def _dequant_kernel(packed_ptr, scale_ptr, out_ptr, QUANT: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, G: tl.constexpr, DTYPE: tl.constexpr):
+    # one K step of kernel-order rows (K = BK): thread group t's run is bytes t*BK/8 ...
     rows = tl.arange(0, BN)
+    runs = tl.arange(0, 4)[:, None] * (BK // 8) + tl.arange(0, BK // 8)[None, :]
+    packed = tl.load(packed_ptr + rows[:, None, None] * (BK // 2) + runs[None, :, :])
     groups = tl.arange(0, BK // G)
-    step = groups[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
-    packed = tl.load(packed_ptr + rows[:, None, None] * (BK // 2) + step[None, :, :])
     scale = tl.load(scale_ptr + rows[:, None] * (BK // G) + groups[None, :])
     w = _dequant_fp4_tile(packed, scale, QUANT, BN, BK, DTYPE)
     tl.store(out_ptr + rows[:, None] * BK + tl.arange(0, BK)[None, :], w)
@@ -188,11 +189,13 @@ def _dequant_kernel(packed_ptr, scale_ptr, out_ptr, QUANT: tl.constexpr, BN: tl.
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dequant_tile_exact(dtype):
-    """_dequant_fp4_tile gives every (code, scale) product exactly, in the dot's dtype."""
+    """_dequant_fp4_tile gives every (code, scale) product exactly, in the dot's dtype and in
+    natural K order, from kernel-order bytes."""
     gen = torch.Generator().manual_seed(0)
     for quant, group in (("nvfp4", 16), ("mxfp4", 32)):
-        bn, bk = 16, 64
-        packed = torch.arange(256, dtype=torch.uint8).view(16, 16).repeat(1, 2)  # every byte
+        bn, bk = 16, 256  # one padded row: K = 256
+        natural = torch.randint(0, 256, (bn, bk // 2), dtype=torch.uint8, generator=gen)
+        natural[:, :16] = torch.arange(256, dtype=torch.uint8).view(16, 16)  # every byte
         if quant == "nvfp4":
             scale = (torch.rand(bn, bk // group, generator=gen) * 300 + 2 ** -9)
             scale = scale.to(torch.float8_e4m3fn)
@@ -200,9 +203,10 @@ def test_dequant_tile_exact(dtype):
             # fp16 holds 2^-14 .. 2^15: keep the dequantized values inside it
             scale = torch.randint(112, 138, (bn, bk // group), dtype=torch.uint8, generator=gen)
         out = torch.empty(bn, bk, dtype=dtype, device=DEVICE)
-        _dequant_kernel[(1,)](packed.to(DEVICE), scale.view(torch.uint8).to(DEVICE), out, quant,
+        _dequant_kernel[(1,)](q.fp4_to_kernel_order(natural).to(DEVICE),
+                              scale.view(torch.uint8).to(DEVICE), out, quant,
                               bn, bk, group, tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
-        expected = q.dequantize_fp4(packed, scale, quant)
+        expected = q.dequantize_fp4(natural, scale, quant)
         assert torch.equal(out.cpu().float(), expected), quant
 
 

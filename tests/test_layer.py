@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import moe_ops
+from moe_ops import quant as q
 from moe_ops import layout
 from moe_ops.routing import route_reference
 
@@ -121,8 +122,9 @@ def test_kernel_weights_are_the_layer_parameters(gen, quant, activation, bias, r
         assert not tensor.requires_grad, role
     gated = activation != "relu2"
     fp4 = quant in ("nvfp4", "mxfp4")
-    assert weights["w13"].shape == (E, (2 if gated else 1) * I, H // 2 if fp4 else H)
-    assert weights["w2"].shape == (E, H, I // 2 if fp4 else I)
+    # 4-bit rows are packed in the kernel order, padded (moe_ops.quant.fp4_padded_k)
+    assert weights["w13"].shape == (E, (2 if gated else 1) * I, q.fp4_padded_k(H) // 2 if fp4 else H)
+    assert weights["w2"].shape == (E, H, q.fp4_padded_k(I) // 2 if fp4 else I)
 
 
 def test_state_dict_holds_parameters_not_permutations(gen):

@@ -14,6 +14,7 @@ import torch
 import moe_ops
 from float64_moe import QUANTS, allowed_dtypes, quantize_checkpoint, random_checkpoint
 from moe_ops import layout
+from moe_ops import quant as q
 
 BASE_KEY = layout.LayoutKey(role="w13", source_rows=(8, 8), row_shape=(16,), dtype="bfloat16",
                             packing="none", interleave_rows=1, rows_per_entry=1,
@@ -229,6 +230,33 @@ def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack((gate, up), dim=2).flatten(1, 2)
 
 
+def _fp4_kernel_order_by_hand(packed: torch.Tensor) -> torch.Tensor:
+    """Natural packed rows [..., K/2] -> the kernel order, from its definition (quant.py):
+    K padded with zero codes to Kp (a multiple of 256); byte t*Kp/8 + 2c + q holds codes
+    16c + 2t + q (low nibble) and 16c + 2t + q + 8 (high nibble)."""
+    k = packed.shape[-1] * 2
+    kp = -(-k // 256) * 256
+    codes = torch.zeros(*packed.shape[:-1], kp, dtype=torch.uint8)
+    codes[..., 0:k:2] = packed & 15
+    codes[..., 1:k:2] = packed >> 4
+    t = torch.arange(4)[:, None, None]
+    c = torch.arange(kp // 16)[None, :, None]
+    q_ = torch.arange(2)[None, None, :]
+    position = (t * (kp // 8) + 2 * c + q_).flatten()
+    low = (16 * c + 2 * t + q_).flatten()
+    out = torch.full((*packed.shape[:-1], kp // 2), 255, dtype=torch.uint8)
+    out[..., position] = codes[..., low] | (codes[..., low + 8] << 4)
+    return out
+
+
+def _fp4_padded_scales_by_hand(scale: torch.Tensor, block: int) -> torch.Tensor:
+    k = scale.shape[-1] * block
+    kp = -(-k // 256) * 256
+    raw = torch.zeros(*scale.shape[:-1], kp // block, dtype=torch.uint8)
+    raw[..., :scale.shape[-1]] = scale.view(torch.uint8)
+    return raw.view(scale.dtype)
+
+
 def _layout_by_hand(ckpt: dict, quant: str, gated: bool, dtype=torch.bfloat16) -> dict:
     """The kernel layout of a pre-quantized (or quant='none') checkpoint, written out directly."""
     def per_row(name, rows):  # per-expert scalars the layout repeats on every row
@@ -248,6 +276,11 @@ def _layout_by_hand(ckpt: dict, quant: str, gated: bool, dtype=torch.bfloat16) -
     if quant in ("fp8_block", "nvfp4", "mxfp4"):
         out["w13_scale"] = pair("w", lambda n: ckpt[n + "_scale"])
         out["w2_scale"] = ckpt["w2_scale"]
+    if quant in ("nvfp4", "mxfp4"):
+        block = 16 if quant == "nvfp4" else 32
+        out["w13"], out["w2"] = (_fp4_kernel_order_by_hand(out[r]) for r in ("w13", "w2"))
+        out["w13_scale"], out["w2_scale"] = (_fp4_padded_scales_by_hand(out[r], block)
+                                             for r in ("w13_scale", "w2_scale"))
     if "b1" in ckpt:
         out["b13"] = pair("b", lambda n: ckpt[n].float())
         out["b2"] = ckpt["b2"].float()
@@ -488,8 +521,17 @@ def _prepare(ckpt: dict, quant: str, activation: str, kernels: bool, dtype=torch
     specs = layout.plan_layout(**config, dtype=dtype, device=device)
     sources = layout.checkpoint_sources(layout.Checkpoint(**ckpt), **config)
     out = layout.allocate(specs, device)
-    for tensor in out.values():
+    for role, tensor in out.items():
         tensor.view(torch.uint8).fill_(0xA5)
+        if specs[role].zero_padded:
+            # fp4 rows are padded past K; the layout's contract is a zero padding from the
+            # allocation that no load writes: poison only the rest
+            k = h if role.startswith("w13") else i
+            if role in ("w13", "w2"):
+                data = q.fp4_to_kernel_order(torch.full((k // 2,), 255, dtype=torch.uint8)) != 0
+                tensor.view(torch.uint8)[..., ~data.to(device)] = 0
+            else:
+                tensor.view(torch.uint8)[..., k // q.fp4_scale_block(quant):] = 0
     layout.load_into(out, sources, {r: layout.row_permutation(s.key) for r, s in specs.items()},
                      kernels=kernels)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -329,3 +330,30 @@ def test_dequantize_fp4_matches_independent_decode():
     got = q.dequantize_fp4(packed, mx_scale, "mxfp4")
     want = e2m1_decode64(unpack_nibbles(packed)) * e8m0_decode(mx_scale).repeat_interleave(32, -1)
     assert torch.equal(got.double(), want)
+
+
+@pytest.mark.parametrize("k", [16, 32, 96, 256, 2880])
+def test_fp4_kernel_order_round_trip_and_padding(k):
+    """quant.fp4_to_kernel_order / fp4_from_kernel_order are inverse; the padding is code 0;
+    every code lands in the byte and nibble its definition gives."""
+    gen = torch.Generator().manual_seed(k)
+    packed = torch.randint(0, 256, (3, 5, k // 2), dtype=torch.uint8, generator=gen)
+    kernel = q.fp4_to_kernel_order(packed)
+    kp = q.fp4_padded_k(k)
+    assert kp % q.FP4_K_ALIGN == 0 and k <= kp < k + q.FP4_K_ALIGN
+    assert kernel.shape == (3, 5, kp // 2) and kernel.dtype == torch.uint8
+    assert torch.equal(q.fp4_from_kernel_order(kernel, k), packed)
+    codes = q.unpack_e2m1(packed)
+    for col in (0, 1, 7, 8, 9, 15, k - 1):
+        c, r = divmod(col, 16)
+        h, r = divmod(r, 8)
+        t, qq = divmod(r, 2)
+        byte = kernel[..., t * (kp // 8) + 2 * c + qq]
+        assert torch.equal((byte >> 4) if h else (byte & 15), codes[..., col]), col
+    padding = q.unpack_e2m1(q.fp4_to_kernel_order(torch.zeros_like(packed) + 0x77))
+    assert int((padding == 7).sum()) == 3 * 5 * k  # padded codes are 0
+    scale = torch.randint(1, 255, (3, 5, k // 16), dtype=torch.uint8, generator=gen)
+    padded = q.fp4_pad_scales(scale.view(torch.float8_e4m3fn), k, "nvfp4")
+    assert padded.dtype == torch.float8_e4m3fn and padded.shape[-1] == kp // 16
+    assert torch.equal(padded.view(torch.uint8)[..., :k // 16], scale)
+    assert not padded.view(torch.uint8)[..., k // 16:].any()

@@ -55,7 +55,7 @@ def test_random_checkpoint_loads_with_valid_scales(quant):
     w2 = dequantize_weight(weights["w2"][0], weights.get("w2_scale", [None])[0]
                            if "w2_scale" in weights else None,
                            weights["w2_global_scale"][0] if "w2_global_scale" in weights else None,
-                           quant)
+                           quant, k=64)
     std = float(w2.float().std())
     assert 0.5 / 64 ** 0.5 < std < 2.0 / 64 ** 0.5, (quant, std)
 

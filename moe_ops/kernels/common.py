@@ -42,13 +42,14 @@ def upcast_dots(dtype: torch.dtype) -> bool:
 # completed with its memory visible (griddepcontrol.wait: nothing is read or written before it)
 # and then lets the successor be scheduled (griddepcontrol.launch_dependents). CUDA graphs keep
 # these as programmatic edges. Off in the interpreter (no inline PTX there), on pre-Hopper GPUs,
-# and when MOE_OPS_PDL=0.
+# and when MOE_OPS_PDL=0 (read at import: a launch pays no environment lookup).
 # ---------------------------------------------------------------------------------------------
 _PDL_DEVICES: dict = {}
+_PDL_DISABLED = os.environ.get("MOE_OPS_PDL", "1") == "0"
 
 
 def use_pdl(device: torch.device) -> bool:
-    if INTERPRET or device.type != "cuda" or os.environ.get("MOE_OPS_PDL", "1") == "0":
+    if INTERPRET or _PDL_DISABLED or device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     enabled = _PDL_DEVICES.get(index)
@@ -114,13 +115,15 @@ def fp8_quantize(v, amax):
     scale = amax / 448; a zero row gets scale 0 and q 0 (never 0 * inf = NaN).
     """
     # 448 is moe_ops.quant.FP8_MAX (device code takes literals). (v * 448) / amax, not
-    # v * (448 / amax): v * 448 is exact for bf16/fp16 inputs and the division is correctly rounded, so a value exactly on an e4m3 midpoint stays there and
-    # rounds to even, as x / s does in SPEC; a rounded reciprocal would break such ties (about
-    # one element in a thousand of bf16 activations) the wrong way.
+    # v * (448 / amax): v * 448 is exact for bf16/fp16 inputs and the division is correctly
+    # rounded, so a value exactly on an e4m3 midpoint stays there and rounds to even, as x / s
+    # does in SPEC; a rounded reciprocal would break such ties (about one element in a
+    # thousand of bf16 activations) the wrong way. The scale divides correctly rounded too
+    # (Triton's `/` is an approximate division on the GPU), as quant.py's does.
     scaled = tl.where(amax > 0, tl.div_rn(v * 448.0, tl.maximum(amax, 1e-30)), 0.0)
     scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
     q = round_to_e4m3_grid(scaled).to(tl.float8e4nv)
-    return q, amax / 448.0
+    return q, tl.div_rn(amax, 448.0)
 
 
 @triton.jit

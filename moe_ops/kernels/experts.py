@@ -24,7 +24,6 @@ from moe_ops.kernels.align import moe_align
 from moe_ops.kernels.common import is_gated, upcast_dots
 from moe_ops.kernels.grouped_gemm import (
     FP4_QUANTS, GemmConfig, GemmProblem, Routing, combine_pair_rows, gemm1, gemm2,
-    _reduction_size as reduction_size,
 )
 from moe_ops.tuning import experts_configs
 
@@ -56,7 +55,7 @@ def gemm_problems(x: torch.Tensor, top_k: int, w13: torch.Tensor, w2: torch.Tens
     rows = T * top_k / E
     gated = is_gated(activation)
     return (GemmProblem(1, E, N13, H, rows, x.dtype, quant, gated),
-            GemmProblem(2, E, H, reduction_size(w2, quant), rows, x.dtype, quant, gated))
+            GemmProblem(2, E, H, N13 // 2 if gated else N13, rows, x.dtype, quant, gated))
 
 
 def triton_experts(
@@ -83,7 +82,8 @@ def triton_experts(
     """out [T, H] (x.dtype) = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t).
 
     Weights in kernel layout: w13 [E, N13, H] (gate/up rows interleaved when gated), w2
-    [E, H, I] (4-bit: packed bytes [E, N13, H/2], [E, H, I/2]); scales, nvfp4's per-row global
+    [E, H, I] (4-bit: packed bytes in quant.py's kernel order, [E, N13, Hp/2], [E, H, Ip/2]
+    with Hp, Ip padded to multiples of 256); scales, nvfp4's per-row global
     scales and biases as described in grouped_gemm.py. Ids are global; ids outside
     [local_expert_offset, local_expert_offset + E) contribute nothing.
     """

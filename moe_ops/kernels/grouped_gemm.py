@@ -22,18 +22,20 @@ per token row and one per weight row, applied in the epilogue), "fp8_block" (one
 token per 128 columns of K and per 128x128 weight block, applied inside the K loop, so
 block_k must divide 128). Both fp8 modes add each BLOCK_K partial product into the fp32
 accumulator: Hopper's fp8 MMA does not accumulate in full fp32.
-"nvfp4" / "mxfp4" are W4A16: the weight is streamed packed (two e2m1 codes a byte, [N, K/2])
-with its block scales ([N, K/16] e4m3 / [N, K/32] e8m0, the kernel layout of layout.py), and
-dequantized in registers to the activations' dtype (bf16/fp16) for an ordinary tensor-core dot
-with fp32 accumulation (see `_dequant_fp4_tile`). nvfp4's global scale (one per expert, expanded
-per row by the layout) multiplies the accumulator's columns in the epilogue: one multiply per
-output instead of one per weight element.
+"nvfp4" / "mxfp4" are W4A16: the weight is streamed packed (two e2m1 codes a byte) in the kernel
+order of quant.py (rows zero-padded to a multiple of 256 columns; each thread group's bytes of
+a K step in one run, the codes of a byte the pair the MMA's register fragment wants), with its
+block scales ([N, Kp/16] e4m3 / [N, Kp/32] e8m0), and dequantized in registers to the
+activations' dtype (bf16/fp16) for an ordinary tensor-core dot with fp32 accumulation (see
+`_dequant_fp4_tile`). nvfp4's global scale (one per expert, expanded per row by the layout)
+multiplies the accumulator's columns in the epilogue: one multiply per output instead of one
+per weight element.
 
-Config: every launch takes a `GemmConfig` (tiles, warps, stages, swap-AB). `config_space`,
-`config_problems` and `default_config` describe the choices for a `GemmProblem`; GEMM1 and GEMM2
-are separate problems with separate configs. Split-K is not implemented: the decode points
-measured (Mixtral T=1: 2 experts x 64 N-tiles in GEMM2, under one program per SM) already
-stream weights at 88-96% of the byte floor without it.
+Config: every launch takes a `GemmConfig` (tiles, warps, stages, swap-AB, split-K).
+`config_space`, `config_problems` and `default_config` describe the choices for a
+`GemmProblem`; GEMM1 and GEMM2 are separate problems with separate configs. Split-K (GEMM2 with
+the atomic output only) splits the reduction over several programs per output tile, for decode
+steps whose tiles are fewer than the SMs.
 """
 from __future__ import annotations
 
@@ -53,17 +55,18 @@ from moe_ops.kernels.common import (
     round_to_dtype, use_pdl,
 )
 from moe_ops.kernels import INTERPRET
-from moe_ops.quant import fp4_scale_block
+from moe_ops.quant import FP4_K_ALIGN, fp4_scale_block
 
 FP4_QUANTS = ("nvfp4", "mxfp4")
 # fp8 (per-tensor weights): columns of K accumulated by the MMA between two promotions of the
-# partial sum into fp32 (see the kernel's K loop). Hopper's fp8 accumulation error grows with
-# this length (1.2e-2 relative at 2048, never promoting). Measured on one H200
-# (benchmarks/dev_fp8_promote.py, results/h200_fp8_promote.json), whole layer against the
-# reference at T=4096, Mixtral / Qwen3: 128 -> 5.0e-3 / 4.8e-3, 256 -> 5.9e-3 / 5.9e-3,
-# 512 -> 7.3e-3 / 7.4e-3, 1024 -> 9.3e-3 / 9.5e-3 (SPEC bound 1e-2); Mixtral T=16384 at
-# 128x128x128: 757 -> 818 -> 868 -> 877 TFLOP/s. 512 keeps a quarter of the bound in reserve.
-FP8_PROMOTE_K = 512
+# partial sum into fp32 (see the kernel's K loop). Hopper's fp8 MMA accumulates with too few
+# bits, so the error grows with this length. Measured on one H200 (benchmarks/dev_fp8_promote.py,
+# results/h200_fp8_promote.json), whole layer against the reference at T=4096, Mixtral / Qwen3:
+# 128 -> 5.0e-3 / 4.8e-3, 256 -> 5.9e-3 / 5.9e-3, 512 -> 7.3e-3 / 7.4e-3, 1024 -> 9.3e-3 /
+# 9.5e-3 (SPEC bound 1e-2); Mixtral T=16384 at 128x128x128: 757 -> 818 -> 868 -> 877 TFLOP/s.
+# 512 then failed the bound on a small layer (gpu_check --sanitize, fp8 H=512 with -1 padding
+# at T=16: 1.11e-2, against 4.8e-3 promoting every step): 256 keeps the margin.
+FP8_PROMOTE_K = 256
 # bf16 4-bit weights decode with inline PTX on the GPU (_dequant_fp4_tile_bf16_asm); False
 # forces the portable bit arithmetic everywhere (the interpreter and fp16 always use it).
 FP4_FAST_DEQUANT = True
@@ -135,6 +138,15 @@ def config_problems(problem: GemmProblem, config: GemmConfig) -> List[str]:
                        "scale groups, 16 packed bytes a row)")
         if problem.k % group:
             why.append(f"{problem.quant}: K={problem.k} must be a multiple of its scale group {group}")
+        if config.block_k > FP4_K_ALIGN:
+            why.append(f"{problem.quant}: block_k <= {FP4_K_ALIGN} (the rows' padding: whole "
+                       "K steps read unmasked)")
+        if not config.swap_ab:
+            # The dequantized tile must be the MMA's register operand: staged through shared
+            # memory instead, Triton 3.6 aborts compiling it for sm_90 ("Illegal shared layout"
+            # in TritonGPUOptimizeDotOperands). The interpreter runs that path (tests do).
+            why.append(f"{problem.quant} needs swap_ab=True (the decoded weight tile is the "
+                       "MMA's register operand)")
     if problem.quant == "fp8_block" and config.block_k > FP8_BLOCK:
         why.append(f"fp8_block scales change every {FP8_BLOCK} columns: block_k must divide it")
     if problem.gemm == 1 and problem.gated and config.block_n < 32:
@@ -259,7 +271,9 @@ def _default_fp4_config(problem: GemmProblem) -> GemmConfig:
     256-wide K steps (128 bytes a row, as bf16's 64)."""
     m = problem.tokens_per_expert
     if m <= 16:
-        config = GemmConfig(16, 64, 256, 8, 4, 4, swap_ab=True)
+        # 64x256 tiles at 3 stages streamed a DeepSeek decode step fastest of 24 configs
+        # (benchmarks/dev_fp4_layout.py, results/h200_fp4_layout.json)
+        config = GemmConfig(16, 64, 256, 8, 4, 3, swap_ab=True)
     elif m <= 128:
         config = GemmConfig(64, 128, 128, 8, 4, 3, swap_ab=True)
     else:
@@ -304,8 +318,9 @@ def default_config(problem: GemmProblem) -> GemmConfig:
             # one 128-wide scale block.
             config = GemmConfig(16, 64, 256, 8, 4, 5, swap_ab=True)
     elif problem.quant == "fp8" and m >= 512:
-        # with promotions every FP8_PROMOTE_K: Mixtral T=16384 868 TFLOP/s against 737 at
-        # 64x128x128 (Qwen3 at m=256 kept 64x128x128: 441 against 381)
+        # with promotions every 512 columns: Mixtral T=16384 868 TFLOP/s against 737 at
+        # 64x128x128 (Qwen3 at m=256 kept 64x128x128: 441 against 381); every 256 (now):
+        # 818 at 128x128x128
         config = GemmConfig(128, 128, 128, 16, 8, 3)
     elif fp8:
         config = GemmConfig(64, 128, 128, 8, 4, 3)
@@ -344,18 +359,37 @@ def _e2m1_to_fp32(code):
 
 
 @triton.jit
+def _fp4_scale_per_code(scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """Block scales [BLOCK_N, BLOCK_K / GROUP] -> broadcast over the kernel-order tile
+    [BLOCK_N, 4 (t), BLOCK_K / 16 (c), 2 (q)]: codes of slice c share group c (16-wide groups)
+    or c // 2 (32-wide)."""
+    C: tl.constexpr = BLOCK_K // 16
+    if GROUP == 16:
+        per_code = tl.broadcast_to(scale[:, None, :, None], (BLOCK_N, 4, C, 2))
+    else:
+        per_code = tl.reshape(tl.broadcast_to(scale[:, None, :, None, None],
+                                              (BLOCK_N, 4, C // 2, 2, 2)), (BLOCK_N, 4, C, 2))
+    return per_code
+
+
+@triton.jit
+def _fp4_natural_k(low, high, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Decoded low / high nibbles of a kernel-order tile [BLOCK_N, 4 (t), C (c), 2 (q)] ->
+    [BLOCK_N, BLOCK_K] in natural K order: column 16c + 8h + 2t + q (quant.py's kernel order)."""
+    return tl.reshape(tl.permute(tl.join(low, high), (0, 2, 4, 1, 3)), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def _dequant_fp4_tile(packed, scale, QUANT: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
-    """One K step of a packed weight -> [BLOCK_N, BLOCK_K] in DTYPE, K in natural order.
+    """One K step of a kernel-order packed weight -> [BLOCK_N, BLOCK_K] in DTYPE, K natural.
 
-    packed: uint8 [BLOCK_N, BLOCK_K / G, G / 2], byte j of a row holding elements 2j (low
-    nibble) and 2j + 1 (high nibble); scale: uint8 [BLOCK_N, BLOCK_K / G], one per G-wide group
-    along K (G = 16 for nvfp4: e4m3 bits, 32 for mxfp4: e8m0). The launcher hands e4m3 scales
-    over as their bytes, so masked loads can fill with a plain 0. Loading the bytes as a 3-D
-    tile puts the group on its own axis, so the scale broadcasts without a gather or a reshape.
-    The product value * scale is formed in float32 and is exact there (2 + 4 significant bits for
-    nvfp4, a power of two for mxfp4), so the final cast to bf16 (or fp16, within its range) is
-    exact as well: the dot sees exactly the dequantized weight of SPEC section 1.
+    packed: uint8 [BLOCK_N, 4, BLOCK_K / 8], thread-group t's run of the step (quant.py,
+    "kernel order"); scale: uint8 [BLOCK_N, BLOCK_K / G], one per G-wide group along K (G = 16
+    for nvfp4: e4m3 bits, 32 for mxfp4: e8m0). The launcher hands e4m3 scales over as their
+    bytes. The product value * scale is formed in float32 and is exact there (2 + 4 significant
+    bits for nvfp4, a power of two for mxfp4), so the final cast to bf16 (or fp16, within its
+    range) is exact as well: the dot sees exactly the dequantized weight of SPEC section 1.
     """
     if QUANT == "nvfp4":
         s = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -364,12 +398,11 @@ def _dequant_fp4_tile(packed, scale, QUANT: tl.constexpr, BLOCK_N: tl.constexpr,
         # subnormal) is spelled out.
         biased = scale.to(tl.int32)
         s = tl.where(biased == 0, 5.877471754111438e-39, (biased << 23).to(tl.float32, bitcast=True))
-    s = s[:, :, None]
-    byte = packed.to(tl.int32)
-    low = _e2m1_to_fp32(byte & 15) * s
-    high = _e2m1_to_fp32(byte >> 4) * s
-    # join puts the two nibbles of a byte side by side: [..., G/2, 2] flattens to K order.
-    return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)).to(DTYPE)
+    s = _fp4_scale_per_code(s, BLOCK_N, BLOCK_K, 16 if QUANT == "nvfp4" else 32)
+    byte = tl.reshape(packed, (BLOCK_N, 4, BLOCK_K // 16, 2)).to(tl.int32)
+    low = (_e2m1_to_fp32(byte & 15) * s).to(DTYPE)
+    high = (_e2m1_to_fp32(byte >> 4) * s).to(DTYPE)
+    return _fp4_natural_k(low, high, BLOCK_N, BLOCK_K)
 
 
 # The GPU path of the e2m1 decode (bf16 dots), 4 packed bytes (8 values) per asm block, about
@@ -438,19 +471,26 @@ NVFP4_FAST_EPILOGUE = 512.0
 def _dequant_fp4_tile_bf16_asm(packed, scale, QUANT: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_K: tl.constexpr):
     """_dequant_fp4_tile for bf16 on the GPU (inline PTX; see _E2M1_BF16_ASM_HEAD). nvfp4's
-    result is the dequantized weight / 512 (NVFP4_FAST_EPILOGUE), exactly."""
+    result is the dequantized weight / 512 (NVFP4_FAST_EPILOGUE), exactly.
+
+    With the kernel order, the four bytes an asm block takes are (q = 0, 1) of two slices of one
+    thread's run, so its outputs (low nibbles of bytes 0, 1: columns 16c + 2t + {0, 1}) are
+    already the bf16 pairs the MMA's register fragment holds: no byte shuffles."""
+    byte = tl.reshape(packed, (BLOCK_N, 4, BLOCK_K // 16, 2))
     if QUANT == "nvfp4":
         factor = (scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
                   * 1.661534994731145e+35).to(tl.bfloat16)                    # * 2^117
         low, high = tl.inline_asm_elementwise(
-            _E2M1_BF16_ASM_NVFP4, "=r,=r,=r,=r,r,r,r", [packed, factor[:, :, None]],
+            _E2M1_BF16_ASM_NVFP4, "=r,=r,=r,=r,r,r,r",
+            [byte, _fp4_scale_per_code(factor, BLOCK_N, BLOCK_K, 16)],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
         factor = (scale.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)      # 2^(s - 127)
         low, high = tl.inline_asm_elementwise(
-            _E2M1_BF16_ASM_MXFP4, "=r,=r,=r,=r,r,r,r", [packed, factor[:, :, None]],
+            _E2M1_BF16_ASM_MXFP4, "=r,=r,=r,=r,r,r,r",
+            [byte, _fp4_scale_per_code(factor, BLOCK_N, BLOCK_K, 32)],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
+    return _fp4_natural_k(low, high, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -460,7 +500,7 @@ def _grouped_gemm_kernel(
     sorted_pair_ids_ptr, block_expert_ids_ptr, topk_ids_ptr, topk_weights_ptr,
     N, K, num_pairs, top_k, num_experts, local_expert_offset, num_m_blocks,
     stride_am, stride_asm,
-    stride_we, stride_wn,
+    stride_we, stride_wn, stride_wt,  # stride_wt: fp4 only, bytes between thread-group runs
     stride_wse, stride_wsn,
     stride_be, stride_om, stride_wge,
     alpha, limit,
@@ -538,13 +578,13 @@ def _grouped_gemm_kernel(
         w_ptrs = w_expert_ptr + w_rows[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if FP4:
-        # Packed rows: K/2 bytes, scale group G along K. A K step reads [BN, BK/G, G/2] bytes
-        # (3-D so each scale group has its own axis) and [BN, BK/G] scales, whatever SWAP_AB.
+        # Kernel-order packed rows (quant.py): 4 runs of Kp/8 bytes, K zero-padded to a
+        # multiple of 256, so a K step is one run of BK/8 bytes per thread group t, read
+        # unmasked, and its [BN, BK/G] scales (rows padded the same way).
         SCALE_GROUP: tl.constexpr = 16 if QUANT == "nvfp4" else 32
         offs_g = tl.arange(0, BLOCK_K // SCALE_GROUP)
-        step_bytes = (offs_g[:, None] * (SCALE_GROUP // 2)
-                      + tl.arange(0, SCALE_GROUP // 2)[None, :])                 # [BK/G, G/2]
-        w_ptrs = w_expert_ptr + w_rows[:, None, None] * stride_wn + step_bytes[None, :, :]
+        runs = tl.arange(0, 4)[:, None] * stride_wt + tl.arange(0, BLOCK_K // 8)[None, :]
+        w_ptrs = w_expert_ptr + w_rows[:, None, None] * stride_wn + runs[None, :, :]  # [BN, 4, BK/8]
         w_scale_ptrs = (w_scale_ptr + expert * stride_wse + w_rows[:, None] * stride_wsn
                         + offs_g[None, :])                                      # [BN, BK/G]
 
@@ -566,7 +606,7 @@ def _grouped_gemm_kernel(
         kb_end = tl.minimum(kb_start + steps_per_split, num_k_steps)
         a_ptrs += kb_start * BLOCK_K
         if FP4:
-            w_ptrs += kb_start * (BLOCK_K // 2)
+            w_ptrs += kb_start * (BLOCK_K // 8)
             w_scale_ptrs += kb_start * (BLOCK_K // SCALE_GROUP)
         else:
             w_ptrs += kb_start * BLOCK_K
@@ -585,16 +625,10 @@ def _grouped_gemm_kernel(
                     a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
                 else:
                     a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            if EVEN_K:
-                packed = tl.load(w_ptrs)
-                w_s = tl.load(w_scale_ptrs)
-            else:
-                # K is a multiple of the scale group (layout.py checks it), so the tail of K
-                # ends on a group boundary: one mask per group, constant along its bytes (which
-                # keeps the byte loads vectorized and pipelined); masked bytes read as code 0.
-                group_ok = offs_g * SCALE_GROUP < k_left
-                packed = tl.load(w_ptrs, mask=group_ok[None, :, None], other=0)
-                w_s = tl.load(w_scale_ptrs, mask=group_ok[None, :], other=0)
+            # Padded rows: the weight and its scales never need a mask (the activations
+            # past K are masked to zero above; the padding decodes to zero).
+            packed = tl.load(w_ptrs)
+            w_s = tl.load(w_scale_ptrs)
             if FAST_FP4:
                 w = _dequant_fp4_tile_bf16_asm(packed, w_s, QUANT, BLOCK_N, BLOCK_K)
             else:
@@ -654,7 +688,7 @@ def _grouped_gemm_kernel(
                 acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         if FP4:
-            w_ptrs += BLOCK_K // 2
+            w_ptrs += BLOCK_K // 8
             w_scale_ptrs += BLOCK_K // SCALE_GROUP
         else:
             w_ptrs += BLOCK_K
@@ -757,10 +791,8 @@ def _launcher(grid):
 def use_fast_fp4(quant: str, dtype: torch.dtype, config: GemmConfig) -> bool:
     """Whether a launch decodes 4-bit weights with inline PTX (_dequant_fp4_tile_bf16_asm).
 
-    Only with swap-AB: there the decoded tile is the MMA's register operand. Without it the
-    tile goes to shared memory, and Triton 3.6 aborts compiling that path ("Illegal shared
-    layout" in TritonGPUOptimizeDotOperands, hoisting the shared-memory store through the asm
-    and the join): those configs use the portable decode."""
+    Only with swap-AB: there the decoded tile is the MMA's register operand. Without it (valid
+    in the interpreter only, see config_problems) the portable decode."""
     return (quant in FP4_QUANTS and FP4_FAST_DEQUANT and not INTERPRET
             and dtype == torch.bfloat16 and config.swap_ab)
 
@@ -806,7 +838,7 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
         n, k, routing.num_pairs, routing.top_k, routing.num_experts,
         routing.local_expert_offset, num_m_blocks,
         a.stride(0), stride_asm,
-        w.stride(0), w.stride(1),
+        w.stride(0), w.stride(1), w.shape[2] // 4 if quant in FP4_QUANTS else 0,
         stride_wse, stride_wsn,
         bias.stride(0) if bias is not None else 0, out.stride(0),
         global_scale.stride(0) if global_scale is not None else 0,
@@ -825,17 +857,12 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
     )
 
 
-def _reduction_size(w: torch.Tensor, quant: str) -> int:
-    """K of a kernel-layout weight [E, N, K] (packed 4-bit: [E, N, K/2] bytes)."""
-    return w.shape[2] * (2 if quant in FP4_QUANTS else 1)
-
-
 def gemm1(a, a_scale, w13, w13_scale, b13, intermediate, routing: Routing, config: GemmConfig,
           *, quant: str, activation: str, alpha: float, limit: float,
           interpret_upcast: bool = False, w13_global_scale=None) -> None:
     """intermediate[slot] = act(x[token] @ w13[e]^T (scaled) + b13[e]) for every routed pair."""
     _launch(a, a_scale, w13, w13_scale, b13, intermediate, routing, config,
-            n=w13.shape[1], k=_reduction_size(w13, quant), gemm=1, quant=quant,
+            n=w13.shape[1], k=a.shape[1], gemm=1, quant=quant,
             activation=activation, alpha=alpha, limit=limit, atomic_out=False,
             interpret_upcast=interpret_upcast, global_scale=w13_global_scale)
 
@@ -845,7 +872,7 @@ def gemm2(a, a_scale, w2, w2_scale, b2, out, routing: Routing, config: GemmConfi
           w2_global_scale=None) -> None:
     """out[pair] (or += into out[token]) = w * (intermediate[slot] @ w2[e]^T (scaled) + b2[e])."""
     _launch(a, a_scale, w2, w2_scale, b2, out, routing, config,
-            n=w2.shape[1], k=_reduction_size(w2, quant), gemm=2, quant=quant, activation="none",
+            n=w2.shape[1], k=a.shape[1], gemm=2, quant=quant, activation="none",
             alpha=0.0, limit=0.0, atomic_out=atomic_out, interpret_upcast=interpret_upcast,
             global_scale=w2_global_scale)
 

@@ -6,6 +6,9 @@ once), so the kernels here read a tile of checkpoint rows, quantize it in regist
 the quantized rows (and their scales) at the rows the permutation index names. Nothing the size
 of a weight is ever materialized: the plain-torch route (moe_ops.quant's reference functions,
 then `index_copy_`) makes several float32 copies of each tensor and is many times slower.
+Packed 4-bit rows are written in the GEMMs' kernel order (moe_ops.quant, "The kernel order of
+packed e2m1 rows"), from float weights (quantize_scatter) or from pre-quantized natural packed
+rows (scatter_fp4_rows), with the nibbles re-paired in registers (_fp4_order_bytes).
 
 The quantization math is moe_ops.quant's, operation for operation, so the bytes are identical:
 - every division the reference does is a correctly rounded one here (`tl.div_rn`; Triton's `/`
@@ -59,7 +62,8 @@ _FP8_WARPS = 4
 # fp4: a tile is _FP4_TILE_PAIRS element pairs (= output bytes; 16 KiB of bf16 read). Its width
 # is the largest power of two up to _FP4_MAX_PAIRS that divides the row (K/2 bytes), so no column
 # is ever masked (gpt_oss' 2880 = 45 * 64 gets 32-pair = 128-byte source rows: still whole cache
-# lines); the height fills the tile.
+# lines); the height fills the tile. The smallest width, nvfp4's 8-pair scale block, is also one
+# 16-column slice of the kernel order, so a tile always covers whole slices (see _fp4_kernel).
 _FP4_TILE_PAIRS = 4096
 _FP4_MAX_PAIRS = 256
 _FP4_WARPS = 4
@@ -71,6 +75,9 @@ _AMAX_ITERS = 4
 _AMAX_WARPS = 8
 # Whole-tile programs of a bit copy: 16 KiB per program.
 _COPY_TILE_BYTES = 16384
+# Reordering packed fp4 rows into the kernel order: up to 32 16-column slices (256 source bytes,
+# 64 bytes of each of the 4 runs) per row of a tile, _COPY_TILE_BYTES per program.
+_FP4_ORDER_MAX_SLICES = 32
 
 _HW_E4M3: dict = {}
 
@@ -94,9 +101,15 @@ def _e4m3_bits(v):
     The sign bit is taken from v: a negative value that rounds to zero is -0 (0x80), as torch's
     cast gives it; the Triton interpreter's float8 cast drops the sign of zero.
     """
-    magnitude = round_to_e4m3_grid(v).to(tl.float8e4nv).to(tl.uint8, bitcast=True) & 0x7F
-    sign = ((v.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
-    return magnitude | sign
+    # From the bits of the rounded value, integer operations only (no float8 conversion
+    # instruction): a normal e4m3 value (>= 2^-6) takes float32's exponent rebiased by 120 and
+    # its top three mantissa bits; a subnormal one is m * 2^-9, m = 0..7, exactly.
+    grid = tl.abs(round_to_e4m3_grid(v))
+    bits = grid.to(tl.int32, bitcast=True)
+    normal = (((bits >> 23) - 120) << 3) | ((bits >> 20) & 7)
+    magnitude = tl.where(grid >= 0.015625, normal, (grid * 512.0).to(tl.int32))
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
+    return (magnitude | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -147,6 +160,29 @@ def _e2m1_pack(lo, hi, SATURATE: tl.constexpr):
     packed = (_e2m1_bits(hi, SATURATE) << 4) + _e2m1_bits(lo, SATURATE)
     signs = tl.where(lo < -0.25, 0x08, 0) + tl.where(hi < -0.25, 0x80, 0)
     return (packed + signs).to(tl.uint8)
+
+
+@triton.jit
+def _fp4_order_bytes(natural, BLOCK_N: tl.constexpr, SLICES: tl.constexpr):
+    """Natural packed e2m1 bytes [BLOCK_N, 8 * SLICES] (any integer type, whole 16-column
+    slices) -> the same codes in kernel order, uint8 [BLOCK_N, 4, 2 * SLICES]: [row, t, 2c + q]
+    is byte t * Kp/8 + 2c + q of the row's kernel order (moe_ops.quant, "The kernel order of
+    packed e2m1 rows"), c counted from the tile's first slice.
+
+    Natural byte 4h + t of slice c holds columns 16c + 2t + 8h (low nibble) and + 1 (high
+    nibble), so the kernel-order byte q = 0 of (t, c) takes the low nibbles of the slice's bytes
+    t and 4 + t, and q = 1 their high nibbles: the codes are moved, never changed.
+    """
+    # Data movement (reshape / permute / split / join) on bytes: the compiler places the codes
+    # (the exchange between threads it needs moves bytes, not wider integers).
+    byte = tl.reshape(natural.to(tl.uint8), (BLOCK_N, SLICES, 2, 4))              # [r, c, h, t]
+    byte = tl.permute(byte, (0, 1, 3, 2))                                          # [r, c, t, h]
+    low_h0, low_h1 = tl.split(byte & 15)       # columns 16c + 2t (+ 8 for h1)
+    high_h0, high_h1 = tl.split(byte >> 4)     # columns 16c + 2t + 1 (+ 8)
+    q0 = low_h0 | (low_h1 << 4)                # kernel byte (t, c, q = 0)
+    q1 = high_h0 | (high_h1 << 4)              # kernel byte (t, c, q = 1)
+    out = tl.permute(tl.join(q0, q1), (0, 2, 1, 3))                                # [r, t, c, q]
+    return tl.reshape(out, (BLOCK_N, 4, 2 * SLICES))
 
 
 @triton.jit
@@ -220,7 +256,7 @@ def _fp8_kernel(
 @triton.jit
 def _fp4_kernel(
     src_ptr, dst_ptr, dst_rows_ptr, scale_ptr, scale_rows_ptr, table_ptr, factor2_ptr,
-    N, num_col_blocks,
+    N, num_col_blocks, run,
     stride_se, stride_sn, stride_sk,
     stride_de, stride_dn,
     stride_ce, stride_cn,
@@ -232,8 +268,13 @@ def _fp4_kernel(
     BLOCK_PAIRS: tl.constexpr,
 ):
     """One tile of src[e] (BLOCK_N rows, 2 * BLOCK_PAIRS columns; the tile grid divides the
-    columns) -> packed e2m1 rows dst[e, dst_rows[r]] and their block scales at rows
-    scale_rows[r].
+    columns, BLOCK_PAIRS is a multiple of 8) -> packed e2m1 rows dst[e, dst_rows[r]] in kernel
+    order, and their block scales at rows scale_rows[r] in natural order.
+
+    Kernel order (moe_ops.quant, "The kernel order of packed e2m1 rows"): a row is 4 runs of
+    `run` = Kp/8 bytes, byte t * run + 2c + q packing the codes of columns 16c + 2t + q (low
+    nibble) and 16c + 2t + q + 8 (high nibble). Only the row's first K/16 slices are written:
+    the padding up to Kp (bytes and scales) is the caller's zero fill.
 
     QUANT "nvfp4": e4m3 block scales (16 along K); factor2 = the inverse of the expert's global
                    scale (0 for a zero expert), table = the inverse of each block scale times
@@ -251,8 +292,8 @@ def _fp4_kernel(
     row_block = pid // num_col_blocks
     col_block = pid % num_col_blocks
     rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Loaded and stored as 2-D [rows, pairs] tiles (lanes along a row: coalesced, 16-byte
-    # vectors); viewed as [rows, groups, pairs per group] for the block scales.
+    # Loaded as 2-D [rows, pairs] tiles (lanes along a row: coalesced, 16-byte vectors);
+    # viewed as [rows, groups, pairs per group] for the block scales.
     pairs = col_block * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
     groups = col_block * GROUPS + tl.arange(0, GROUPS)
     src_rows = src_ptr + e * stride_se + rows.to(tl.int64) * stride_sn
@@ -285,7 +326,10 @@ def _fp4_kernel(
         # The inverse comes from the expert's table over the 128 non-negative e4m3 bytes (see
         # _nvfp4_inverse_table): one cached load per block instead of a division.
         inv_global = tl.load(factor2_ptr + e)
-        block_scale, _ = _to_e4m3(tl.div_rn(block_amax, 6.0) * inv_global, HW_E4M3)
+        # The e4m3 bits by integer operations, not the hardware conversion: with the kernel-
+        # order store after it, the H200 build of this kernel gave wrong block-scale bytes from
+        # cvt.rn.satfinite.e4m3x2 (an eighth of the groups; nvfp4 only, the interpreter right).
+        block_scale, _ = _to_e4m3(tl.div_rn(block_amax, 6.0) * inv_global, False)
         factor = tl.load(table_ptr + e * 128 + block_scale.to(tl.int32))
     else:
         # quant.quantize_mxfp4: exponent = ceil(log2(amax / 6)), exactly, from the bits of
@@ -305,11 +349,19 @@ def _fp4_kernel(
         block_scale = (exponent + 127).to(tl.uint8)
     # mxfp4's scaled values never pass 6 (2^exponent >= amax / 6): no saturation needed.
     f = factor[:, :, None]
-    packed = tl.reshape(_e2m1_pack(lo * f, hi * f, QUANT == "nvfp4"), (BLOCK_N, BLOCK_PAIRS))
+    natural = _e2m1_pack(lo * f, hi * f, QUANT == "nvfp4")
+    # Kernel order: the natural bytes' nibbles re-paired (_fp4_order_bytes), 2 * SLICES bytes
+    # of each of the row's 4 runs. Done on the packed bytes rather than on the float pairs: the
+    # shuffle across threads it takes moves an eighth of the data.
+    SLICES: tl.constexpr = BLOCK_PAIRS // 8
+    packed = _fp4_order_bytes(tl.reshape(natural, (BLOCK_N, BLOCK_PAIRS)), BLOCK_N, SLICES)
+    runs = tl.arange(0, 4) * run
+    run_bytes = col_block * (2 * SLICES) + tl.arange(0, 2 * SLICES)
 
     dst_rows = _load(dst_rows_ptr + rows, row_mask, EVEN_N).to(tl.int64)
     dst = dst_ptr + e * stride_de + dst_rows * stride_dn
-    tl.store(dst[:, None] + pairs[None, :], packed, mask=mask)
+    tl.store(dst[:, None, None] + runs[None, :, None] + run_bytes[None, None, :], packed,
+             mask=None if EVEN_N else row_mask[:, None, None])
     scale_rows = _load(scale_rows_ptr + rows, row_mask, EVEN_N).to(tl.int64)
     scale = scale_ptr + e * stride_ce + scale_rows * stride_cn
     tl.store(scale[:, None] + groups[None, :], block_scale, mask=mask)
@@ -370,6 +422,57 @@ def _scatter_rows_kernel(
     dst_rows = tl.load(dst_rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     tl.store(dst_ptr + e * stride_de + dst_rows[:, None] * stride_dn + cols[None, :], values,
              mask=mask)
+
+
+@triton.jit
+def _fp4_order_rows_kernel(
+    src_ptr, dst_ptr, dst_rows_ptr, N, slices, num_col_blocks, run,
+    stride_se, stride_sn, stride_sk,
+    stride_de, stride_dn,
+    UNIT_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    SLICES_ALIGN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SLICES: tl.constexpr,
+):
+    """One tile of natural packed e2m1 rows src[e] (BLOCK_N rows, BLOCK_SLICES 16-column slices
+    = 8 * BLOCK_SLICES bytes; a row is `slices` = K/16 slices) -> the same rows in kernel order
+    at dst[e, dst_rows[r]] (runs of `run` = Kp/8 bytes, see _fp4_kernel).
+
+    UNIT_K: src's bytes are contiguous along a row (32-bit column offsets); EVEN_N: the tile
+    grid divides the rows (no row masks); SLICES_ALIGN: a power of two <= BLOCK_SLICES that
+    divides `slices` (== BLOCK_SLICES: the tile grid divides the row, no column masks).
+    """
+    EVEN_K: tl.constexpr = SLICES_ALIGN == BLOCK_SLICES
+    pid = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    row_block = pid // num_col_blocks
+    col_block = pid % num_col_blocks
+    rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col_block * (8 * BLOCK_SLICES) + tl.arange(0, 8 * BLOCK_SLICES)
+    run_bytes = col_block * (2 * BLOCK_SLICES) + tl.arange(0, 2 * BLOCK_SLICES)
+    if UNIT_K:
+        col_offsets = cols[None, :]
+    else:
+        col_offsets = cols.to(tl.int64)[None, :] * stride_sk
+    src = src_ptr + e * stride_se + (rows.to(tl.int64) * stride_sn)[:, None] + col_offsets
+    row_mask = rows < N
+    if EVEN_K:
+        load_mask = row_mask[:, None]
+        store_mask = row_mask[:, None, None]
+    else:
+        # Whole slices are in or out, SLICES_ALIGN of them at a time. The bounds are written
+        # as multiples of SLICES_ALIGN slices (8 source bytes, 2 run bytes each) so that Triton
+        # sees the masks constant over that many bytes and keeps the accesses vectorized.
+        aligned = (slices // SLICES_ALIGN) * SLICES_ALIGN
+        load_mask = row_mask[:, None] & (cols < aligned * 8)[None, :]
+        store_mask = row_mask[:, None, None] & (run_bytes < aligned * 2)[None, None, :]
+    out = _fp4_order_bytes(_load(src, load_mask, EVEN_N and EVEN_K), BLOCK_N, BLOCK_SLICES)
+    dst_rows = _load(dst_rows_ptr + rows, row_mask, EVEN_N).to(tl.int64)
+    dst = dst_ptr + e * stride_de + dst_rows * stride_dn
+    runs = tl.arange(0, 4) * run
+    tl.store(dst[:, None, None] + runs[None, :, None] + run_bytes[None, None, :], out,
+             mask=None if EVEN_N and EVEN_K else store_mask)
 
 
 def _rows_view(w: torch.Tensor, width: int) -> Optional[torch.Tensor]:
@@ -435,9 +538,15 @@ def quantize_scatter(
 ) -> None:
     """Quantize w [E, N, K] (any float dtype, any strides) into the kernel-layout tensors.
 
-    dst [E, *, K or K/2] gets row r of the quantized w at row dst_rows[r]; scale_dst gets the
-    block scales at rows scale_rows[...] (fp8_block: one per 128 rows; fp4: one per row).
+    dst gets row r of the quantized w at row dst_rows[r]; scale_dst gets the block scales at
+    rows scale_rows[...] (fp8_block: one per 128 rows; fp4: one per row).
     factor / factor2: per-expert float32 [E] (see _fp8_kernel and _fp4_kernel).
+
+    fp8 / fp8_block: dst [E, *, K] e4m3.
+    nvfp4 / mxfp4: dst [E, *, Kp/2] uint8, the packed e2m1 rows in kernel order (moe_ops.quant,
+    "The kernel order of packed e2m1 rows"; Kp = quant.fp4_padded_k(K)), and scale_dst
+    [E, *, Kp/block] (e4m3 for nvfp4, e8m0 as uint8 for mxfp4), the block scales in natural
+    order. dst and scale_dst must be zero-filled: the padding columns K..Kp are never written.
     """
     e, n, k = w.shape
     if e == 0 or n == 0 or k == 0:
@@ -468,12 +577,16 @@ def quantize_scatter(
         )
         return
 
+    kp = q.fp4_padded_k(k)
+    assert dst.shape[-1] == kp // 2, "fp4 rows are kernel-order rows of Kp/2 bytes"
+    assert not has_scale or scale_dst.shape[-1] == kp // q.fp4_scale_block(quant)
     if quant == "nvfp4":
         table = _nvfp4_inverse_table(factor)
     group_pairs = q.fp4_scale_block(quant) // 2
     pairs = k // 2
     assert pairs % group_pairs == 0, "fp4 rows are whole scale blocks"
-    # The widest power-of-two tile width (in pairs) that divides the row: no column masks.
+    # The widest power-of-two tile width (in pairs) that divides the row: no column masks. It
+    # is at least group_pairs >= 8, i.e. whole 16-column slices of the kernel order.
     block_pairs = group_pairs
     while block_pairs * 2 <= _FP4_MAX_PAIRS and pairs % (block_pairs * 2) == 0:
         block_pairs *= 2
@@ -483,7 +596,8 @@ def quantize_scatter(
     _fp4_kernel[(cdiv(n, block_n) * col_blocks, e)](
         src, dst, dst_rows, scale_arg, scale_rows_arg,
         table if quant == "nvfp4" else dst_rows, factor2 if factor2 is not None else dst_rows,
-        n, col_blocks, *src.stride(), dst.stride(0), dst.stride(1), *scale_strides,
+        n, col_blocks, dst.shape[-1] // 4, *src.stride(), dst.stride(0), dst.stride(1),
+        *scale_strides,
         QUANT=quant, SRC=kind, HW_E4M3=hw, EVEN_N=n % block_n == 0, BLOCK_N=block_n,
         BLOCK_PAIRS=block_pairs, num_warps=_FP4_WARPS, enable_fp_fusion=False,
     )
@@ -508,3 +622,36 @@ def scatter_rows(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -
     _scatter_rows_kernel[grid](src_bits, dst_bits, dst_rows, n, k, col_blocks, *src_bits.stride(),
                                dst_bits.stride(0), dst_bits.stride(1),
                                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+
+
+def scatter_fp4_rows(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """dst[e, dst_rows[r]] = quant.fp4_to_kernel_order(src[e, r]), bit for bit.
+
+    src: natural packed e2m1 rows (quant.pack_e2m1) uint8 [E, N, K/2], any strides, K a
+    multiple of 16. dst: kernel-order rows uint8 [E, *, Kp/2] (moe_ops.quant, "The kernel order
+    of packed e2m1 rows"; Kp = quant.fp4_padded_k(K)) with contiguous rows, zero-filled: only
+    the bytes of columns < K are written, the padding is left as it is.
+    """
+    e, n, row_bytes = src.shape
+    if e == 0 or n == 0 or row_bytes == 0:
+        return
+    k = 2 * row_bytes
+    assert k % 16 == 0, "fp4 rows are whole 16-column slices"
+    assert src.element_size() == 1 and dst.element_size() == 1
+    assert dst.shape[-1] == q.fp4_padded_k(k) // 2 and dst.stride(-1) == 1
+    src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+    slices = k // 16
+    # Power-of-two tiles; a row that the widest tile does not divide gets masked column tiles
+    # rather than narrow ones (gpt_oss' 2880 = 180 slices: 6 tiles of 32 slices, not 45 of 4),
+    # so a program reads and writes long contiguous pieces of each row; the masks' granularity
+    # (and so the vector width) is the largest power of two of slices dividing the row.
+    block_slices = min(_FP4_ORDER_MAX_SLICES, next_power_of_2(slices))
+    align = slices & -slices
+    block_n = min(max(1, _COPY_TILE_BYTES // (8 * block_slices)), next_power_of_2(n))
+    col_blocks = cdiv(slices, block_slices)
+    _fp4_order_rows_kernel[(cdiv(n, block_n) * col_blocks, e)](
+        src, dst, dst_rows, n, slices, col_blocks, dst.shape[-1] // 4, *src.stride(),
+        dst.stride(0), dst.stride(1), UNIT_K=src.stride(2) == 1, EVEN_N=n % block_n == 0,
+        SLICES_ALIGN=min(align, block_slices), BLOCK_N=block_n, BLOCK_SLICES=block_slices,
+        num_warps=4,
+    )

@@ -1,0 +1,193 @@
+"""The device preparation kernels (moe_ops.kernels.prepare) write 4-bit weights in the kernel
+order of moe_ops.quant ("The kernel order of packed e2m1 rows"): quantize_scatter quantizes
+float weights straight into it, scatter_fp4_rows reorders pre-quantized natural packed rows.
+Both must give, bit for bit, moe_ops.quant's reference (quantize_nvfp4 / quantize_mxfp4, then
+fp4_to_kernel_order and fp4_pad_scales) at the permuted rows, and leave the zero fill of the
+destination (the padding columns K..Kp, the rows no source row goes to) untouched.
+
+Without a CUDA device the kernels run in the Triton interpreter on CPU tensors, so the shapes
+are small; they still cover the tile shapes that matter (rows that do and do not fill a tile,
+row widths with and without padding, narrow and masked column tiles).
+"""
+import os
+import subprocess
+import zlib
+
+
+def _has_cuda() -> bool:
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+# tests/conftest.py sets the flag for the whole session, before anything imports triton; the
+# same decision here keeps the file runnable on its own (--noconftest). Never on a CUDA machine:
+# triton and moe_ops read it once, at import, for every test module.
+if "TRITON_INTERPRET" not in os.environ and not _has_cuda():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from moe_ops import quant as q  # noqa: E402
+
+prepare = pytest.importorskip("moe_ops.kernels.prepare", reason="the kernels need triton")
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if _INTERPRET or not torch.cuda.is_available() else "cuda"
+if DEVICE == "cpu" and not _INTERPRET:
+    pytest.skip("a GPU is visible but torch cannot use it", allow_module_level=True)
+
+
+def _padding(k: int) -> torch.Tensor:
+    """bool [Kp/2]: the bytes of a kernel-order row that hold only padding columns (>= K)."""
+    full = torch.full((k // 2,), 0xFF, dtype=torch.uint8)
+    return q.fp4_to_kernel_order(full) == 0
+
+
+def _generator(*what) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(what).encode()))
+
+
+def _targets(gen: torch.Generator, n: int, extra: int = 3) -> torch.Tensor:
+    """A permutation of n rows into a destination of n + extra rows (rows left out stay zero)."""
+    return torch.randperm(n + extra, generator=gen)[:n].to(DEVICE)
+
+
+def _assert_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    a, b = got.view(torch.uint8).cpu(), want.view(torch.uint8).cpu()
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    if not torch.equal(a, b):
+        where = (a != b).nonzero()[:4].tolist()
+        pytest.fail(f"{what}: {int((a != b).sum())} bytes differ, first at {where}")
+
+
+def _reference(w: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_ops.quant's packed rows (kernel order) and block scales (padded) of w [E, N, K]."""
+    k = w.shape[2]
+    w = w.contiguous()
+    if quant == "nvfp4":
+        packed, scale, _ = q.quantize_nvfp4(w)
+    else:
+        packed, scale = q.quantize_mxfp4(w)
+    return q.fp4_to_kernel_order(packed), q.fp4_pad_scales(scale, k, quant)
+
+
+# (E, N, K): K = 32 / 96 / 2880 pad to 256 / 256 / 3072 (2880 = 45 * 64: 32-pair column tiles),
+# 256 does not; N = 8 fills its row tile, the others leave it part empty.
+SHAPES = [(2, 5, 32), (2, 12, 96), (3, 8, 256), (1, 3, 2880)]
+
+
+@pytest.mark.parametrize("quant", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_quantize_scatter_writes_the_reference_bytes_in_kernel_order(quant, dtype, shape):
+    e, n, k = shape
+    gen = _generator(quant, dtype, shape)
+    # Experts of different magnitudes, and a zero expert (nvfp4's global scale 0: all zeros).
+    w = torch.randn(e, n, k, generator=gen) * torch.logspace(-3, 2, e)[:, None, None]
+    if e > 1:
+        w[0].zero_()
+    w = w.to(dtype).to(DEVICE)
+    _check_quantize_scatter(w, quant, gen)
+
+
+@pytest.mark.parametrize("quant", ["nvfp4", "mxfp4"])
+def test_quantize_scatter_of_a_strided_source(quant):
+    """A transposed checkpoint (w stored [E, K, N]): the kernel's column-by-column source path."""
+    gen = _generator(quant, "strided")
+    w = torch.randn(2, 96, 6, generator=gen).to(torch.bfloat16).to(DEVICE).transpose(1, 2)
+    _check_quantize_scatter(w, quant, gen)
+
+
+def _check_quantize_scatter(w: torch.Tensor, quant: str, gen: torch.Generator) -> None:
+    e, n, k = w.shape
+    kp, block = q.fp4_padded_k(k), q.fp4_scale_block(quant)
+    rows, scale_rows = _targets(gen, n), _targets(gen, n)
+    r = n + 3
+    dst = torch.zeros(e, r, kp // 2, dtype=torch.uint8, device=DEVICE)
+    scale_dtype = q.FP8_DTYPE if quant == "nvfp4" else torch.uint8
+    scale_dst = torch.zeros(e, r, kp // block, dtype=scale_dtype, device=DEVICE)
+    factor = factor2 = None
+    if quant == "nvfp4":
+        # As moe_ops.layout._device_parts computes them.
+        amax = prepare.amax_per_expert(w)
+        factor, factor2 = q.nvfp4_global_scale(amax)
+    prepare.quantize_scatter(w, quant, dst, rows, scale_dst, scale_rows, factor, factor2)
+
+    packed, scale = _reference(w, quant)
+    want = torch.zeros_like(dst)
+    want[:, rows] = packed.to(DEVICE)
+    want_scale = torch.zeros_like(scale_dst.view(torch.uint8))
+    want_scale[:, scale_rows] = scale.view(torch.uint8).to(DEVICE)
+    _assert_bytes(dst, want, f"{quant} {tuple(w.shape)} {w.dtype} values")
+    _assert_bytes(scale_dst, want_scale, f"{quant} {tuple(w.shape)} {w.dtype} scales")
+    # Redundant with the comparison above, but the contract spelled out: the padding is zero.
+    assert not dst[..., _padding(k).to(DEVICE)].any()
+    assert not scale_dst.view(torch.uint8)[..., k // block:].any()
+
+
+# K = 16 (one slice: narrowest tile), 48 / 96 (3 / 6 slices: masked column tiles, 8- / 16-byte
+# granularity), 256 (a whole tile, no padding), 2880 (180 slices: 6 column tiles, the last one
+# masked), 7168 (448 slices: 14 full column tiles).
+@pytest.mark.parametrize("k", [16, 48, 96, 256, 2880, 7168])
+@pytest.mark.parametrize("view", ["contiguous", "strided_rows", "transposed"])
+def test_scatter_fp4_rows_is_fp4_to_kernel_order(k, view):
+    gen = _generator(k, view)
+    e, n = 2, 5
+    if view == "contiguous":
+        src = torch.randint(0, 256, (e, n, k // 2), generator=gen, dtype=torch.uint8)
+    elif view == "strided_rows":  # every other row of a bigger tensor: unit K stride, wide rows
+        src = torch.randint(0, 256, (e, 2 * n, k // 2), generator=gen, dtype=torch.uint8)[:, ::2]
+    else:  # a byte stride along K
+        src = torch.randint(0, 256, (e, k // 2, n), generator=gen, dtype=torch.uint8)
+        src = src.transpose(1, 2)
+    src = src.to(DEVICE) if view == "contiguous" else _same_view_on(src, DEVICE)
+    rows = _targets(gen, n)
+    dst = torch.zeros(e, n + 3, q.fp4_padded_k(k) // 2, dtype=torch.uint8, device=DEVICE)
+    prepare.scatter_fp4_rows(src, dst, rows)
+    want = torch.zeros_like(dst)
+    want[:, rows] = q.fp4_to_kernel_order(src.cpu()).to(DEVICE)
+    _assert_bytes(dst, want, f"K={k} {view}")
+    assert not dst[..., _padding(k).to(DEVICE)].any()
+    assert torch.equal(q.fp4_from_kernel_order(dst[:, rows].cpu(), k), src.cpu())
+
+
+@pytest.mark.parametrize("n", [1, 64, 100])
+def test_scatter_fp4_rows_row_tiles(n):
+    """K = 4096 (8 column tiles of 32 slices, tiles of up to 64 rows): one row, one full row
+    tile, a full and a partial one."""
+    gen = _generator(n, "rows")
+    k = 4096
+    src = torch.randint(0, 256, (3, n, k // 2), generator=gen, dtype=torch.uint8).to(DEVICE)
+    rows = _targets(gen, n, extra=1)
+    dst = torch.zeros(3, n + 1, k // 2, dtype=torch.uint8, device=DEVICE)
+    prepare.scatter_fp4_rows(src, dst, rows)
+    want = torch.zeros_like(dst)
+    want[:, rows] = q.fp4_to_kernel_order(src.cpu()).to(DEVICE)
+    _assert_bytes(dst, want, f"N={n}")
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 64), (2, 0, 64)])
+def test_empty_sources_write_nothing(shape):
+    e, n, k = shape
+    dst = torch.zeros(max(e, 1), 4, q.fp4_padded_k(k) // 2, dtype=torch.uint8, device=DEVICE)
+    rows = torch.arange(n, device=DEVICE)
+    prepare.scatter_fp4_rows(torch.zeros(e, n, k // 2, dtype=torch.uint8, device=DEVICE),
+                             dst[:e], rows)
+    scale_dst = torch.zeros(max(e, 1), 4, q.fp4_padded_k(k) // 32, dtype=torch.uint8,
+                            device=DEVICE)
+    prepare.quantize_scatter(torch.zeros(e, n, k, device=DEVICE), "mxfp4", dst[:e], rows,
+                             scale_dst[:e], rows)
+    assert not dst.any() and not scale_dst.any()
+
+
+def _same_view_on(t: torch.Tensor, device: str) -> torch.Tensor:
+    """t's strides kept on `device` (moving a view with .to() would make it contiguous)."""
+    if device == "cpu":
+        return t
+    base = t._base if t._base is not None else t
+    moved = base.to(device)
+    return moved.as_strided(t.shape, t.stride(), t.storage_offset())
