@@ -184,12 +184,21 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     key: LayoutKey
+    # fp4 weights and scales: the K of their rows, which are padded to quant.fp4_padded_k(K);
+    # the padding is zero (written at allocation, never by a load). 0 for every other role.
+    fp4_k: int = 0
 
-    @property
-    def zero_padded(self) -> bool:
-        """fp4 weights and scales: rows padded past K, the padding zero (allocated so, never
-        written by a load)."""
-        return self.key.packing != "none"
+    def new_tensor(self, device: torch.device | str) -> torch.Tensor:
+        """An uninitialized tensor of this spec, but for the zero padding of fp4 rows (only the
+        padding is written: most layers have none)."""
+        tensor = torch.empty(self.shape, dtype=self.dtype, device=device)
+        if self.fp4_k and q.fp4_padded_k(self.fp4_k) != self.fp4_k:
+            raw = tensor.view(torch.uint8)
+            if self.key.packing == "e2m1x2-kernel":  # 4 runs of Kp/8 bytes, K/8 of them data
+                raw.view(*raw.shape[:-1], 4, raw.shape[-1] // 4)[..., self.fp4_k // 8:] = 0
+            else:  # block scales: K / block of them data
+                raw[..., self.fp4_k * raw.shape[-1] // q.fp4_padded_k(self.fp4_k):] = 0
+        return tensor
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -214,12 +223,13 @@ def plan_layout(
     specs: dict[str, TensorSpec] = {}
 
     def add(role: str, rows: int, row_shape: tuple[int, ...], dtype_: torch.dtype,
-            interleaved: bool, packing: str = "none", rows_per_entry: int = 1) -> None:
+            interleaved: bool, packing: str = "none", rows_per_entry: int = 1,
+            fp4_k: int = 0) -> None:
         sources = (rows, rows) if interleaved else (rows,)
         key = LayoutKey(role, sources, row_shape, _dtype_name(dtype_), packing,
                         GATE_UP_INTERLEAVE_ROWS if interleaved else 0, rows_per_entry,
                         LAYOUT_VERSION, device)
-        specs[role] = TensorSpec((e, sum(sources)) + row_shape, dtype_, key)
+        specs[role] = TensorSpec((e, sum(sources)) + row_shape, dtype_, key, fp4_k)
 
     fp4 = quant in ("nvfp4", "mxfp4")
     if fp4:
@@ -230,8 +240,8 @@ def plan_layout(
     if fp4:
         # quant.py's kernel order: rows of K codes padded to Kp = fp4_padded_k(K)
         hp, ip = q.fp4_padded_k(h), q.fp4_padded_k(i)
-        add("w13", i, (hp // 2,), weight_dtype, gated, "e2m1x2-kernel")
-        add("w2", h, (ip // 2,), weight_dtype, False, "e2m1x2-kernel")
+        add("w13", i, (hp // 2,), weight_dtype, gated, "e2m1x2-kernel", fp4_k=h)
+        add("w2", h, (ip // 2,), weight_dtype, False, "e2m1x2-kernel", fp4_k=i)
     else:
         add("w13", i, (h,), weight_dtype, gated)
         add("w2", h, (i,), weight_dtype, False)
@@ -246,8 +256,8 @@ def plan_layout(
     elif fp4:
         b = q.fp4_scale_block(quant)
         scale_dtype = q.FP8_DTYPE if quant == "nvfp4" else torch.uint8
-        add("w13_scale", i, (hp // b,), scale_dtype, gated, "padded")
-        add("w2_scale", h, (ip // b,), scale_dtype, False, "padded")
+        add("w13_scale", i, (hp // b,), scale_dtype, gated, "padded", fp4_k=h)
+        add("w2_scale", h, (ip // b,), scale_dtype, False, "padded", fp4_k=i)
         if quant == "nvfp4":
             add("w13_global_scale", i, (), torch.float32, gated)
             add("w2_global_scale", h, (), torch.float32, False)
@@ -258,8 +268,7 @@ def plan_layout(
 
 
 def allocate(specs: dict[str, TensorSpec], device: torch.device | str) -> dict[str, torch.Tensor]:
-    return {role: (torch.zeros if spec.zero_padded else torch.empty)(spec.shape, dtype=spec.dtype, device=device)
-            for role, spec in specs.items()}
+    return {role: spec.new_tensor(device) for role, spec in specs.items()}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -523,7 +523,7 @@ def _prepare(ckpt: dict, quant: str, activation: str, kernels: bool, dtype=torch
     out = layout.allocate(specs, device)
     for role, tensor in out.items():
         tensor.view(torch.uint8).fill_(0xA5)
-        if specs[role].zero_padded:
+        if specs[role].fp4_k:
             # fp4 rows are padded past K; the layout's contract is a zero padding from the
             # allocation that no load writes: poison only the rest
             k = h if role.startswith("w13") else i
@@ -678,3 +678,29 @@ def test_cuda_reload_writes_in_place_with_bounded_temporaries(quant, prequantize
     assert {n: b.data_ptr() for n, b in layer.named_buffers()} == buffers
     _assert_same_bytes(layer.kernel_weights(), _prepare(new, quant, "swiglu_oai", kernels=False),
                        f"{quant} prequantized={prequantized}")
+
+
+@pytest.mark.parametrize("quant", ["nvfp4", "mxfp4"])
+def test_fp4_tensors_are_allocated_with_a_zero_padding_only(quant):
+    """Padded fp4 rows (K = 96 -> 256 columns) get their padding zeroed at allocation (the
+    loads never write it); rows without padding are left uninitialized (no memset)."""
+    for h, i in ((96, 160), (256, 512)):
+        specs = layout.plan_layout(quant=quant, activation="swiglu", num_local_experts=2,
+                                   hidden_size=h, intermediate_size=i, bias=False,
+                                   dtype=torch.bfloat16, device="cpu")
+        for role in ("w13", "w2", "w13_scale", "w2_scale"):
+            spec = specs[role]
+            k = h if role.startswith("w13") else i
+            assert spec.fp4_k == k
+            torch.manual_seed(0)
+            garbage = torch.empty(spec.shape, dtype=spec.dtype).view(torch.uint8).fill_(0xA5)
+            # the allocator may hand back the same memory: make what is not zeroed visible
+            del garbage
+            raw = spec.new_tensor("cpu").view(torch.uint8)
+            if role in ("w13", "w2"):
+                padding = raw.view(*raw.shape[:-1], 4, -1)[..., k // 8:]
+                assert raw.shape[-1] == q.fp4_padded_k(k) // 2
+            else:
+                padding = raw[..., k // q.fp4_scale_block(quant):]
+            assert padding.numel() == (0 if k % 256 == 0 else padding.numel())
+            assert not padding.any(), (role, k)

@@ -570,8 +570,7 @@ def _prepare_into_buffers(module: torch.nn.Module, spec: ExpertsSpec, dtype: tor
                 or current.dtype != tensor_spec.dtype or current.device != device):
             if current is not None:
                 _set_buffer(module, name, None)  # free the stale copy before allocating
-            _set_buffer(module, name, (torch.zeros if tensor_spec.zero_padded else torch.empty)(
-                tensor_spec.shape, dtype=tensor_spec.dtype, device=device))
+            _set_buffer(module, name, tensor_spec.new_tensor(device))
         permutation = module._buffers.get(perm_name)
         rows = sum(tensor_spec.key.source_rows)
         if permutation is None or permutation.device != device or permutation.shape != (rows,):
