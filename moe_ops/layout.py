@@ -127,6 +127,19 @@ def device_kernels_available(device: torch.device) -> bool:
     return True
 
 
+def zero_fp4_padding(tensor: torch.Tensor, k: int, packed: bool) -> None:
+    """Write zeros over the padding of fp4 kernel-layout rows of K columns (packed values when
+    `packed`, else block scales): the GEMMs read it unmasked, and a NaN scale byte there would
+    poison the dot. Touches only the padding bytes (none when K is a multiple of 256)."""
+    if q.fp4_padded_k(k) == k:
+        return
+    raw = tensor.view(torch.uint8)
+    if packed:  # 4 runs of Kp/8 bytes, K/8 of them data
+        raw.view(*raw.shape[:-1], 4, raw.shape[-1] // 4)[..., k // 8:] = 0
+    else:  # block scales: K / block of them data
+        raw[..., k * raw.shape[-1] // q.fp4_padded_k(k):] = 0
+
+
 def apply_permutation(
     destination: torch.Tensor, sources: list[torch.Tensor], destination_rows: torch.Tensor,
     *, kernels: bool = False,
@@ -159,9 +172,12 @@ def apply_permutation(
 
                 if fp4:
                     prepare.scatter_fp4_rows(chunk, target, index)
+                    zero_fp4_padding(target, 2 * chunk.shape[-1], packed=True)
                 else:
-                    # a narrower source (padded fp4 scale rows) leaves the padding as it is
                     prepare.scatter_rows(chunk, target, index)
+                    if chunk.shape[-1] < target.shape[-1]:
+                        # padded fp4 scale rows: the kernel writes the data columns only
+                        target.view(torch.uint8)[..., chunk.shape[-1]:] = 0
                 continue
             if fp4:
                 chunk = q.fp4_to_kernel_order(chunk)
@@ -192,12 +208,8 @@ class TensorSpec:
         """An uninitialized tensor of this spec, but for the zero padding of fp4 rows (only the
         padding is written: most layers have none)."""
         tensor = torch.empty(self.shape, dtype=self.dtype, device=device)
-        if self.fp4_k and q.fp4_padded_k(self.fp4_k) != self.fp4_k:
-            raw = tensor.view(torch.uint8)
-            if self.key.packing == "e2m1x2-kernel":  # 4 runs of Kp/8 bytes, K/8 of them data
-                raw.view(*raw.shape[:-1], 4, raw.shape[-1] // 4)[..., self.fp4_k // 8:] = 0
-            else:  # block scales: K / block of them data
-                raw[..., self.fp4_k * raw.shape[-1] // q.fp4_padded_k(self.fp4_k):] = 0
+        if self.fp4_k:
+            zero_fp4_padding(tensor, self.fp4_k, packed=self.key.packing == "e2m1x2-kernel")
         return tensor
 
 
@@ -503,6 +515,10 @@ def _quantize_into(
             targets = {part: destination[r][e0:e1] for part, r in roles.items()}
             if kernels:
                 _device_parts(chunk, quant, targets, indices)
+                if quant in ("nvfp4", "mxfp4"):  # the kernels write the data columns only
+                    k = chunk.shape[2]
+                    zero_fp4_padding(targets["value"], k, packed=True)
+                    zero_fp4_padding(targets["scale"], k, packed=False)
                 continue
             for part, tensor in _reference_parts(chunk, quant).items():
                 if part in targets:

@@ -44,6 +44,8 @@ def poisoned_empty(monkeypatch):
             t.fill_(float("nan"))
         elif t.dtype in (torch.int32, torch.int64):
             t.fill_(1 << 30)
+        elif t.dtype == torch.uint8:
+            t.fill_(0xFF)  # e8m0 0xFF is NaN, e2m1 0xFF is -6 | -6: unzeroed fp4 padding shows
         return t
 
     monkeypatch.setattr(torch, "empty", empty)

@@ -113,8 +113,9 @@ NO_SWAP = (GemmConfig(16, 32, 32, 1, 4, 2), GemmConfig(16, 32, 64, 8, 4, 2))
 
 
 # Every activation x format x dispatch path x swap-AB, with K not a multiple of 64 in both
-# GEMMs (H = 96: GEMM1's K; I = 32 or 160: GEMM2's K), so the masked K tail runs on the packed
-# bytes and scales; nvfp4's 16-wide groups meet the 32-wide K steps.
+# GEMMs (H = 96: GEMM1's K; I = 32 or 160: GEMM2's K), so the K tail reads the zero padding of
+# the packed rows and scales (the activations masked); nvfp4's 16-wide groups meet the 32-wide
+# K steps.
 CASES = [
     # quant, activation, bias, path, swap, dtype, (H, I)
     ("nvfp4", "swiglu", False, "direct", True, torch.bfloat16, (96, 32)),

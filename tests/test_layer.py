@@ -318,3 +318,41 @@ def test_route_matches_route_reference(gen, method, top_k, n_group, topk_group, 
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
     # Distinct experts per token.
     assert all(len(set(row)) == top_k for row in ids.tolist())
+
+
+@pytest.mark.parametrize("quant", ["nvfp4", "mxfp4"])
+def test_state_dict_of_the_natural_fp4_format_is_converted(gen, quant):
+    """A state_dict saved before the kernel order (format version 1: natural packing, unpadded
+    scales) loads into the same weights as the current one, never silently misread."""
+    layer, _ = loaded_layer(gen, quant=quant, activation="swiglu", bias=False)
+    current = layer.state_dict()
+    old = dict(current)
+    for role, k in (("w13", layer.hidden_size), ("w2", layer.intermediate_size)):
+        old[role] = q.fp4_from_kernel_order(current[role], k)
+        old[role + "_scale"] = current[role + "_scale"][..., :k // q.fp4_scale_block(quant)]
+    old = type(current)(old)
+    old._metadata = {"": {"version": 1}}
+    fresh = moe_ops.FusedMoE(layer.num_experts, layer.hidden_size, layer.intermediate_size,
+                             layer.top_k, quant=quant, backend="reference")
+    fresh.load_state_dict(old)
+    for name, tensor in current.items():
+        assert torch.equal(fresh.state_dict()[name].view(torch.uint8) if tensor.dtype != torch.float32
+                           else fresh.state_dict()[name], tensor.view(torch.uint8)
+                           if tensor.dtype != torch.float32 else tensor), name
+
+
+@pytest.mark.parametrize("quant", ["nvfp4", "mxfp4"])
+def test_unpadded_natural_fp4_state_dict_is_not_misread(quant):
+    """With K a multiple of 256 the natural and the kernel-order tensors have the same shape:
+    only the format version tells them apart, and the load converts by it."""
+    from moe_ops import synthetic
+    layer = moe_ops.FusedMoE(4, 256, 256, 2, quant=quant, backend="reference")
+    layer.load_weights(**synthetic.random_checkpoint(4, 256, 256, quant=quant, seed=1))
+    current = layer.state_dict()
+    old = type(current)((name, q.fp4_from_kernel_order(t, 256) if name in ("w13", "w2") else t)
+                        for name, t in current.items())
+    assert old["w13"].shape == current["w13"].shape and not torch.equal(old["w13"], current["w13"])
+    old._metadata = {"": {"version": 1}}
+    fresh = moe_ops.FusedMoE(4, 256, 256, 2, quant=quant, backend="reference")
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.w13, current["w13"]) and torch.equal(fresh.w2, current["w2"])

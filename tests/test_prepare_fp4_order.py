@@ -173,15 +173,15 @@ def test_scatter_fp4_rows_row_tiles(n):
 @pytest.mark.parametrize("shape", [(0, 4, 64), (2, 0, 64)])
 def test_empty_sources_write_nothing(shape):
     e, n, k = shape
-    dst = torch.zeros(max(e, 1), 4, q.fp4_padded_k(k) // 2, dtype=torch.uint8, device=DEVICE)
+    dst = torch.full((max(e, 1), 4, q.fp4_padded_k(k) // 2), 0xA5, dtype=torch.uint8, device=DEVICE)
     rows = torch.arange(n, device=DEVICE)
     prepare.scatter_fp4_rows(torch.zeros(e, n, k // 2, dtype=torch.uint8, device=DEVICE),
                              dst[:e], rows)
-    scale_dst = torch.zeros(max(e, 1), 4, q.fp4_padded_k(k) // 32, dtype=torch.uint8,
-                            device=DEVICE)
+    scale_dst = torch.full((max(e, 1), 4, q.fp4_padded_k(k) // 32), 0xA5, dtype=torch.uint8,
+                           device=DEVICE)
     prepare.quantize_scatter(torch.zeros(e, n, k, device=DEVICE), "mxfp4", dst[:e], rows,
                              scale_dst[:e], rows)
-    assert not dst.any() and not scale_dst.any()
+    assert (dst == 0xA5).all() and (scale_dst == 0xA5).all()  # nothing written
 
 
 def _same_view_on(t: torch.Tensor, device: str) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 from moe_ops.kernels.act_quant import act_quant
 from moe_ops.kernels.align import moe_align
 from moe_ops.kernels.common import is_gated, upcast_dots
+from moe_ops.quant import FP4_K_ALIGN
 from moe_ops.kernels.grouped_gemm import (
     FP4_QUANTS, GemmConfig, GemmProblem, Routing, combine_pair_rows, gemm1, gemm2,
 )
@@ -107,6 +108,13 @@ def triton_experts(
                 local_expert_offset=local_expert_offset, gemm1_config=c1, gemm2_config=c2,
                 w13_global_scale=w13_global_scale, w2_global_scale=w2_global_scale))
         config1, config2 = config1 or tuned1, config2 or tuned2
+    if fp4:
+        for config in (config1, config2):
+            # Explicit configs skip config_problems: the rule that keeps 4-bit weight reads in
+            # bounds (rows padded to FP4_K_ALIGN columns) is checked here, before any launch.
+            if config.block_k > FP4_K_ALIGN:
+                raise ValueError(f"{quant} needs block_k <= {FP4_K_ALIGN} (its rows are padded "
+                                 f"to a multiple of {FP4_K_ALIGN}), got {config.block_k}")
 
     x = x.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()
