@@ -36,6 +36,7 @@ import torch  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 from moe_ops import quant as q  # noqa: E402
+from moe_ops.tune import precompile  # noqa: E402
 from moe_ops.kernels import grouped_gemm as gg  # noqa: E402
 from moe_ops.kernels.experts import gemm_problems, triton_experts  # noqa: E402
 from moe_ops.kernels.grouped_gemm import GemmConfig, default_config  # noqa: E402
@@ -215,26 +216,6 @@ def time_graph(fns) -> float:
     ms = triton.testing.do_bench(graph.replay, warmup=2, rep=25, return_mode="median")
     del graph
     return ms * 1e3 / len(fns)
-
-
-def precompile(jobs) -> float:
-    """Compile the kernels the jobs launch in parallel (not running them), where this triton
-    and moe_ops support it; else they compile when first run."""
-    start = time.time()
-    try:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from triton.runtime._async_compile import AsyncCompileMode
-        compile_only = gg.compile_only
-    except (ImportError, AttributeError):
-        return 0.0
-    with ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 4)) as pool:
-        with AsyncCompileMode(pool, ignore_errors=True), compile_only():
-            for job in jobs:
-                with contextlib.suppress(Exception):
-                    job()
-    torch.cuda.synchronize()
-    return time.time() - start
 
 
 # ------------------------------------------------------------------ the run

@@ -258,3 +258,13 @@ def test_fp4_layer_quantized_on_load(quant, routing, activation):
         out, ref = layer(x, logits), reference(x, logits)
         assert torch.isfinite(out).all()
         assert rel_frobenius(out, ref) <= TOL, (quant, num_tokens)
+
+
+def test_explicit_config_past_the_row_padding_is_refused():
+    """A K step wider than the rows' padding (FP4_K_ALIGN) would read past them: an explicit
+    config asking for it raises before any launch."""
+    case = make_case("mxfp4", 3, 96, 32, 4, 2)
+    ckpt, kernel, x, ids, weights = case
+    with pytest.raises(ValueError, match="block_k <= 256"):
+        run_and_check("mxfp4", ckpt, kernel, x, ids, weights,
+                      gemm1_config=GemmConfig(16, 32, 512, 1, 4, 2, swap_ab=True))

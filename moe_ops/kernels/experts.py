@@ -109,10 +109,11 @@ def triton_experts(
                 w13_global_scale=w13_global_scale, w2_global_scale=w2_global_scale))
         config1, config2 = config1 or tuned1, config2 or tuned2
     if fp4:
-        for config in (config1, config2):
-            # Explicit configs skip config_problems: the rule that keeps 4-bit weight reads in
-            # bounds (rows padded to FP4_K_ALIGN columns) is checked here, before any launch.
-            if config.block_k > FP4_K_ALIGN:
+        for config in (gemm1_config, gemm2_config):
+            # Explicit configs skip config_problems (tuned and default ones pass it): the rule
+            # that keeps 4-bit weight reads in bounds (rows padded to FP4_K_ALIGN columns) is
+            # checked here, before any launch.
+            if config is not None and config.block_k > FP4_K_ALIGN:
                 raise ValueError(f"{quant} needs block_k <= {FP4_K_ALIGN} (its rows are padded "
                                  f"to a multiple of {FP4_K_ALIGN}), got {config.block_k}")
 

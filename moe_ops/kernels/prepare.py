@@ -186,6 +186,16 @@ def _fp4_order_bytes(natural, BLOCK_N: tl.constexpr, SLICES: tl.constexpr):
 
 
 @triton.jit
+def _tile(num_col_blocks, BLOCK_N: tl.constexpr):
+    """The tile of a program of the preparation grids: (expert, row block, column block, the
+    row block's rows). Grid: (row blocks x num_col_blocks, experts), column blocks innermost."""
+    pid = tl.program_id(0)
+    row_block = pid // num_col_blocks
+    rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.program_id(1).to(tl.int64), row_block, pid % num_col_blocks, rows
+
+
+@triton.jit
 def _load(ptr, mask, EVEN: tl.constexpr):
     """A load that is masked (0 where masked off) unless the tile is known to be in bounds."""
     if EVEN:
@@ -217,11 +227,7 @@ def _fp8_kernel(
     UNIT_K: src's last dimension is contiguous (32-bit column offsets); EVEN: the tile grid
     divides [N, K] (no masks).
     """
-    pid = tl.program_id(0)
-    e = tl.program_id(1).to(tl.int64)
-    row_block = pid // num_col_blocks
-    col_block = pid % num_col_blocks
-    rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    e, row_block, col_block, rows = _tile(num_col_blocks, BLOCK_N)
     cols = col_block * BLOCK_K + tl.arange(0, BLOCK_K)
     if UNIT_K:
         col_offsets = cols[None, :]
@@ -287,11 +293,7 @@ def _fp4_kernel(
     """
     GROUP_PAIRS: tl.constexpr = 8 if QUANT == "nvfp4" else 16
     GROUPS: tl.constexpr = BLOCK_PAIRS // GROUP_PAIRS
-    pid = tl.program_id(0)
-    e = tl.program_id(1).to(tl.int64)
-    row_block = pid // num_col_blocks
-    col_block = pid % num_col_blocks
-    rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    e, row_block, col_block, rows = _tile(num_col_blocks, BLOCK_N)
     # Loaded as 2-D [rows, pairs] tiles (lanes along a row: coalesced, 16-byte vectors);
     # viewed as [rows, groups, pairs per group] for the block scales.
     pairs = col_block * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
@@ -410,10 +412,8 @@ def _scatter_rows_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """dst[e, dst_rows[r], :] = src[e, r, :] for one tile, bits as they are."""
-    pid = tl.program_id(0)
-    e = tl.program_id(1).to(tl.int64)
-    rows = (pid // num_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = (pid % num_col_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+    e, row_block, col_block, rows = _tile(num_col_blocks, BLOCK_N)
+    cols = col_block * BLOCK_K + tl.arange(0, BLOCK_K)
     row_mask = rows < N
     mask = row_mask[:, None] & (cols < K)[None, :]
     src = (src_ptr + e * stride_se + rows.to(tl.int64)[:, None] * stride_sn
@@ -444,11 +444,7 @@ def _fp4_order_rows_kernel(
     divides `slices` (== BLOCK_SLICES: the tile grid divides the row, no column masks).
     """
     EVEN_K: tl.constexpr = SLICES_ALIGN == BLOCK_SLICES
-    pid = tl.program_id(0)
-    e = tl.program_id(1).to(tl.int64)
-    row_block = pid // num_col_blocks
-    col_block = pid % num_col_blocks
-    rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    e, row_block, col_block, rows = _tile(num_col_blocks, BLOCK_N)
     cols = col_block * (8 * BLOCK_SLICES) + tl.arange(0, 8 * BLOCK_SLICES)
     run_bytes = col_block * (2 * BLOCK_SLICES) + tl.arange(0, 2 * BLOCK_SLICES)
     if UNIT_K:
