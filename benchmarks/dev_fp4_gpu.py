@@ -71,6 +71,12 @@ DECODE = [
     ("16x64x128s4", C(16, 64, 128, 8, 4, 4, True), False),
     ("16x128x128s3", C(16, 128, 128, 8, 4, 3, True), False),
     ("16x64x64s6", C(16, 64, 64, 8, 4, 6, True), False),
+    # two warpgroups a CTA (each its own 64 weight rows, one activation tile), and narrower
+    # tiles (more CTAs: fewer waves' tails)
+    ("16x128x256w8s3", C(16, 128, 256, 8, 8, 3, True), False),
+    ("16x128x128w8s4", C(16, 128, 128, 8, 8, 4, True), False),
+    ("16x256x128w8s3", C(16, 256, 128, 8, 8, 3, True), False),
+    ("16x32x256s4", C(16, 32, 256, 8, 4, 4, True), False),
     ("dflt-portable", None, True),
 ]
 MID = [

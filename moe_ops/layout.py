@@ -127,19 +127,6 @@ def device_kernels_available(device: torch.device) -> bool:
     return True
 
 
-def zero_fp4_padding(tensor: torch.Tensor, k: int, packed: bool) -> None:
-    """Write zeros over the padding of fp4 kernel-layout rows of K columns (packed values when
-    `packed`, else block scales): the GEMMs read it unmasked, and a NaN scale byte there would
-    poison the dot. Touches only the padding bytes (none when K is a multiple of 256)."""
-    if q.fp4_padded_k(k) == k:
-        return
-    raw = tensor.view(torch.uint8)
-    if packed:  # 4 runs of Kp/8 bytes, K/8 of them data
-        raw.view(*raw.shape[:-1], 4, raw.shape[-1] // 4)[..., k // 8:] = 0
-    else:  # block scales: K / block of them data
-        raw[..., k * raw.shape[-1] // q.fp4_padded_k(k):] = 0
-
-
 def apply_permutation(
     destination: torch.Tensor, sources: list[torch.Tensor], destination_rows: torch.Tensor,
     *, kernels: bool = False,
@@ -170,14 +157,11 @@ def apply_permutation(
             if kernels and chunk.dim() == 3:
                 from moe_ops.kernels import prepare
 
+                # Whole rows, padding included (fp4 rows padded to Kp columns: zeros).
                 if fp4:
                     prepare.scatter_fp4_rows(chunk, target, index)
-                    zero_fp4_padding(target, 2 * chunk.shape[-1], packed=True)
                 else:
                     prepare.scatter_rows(chunk, target, index)
-                    if chunk.shape[-1] < target.shape[-1]:
-                        # padded fp4 scale rows: the kernel writes the data columns only
-                        target.view(torch.uint8)[..., chunk.shape[-1]:] = 0
                 continue
             if fp4:
                 chunk = q.fp4_to_kernel_order(chunk)
@@ -200,17 +184,11 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     key: LayoutKey
-    # fp4 weights and scales: the K of their rows, which are padded to quant.fp4_padded_k(K);
-    # the padding is zero (written at allocation, never by a load). 0 for every other role.
-    fp4_k: int = 0
 
     def new_tensor(self, device: torch.device | str) -> torch.Tensor:
-        """An uninitialized tensor of this spec, but for the zero padding of fp4 rows (only the
-        padding is written: most layers have none)."""
-        tensor = torch.empty(self.shape, dtype=self.dtype, device=device)
-        if self.fp4_k:
-            zero_fp4_padding(tensor, self.fp4_k, packed=self.key.packing == "e2m1x2-kernel")
-        return tensor
+        """An uninitialized tensor of this spec. Every load writes whole rows, the zero padding
+        of fp4 rows included (the GEMMs read it unmasked), so nothing is written here."""
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -235,13 +213,12 @@ def plan_layout(
     specs: dict[str, TensorSpec] = {}
 
     def add(role: str, rows: int, row_shape: tuple[int, ...], dtype_: torch.dtype,
-            interleaved: bool, packing: str = "none", rows_per_entry: int = 1,
-            fp4_k: int = 0) -> None:
+            interleaved: bool, packing: str = "none", rows_per_entry: int = 1) -> None:
         sources = (rows, rows) if interleaved else (rows,)
         key = LayoutKey(role, sources, row_shape, _dtype_name(dtype_), packing,
                         GATE_UP_INTERLEAVE_ROWS if interleaved else 0, rows_per_entry,
                         LAYOUT_VERSION, device)
-        specs[role] = TensorSpec((e, sum(sources)) + row_shape, dtype_, key, fp4_k)
+        specs[role] = TensorSpec((e, sum(sources)) + row_shape, dtype_, key)
 
     fp4 = quant in ("nvfp4", "mxfp4")
     if fp4:
@@ -252,8 +229,8 @@ def plan_layout(
     if fp4:
         # quant.py's kernel order: rows of K codes padded to Kp = fp4_padded_k(K)
         hp, ip = q.fp4_padded_k(h), q.fp4_padded_k(i)
-        add("w13", i, (hp // 2,), weight_dtype, gated, "e2m1x2-kernel", fp4_k=h)
-        add("w2", h, (ip // 2,), weight_dtype, False, "e2m1x2-kernel", fp4_k=i)
+        add("w13", i, (hp // 2,), weight_dtype, gated, "e2m1x2-kernel")
+        add("w2", h, (ip // 2,), weight_dtype, False, "e2m1x2-kernel")
     else:
         add("w13", i, (h,), weight_dtype, gated)
         add("w2", h, (i,), weight_dtype, False)
@@ -268,8 +245,8 @@ def plan_layout(
     elif fp4:
         b = q.fp4_scale_block(quant)
         scale_dtype = q.FP8_DTYPE if quant == "nvfp4" else torch.uint8
-        add("w13_scale", i, (hp // b,), scale_dtype, gated, "padded", fp4_k=h)
-        add("w2_scale", h, (ip // b,), scale_dtype, False, "padded", fp4_k=i)
+        add("w13_scale", i, (hp // b,), scale_dtype, gated, "padded")
+        add("w2_scale", h, (ip // b,), scale_dtype, False, "padded")
         if quant == "nvfp4":
             add("w13_global_scale", i, (), torch.float32, gated)
             add("w2_global_scale", h, (), torch.float32, False)
@@ -513,12 +490,8 @@ def _quantize_into(
         for e0, e1 in chunks:
             chunk = weight[e0:e1].to(value_dst.device)
             targets = {part: destination[r][e0:e1] for part, r in roles.items()}
-            if kernels:
+            if kernels:  # whole rows, the fp4 padding included
                 _device_parts(chunk, quant, targets, indices)
-                if quant in ("nvfp4", "mxfp4"):  # the kernels write the data columns only
-                    k = chunk.shape[2]
-                    zero_fp4_padding(targets["value"], k, packed=True)
-                    zero_fp4_padding(targets["scale"], k, packed=False)
                 continue
             for part, tensor in _reference_parts(chunk, quant).items():
                 if part in targets:

@@ -2,8 +2,9 @@
 order of moe_ops.quant ("The kernel order of packed e2m1 rows"): quantize_scatter quantizes
 float weights straight into it, scatter_fp4_rows reorders pre-quantized natural packed rows.
 Both must give, bit for bit, moe_ops.quant's reference (quantize_nvfp4 / quantize_mxfp4, then
-fp4_to_kernel_order and fp4_pad_scales) at the permuted rows, and leave the zero fill of the
-destination (the padding columns K..Kp, the rows no source row goes to) untouched.
+fp4_to_kernel_order and fp4_pad_scales) at the permuted rows, whole rows written (the padding
+columns K..Kp as zeros: the destinations start poisoned), and leave the rows no source row goes
+to untouched.
 
 Without a CUDA device the kernels run in the Triton interpreter on CPU tensors, so the shapes
 are small; they still cover the tile shapes that matter (rows that do and do not fill a tile,
@@ -36,6 +37,8 @@ prepare = pytest.importorskip("moe_ops.kernels.prepare", reason="the kernels nee
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cpu" if _INTERPRET or not torch.cuda.is_available() else "cuda"
+# Destination bytes before a kernel runs: anything left unwritten (or a padding not zeroed) shows.
+POISON = 0xA5
 if DEVICE == "cpu" and not _INTERPRET:
     pytest.skip("a GPU is visible but torch cannot use it", allow_module_level=True)
 
@@ -107,9 +110,10 @@ def _check_quantize_scatter(w: torch.Tensor, quant: str, gen: torch.Generator) -
     kp, block = q.fp4_padded_k(k), q.fp4_scale_block(quant)
     rows, scale_rows = _targets(gen, n), _targets(gen, n)
     r = n + 3
-    dst = torch.zeros(e, r, kp // 2, dtype=torch.uint8, device=DEVICE)
+    dst = torch.full((e, r, kp // 2), POISON, dtype=torch.uint8, device=DEVICE)
     scale_dtype = q.FP8_DTYPE if quant == "nvfp4" else torch.uint8
-    scale_dst = torch.zeros(e, r, kp // block, dtype=scale_dtype, device=DEVICE)
+    scale_dst = torch.full((e, r, kp // block), POISON, dtype=torch.uint8,
+                           device=DEVICE).view(scale_dtype)
     factor = factor2 = None
     if quant == "nvfp4":
         # As moe_ops.layout._device_parts computes them.
@@ -118,15 +122,15 @@ def _check_quantize_scatter(w: torch.Tensor, quant: str, gen: torch.Generator) -
     prepare.quantize_scatter(w, quant, dst, rows, scale_dst, scale_rows, factor, factor2)
 
     packed, scale = _reference(w, quant)
-    want = torch.zeros_like(dst)
+    want = torch.full_like(dst, POISON)
     want[:, rows] = packed.to(DEVICE)
-    want_scale = torch.zeros_like(scale_dst.view(torch.uint8))
+    want_scale = torch.full_like(scale_dst.view(torch.uint8), POISON)
     want_scale[:, scale_rows] = scale.view(torch.uint8).to(DEVICE)
     _assert_bytes(dst, want, f"{quant} {tuple(w.shape)} {w.dtype} values")
     _assert_bytes(scale_dst, want_scale, f"{quant} {tuple(w.shape)} {w.dtype} scales")
     # Redundant with the comparison above, but the contract spelled out: the padding is zero.
-    assert not dst[..., _padding(k).to(DEVICE)].any()
-    assert not scale_dst.view(torch.uint8)[..., k // block:].any()
+    assert not dst[:, rows][..., _padding(k).to(DEVICE)].any()
+    assert not scale_dst.view(torch.uint8)[:, scale_rows, k // block:].any()
 
 
 # K = 16 (one slice: narrowest tile), 48 / 96 (3 / 6 slices: masked column tiles, 8- / 16-byte
@@ -146,12 +150,13 @@ def test_scatter_fp4_rows_is_fp4_to_kernel_order(k, view):
         src = src.transpose(1, 2)
     src = src.to(DEVICE) if view == "contiguous" else _same_view_on(src, DEVICE)
     rows = _targets(gen, n)
-    dst = torch.zeros(e, n + 3, q.fp4_padded_k(k) // 2, dtype=torch.uint8, device=DEVICE)
+    dst = torch.full((e, n + 3, q.fp4_padded_k(k) // 2), POISON, dtype=torch.uint8,
+                     device=DEVICE)
     prepare.scatter_fp4_rows(src, dst, rows)
-    want = torch.zeros_like(dst)
+    want = torch.full_like(dst, POISON)
     want[:, rows] = q.fp4_to_kernel_order(src.cpu()).to(DEVICE)
     _assert_bytes(dst, want, f"K={k} {view}")
-    assert not dst[..., _padding(k).to(DEVICE)].any()
+    assert not dst[:, rows][..., _padding(k).to(DEVICE)].any()
     assert torch.equal(q.fp4_from_kernel_order(dst[:, rows].cpu(), k), src.cpu())
 
 
@@ -163,9 +168,9 @@ def test_scatter_fp4_rows_row_tiles(n):
     k = 4096
     src = torch.randint(0, 256, (3, n, k // 2), generator=gen, dtype=torch.uint8).to(DEVICE)
     rows = _targets(gen, n, extra=1)
-    dst = torch.zeros(3, n + 1, k // 2, dtype=torch.uint8, device=DEVICE)
+    dst = torch.full((3, n + 1, k // 2), POISON, dtype=torch.uint8, device=DEVICE)
     prepare.scatter_fp4_rows(src, dst, rows)
-    want = torch.zeros_like(dst)
+    want = torch.full_like(dst, POISON)
     want[:, rows] = q.fp4_to_kernel_order(src.cpu()).to(DEVICE)
     _assert_bytes(dst, want, f"N={n}")
 
@@ -182,6 +187,35 @@ def test_empty_sources_write_nothing(shape):
     prepare.quantize_scatter(torch.zeros(e, n, k, device=DEVICE), "mxfp4", dst[:e], rows,
                              scale_dst[:e], rows)
     assert (dst == 0xA5).all() and (scale_dst == 0xA5).all()  # nothing written
+
+
+# (source row width, destination row width, dtype, view): fp4 scale rows padded to Kp/block
+# (gpt_oss' 90 -> 96 bytes: moved as int16; deepseek's 448: int64; 7 -> 16: bytes), float32
+# fp8_block scale rows, a transposed source (element by element), an unaligned row start.
+@pytest.mark.parametrize("k, k_dst, dtype, view", [
+    (90, 96, torch.uint8, "contiguous"), (448, 448, torch.uint8, "contiguous"),
+    (7, 16, torch.uint8, "contiguous"), (56, 56, torch.float32, "contiguous"),
+    (6, 16, torch.uint8, "transposed"), (90, 96, torch.uint8, "offset")])
+def test_scatter_rows_writes_whole_rows(k, k_dst, dtype, view):
+    gen = _generator(k, k_dst, str(dtype), view)
+    e, n = 2, 9
+    bits = torch.randint(0, 256, (e, n, k * torch.finfo(dtype).bits // 8 if dtype.is_floating_point
+                                  else k), generator=gen, dtype=torch.uint8)
+    src = bits.view(dtype)
+    if view == "transposed":
+        src = src.transpose(1, 2).contiguous().transpose(1, 2)
+    elif view == "offset":  # rows start one byte past an aligned address
+        src = torch.randint(0, 256, (e * n * k + 1,), generator=gen, dtype=torch.uint8)[1:]
+        src = src.view(e, n, k)
+    src = _same_view_on(src, DEVICE)
+    rows = _targets(gen, n)
+    dst = torch.full((e, n + 3, k_dst * src.element_size()), POISON, dtype=torch.uint8,
+                     device=DEVICE).view(dtype)
+    prepare.scatter_rows(src, dst, rows)
+    want = torch.full_like(dst.view(torch.uint8), POISON).view(dtype)
+    want[:, rows] = torch.nn.functional.pad(src.cpu().view(torch.uint8),
+                                            (0, (k_dst - k) * src.element_size())).view(dtype).to(DEVICE)
+    _assert_bytes(dst, want, f"{k} -> {k_dst} {dtype} {view}")
 
 
 def _same_view_on(t: torch.Tensor, device: str) -> torch.Tensor:

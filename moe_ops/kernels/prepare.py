@@ -8,7 +8,8 @@ of a weight is ever materialized: the plain-torch route (moe_ops.quant's referen
 then `index_copy_`) makes several float32 copies of each tensor and is many times slower.
 Packed 4-bit rows are written in the GEMMs' kernel order (moe_ops.quant, "The kernel order of
 packed e2m1 rows"), from float weights (quantize_scatter) or from pre-quantized natural packed
-rows (scatter_fp4_rows), with the nibbles re-paired in registers (_fp4_order_bytes).
+rows (scatter_fp4_rows), with the nibbles re-paired in each thread's registers
+(_kernel_order_runs).
 
 The quantization math is moe_ops.quant's, operation for operation, so the bytes are identical:
 - every division the reference does is a correctly rounded one here (`tl.div_rn`; Triton's `/`
@@ -59,13 +60,14 @@ _FP8_BLOCK_WARPS = 8
 # fp8 (per-expert scale): any tile works; 8 K elements (16 KiB of bf16) per program.
 _FP8_TILE = (32, 256)
 _FP8_WARPS = 4
-# fp4: a tile is _FP4_TILE_PAIRS element pairs (= output bytes; 16 KiB of bf16 read). Its width
-# is the largest power of two up to _FP4_MAX_PAIRS that divides the row (K/2 bytes), so no column
-# is ever masked (gpt_oss' 2880 = 45 * 64 gets 32-pair = 128-byte source rows: still whole cache
-# lines); the height fills the tile. The smallest width, nvfp4's 8-pair scale block, is also one
-# 16-column slice of the kernel order, so a tile always covers whole slices (see _fp4_kernel).
-_FP4_TILE_PAIRS = 4096
-_FP4_MAX_PAIRS = 256
+# fp4 from float weights: a tile is _FP4_TILE_SLICES 16-column slices (16 KiB of bf16 read), up
+# to _FP4_MAX_SLICES of them along a row (256 columns: a program reads whole cache lines of each
+# row and writes 64 bytes of each of its 4 kernel-order runs). The tiles cover the padded row
+# (Kp/16 slices, a multiple of 16), masking the loads past K (gpt_oss' 2880 = 180 slices of 192:
+# 6 tiles of 32, the last one 20 data slices) rather than going narrow; the masks' granularity
+# is the largest power of two of slices dividing the data.
+_FP4_TILE_SLICES = 512
+_FP4_MAX_SLICES = 32
 _FP4_WARPS = 4
 # amax: each program reduces _AMAX_ITERS tiles of _AMAX_TILE elements (64 KiB of bf16), so the
 # partial maxima are few; a contiguous expert is read as rows of _AMAX_TILE[1] elements whatever
@@ -75,9 +77,9 @@ _AMAX_ITERS = 4
 _AMAX_WARPS = 8
 # Whole-tile programs of a bit copy: 16 KiB per program.
 _COPY_TILE_BYTES = 16384
-# Reordering packed fp4 rows into the kernel order: up to 32 16-column slices (256 source bytes,
-# 64 bytes of each of the 4 runs) per row of a tile, _COPY_TILE_BYTES per program.
-_FP4_ORDER_MAX_SLICES = 32
+# Reordering packed fp4 rows into the kernel order: up to 64 16-column slices (512 source bytes,
+# 128 bytes of each of the 4 runs) per row of a tile, _COPY_TILE_BYTES per program.
+_FP4_ORDER_MAX_SLICES = 64
 
 _HW_E4M3: dict = {}
 
@@ -163,26 +165,44 @@ def _e2m1_pack(lo, hi, SATURATE: tl.constexpr):
 
 
 @triton.jit
-def _fp4_order_bytes(natural, BLOCK_N: tl.constexpr, SLICES: tl.constexpr):
-    """Natural packed e2m1 bytes [BLOCK_N, 8 * SLICES] (any integer type, whole 16-column
-    slices) -> the same codes in kernel order, uint8 [BLOCK_N, 4, 2 * SLICES]: [row, t, 2c + q]
-    is byte t * Kp/8 + 2c + q of the row's kernel order (moe_ops.quant, "The kernel order of
-    packed e2m1 rows"), c counted from the tile's first slice.
+def _kernel_order_runs(lo, hi):
+    """The 8 natural packed bytes of one 16-column slice, as int32 halves lo (bytes 0-3) and hi
+    (bytes 4-7) -> the slice's 2 bytes in each of the row's 4 runs of the kernel order
+    (moe_ops.quant, "The kernel order of packed e2m1 rows"), as two int32: run t's 16 bits at
+    bits 16t of `runs01` (t = 0, 1) and 16(t - 2) of `runs23` (t = 2, 3).
 
-    Natural byte 4h + t of slice c holds columns 16c + 2t + 8h (low nibble) and + 1 (high
-    nibble), so the kernel-order byte q = 0 of (t, c) takes the low nibbles of the slice's bytes
-    t and 4 + t, and q = 1 their high nibbles: the codes are moved, never changed.
+    Natural byte 4h + t of a slice holds columns 2t + 8h (low nibble) and + 1 (high nibble); the
+    kernel-order byte (t, q = 0) packs columns 2t and 2t + 8, i.e. the low nibbles of bytes t and
+    4 + t, and (t, q = 1) their high nibbles. So q0 below has byte t = kernel byte (t, 0), q1 byte
+    t = (t, 1), and the runs interleave their bytes. Bit operations within one thread's
+    registers: the codes are moved, never changed, and no data crosses threads.
     """
-    # Data movement (reshape / permute / split / join) on bytes: the compiler places the codes
-    # (the exchange between threads it needs moves bytes, not wider integers).
-    byte = tl.reshape(natural.to(tl.uint8), (BLOCK_N, SLICES, 2, 4))              # [r, c, h, t]
-    byte = tl.permute(byte, (0, 1, 3, 2))                                          # [r, c, t, h]
-    low_h0, low_h1 = tl.split(byte & 15)       # columns 16c + 2t (+ 8 for h1)
-    high_h0, high_h1 = tl.split(byte >> 4)     # columns 16c + 2t + 1 (+ 8)
-    q0 = low_h0 | (low_h1 << 4)                # kernel byte (t, c, q = 0)
-    q1 = high_h0 | (high_h1 << 4)              # kernel byte (t, c, q = 1)
-    out = tl.permute(tl.join(q0, q1), (0, 2, 1, 3))                                # [r, t, c, q]
-    return tl.reshape(out, (BLOCK_N, 4, 2 * SLICES))
+    q0 = (lo & 0x0F0F0F0F) | ((hi & 0x0F0F0F0F) << 4)
+    q1 = ((lo >> 4) & 0x0F0F0F0F) | (hi & -252645136)                      # hi & 0xF0F0F0F0
+    runs01 = (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q0 & 0xFF00) << 8) | ((q1 & 0xFF00) << 16)
+    runs23 = (((q0 >> 16) & 0xFF) | ((q1 >> 8) & 0xFF00) | ((q0 >> 8) & 0xFF0000)
+              | (q1 & -16777216))                                          # q1 & 0xFF000000
+    return runs01, runs23
+
+
+@triton.jit
+def _store_runs(dst, run, runs01, runs23, mask):
+    """Store each slice's 2 bytes of the 4 runs (_kernel_order_runs) at dst (int16 pointers:
+    the slice's 2 bytes in run 0), dst + run, + 2 run, + 3 run (run = Kp/16 int16)."""
+    tl.store(dst, runs01.to(tl.int16), mask=mask)
+    tl.store(dst + run, (runs01 >> 16).to(tl.int16), mask=mask)
+    tl.store(dst + 2 * run, runs23.to(tl.int16), mask=mask)
+    tl.store(dst + 3 * run, (runs23 >> 16).to(tl.int16), mask=mask)
+
+
+@triton.jit
+def _slice_word(nat):
+    """Natural packed bytes [rows, slices, 4] (any integer type, values 0..255) -> int32
+    [rows, slices], byte j of the word = element j (little-endian, as the bytes lie in memory).
+    The 4-wide axis is 4 contiguous source elements, one vector load: the sum stays within one
+    thread (and its terms have disjoint bits, so it is an or)."""
+    j = tl.arange(0, 4)
+    return tl.sum(nat.to(tl.int32) << (8 * j)[None, None, :], axis=2)
 
 
 @triton.jit
@@ -260,57 +280,17 @@ def _fp8_kernel(
 
 
 @triton.jit
-def _fp4_kernel(
-    src_ptr, dst_ptr, dst_rows_ptr, scale_ptr, scale_rows_ptr, table_ptr, factor2_ptr,
-    N, num_col_blocks, run,
-    stride_se, stride_sn, stride_sk,
-    stride_de, stride_dn,
-    stride_ce, stride_cn,
-    QUANT: tl.constexpr,
-    SRC: tl.constexpr,
-    HW_E4M3: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_PAIRS: tl.constexpr,
-):
-    """One tile of src[e] (BLOCK_N rows, 2 * BLOCK_PAIRS columns; the tile grid divides the
-    columns, BLOCK_PAIRS is a multiple of 8) -> packed e2m1 rows dst[e, dst_rows[r]] in kernel
-    order, and their block scales at rows scale_rows[r] in natural order.
-
-    Kernel order (moe_ops.quant, "The kernel order of packed e2m1 rows"): a row is 4 runs of
-    `run` = Kp/8 bytes, byte t * run + 2c + q packing the codes of columns 16c + 2t + q (low
-    nibble) and 16c + 2t + q + 8 (high nibble). Only the row's first K/16 slices are written:
-    the padding up to Kp (bytes and scales) is the caller's zero fill.
-
-    QUANT "nvfp4": e4m3 block scales (16 along K); factor2 = the inverse of the expert's global
-                   scale (0 for a zero expert), table = the inverse of each block scale times
-                   the global scale, per expert and e4m3 byte.
-    QUANT "mxfp4": e8m0 block scales (32 along K).
-    SRC "bf16" / "f16": src is the int32 view of a 16-bit source with contiguous rows: one load
-                   gives a pair of values, element 2i in the low half, which is the pair one
-                   output byte packs (no shuffles to split even and odd columns); "strided": any
-                   float dtype and strides, even and odd columns loaded apart.
-    """
-    GROUP_PAIRS: tl.constexpr = 8 if QUANT == "nvfp4" else 16
-    GROUPS: tl.constexpr = BLOCK_PAIRS // GROUP_PAIRS
-    e, row_block, col_block, rows = _tile(num_col_blocks, BLOCK_N)
-    # Loaded as 2-D [rows, pairs] tiles (lanes along a row: coalesced, 16-byte vectors);
-    # viewed as [rows, groups, pairs per group] for the block scales.
-    pairs = col_block * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
-    groups = col_block * GROUPS + tl.arange(0, GROUPS)
-    src_rows = src_ptr + e * stride_se + rows.to(tl.int64) * stride_sn
-    if EVEN_N:
-        row_mask = None
-        mask = None
-    else:
-        row_mask = rows < N
-        mask = row_mask[:, None]
+def _fp4_half_slices(src_rows, c, h, mask, stride_sk, SRC: tl.constexpr, EVEN: tl.constexpr):
+    """Half h of each 16-column slice c of a tile: columns 16c + 8h + 2t (lo) and + 1 (hi) for
+    t = 0..3, as float32 [rows, slices, 4]. Each (slice, half) is 4 pairs of contiguous columns
+    (16 bytes of a 16-bit source: one vector load of 4 int32 pairs per thread)."""
+    pairs = (8 * c + 4 * h)[None, :, None] + tl.arange(0, 4)[None, None, :]
     if SRC == "strided":
-        src = src_rows[:, None] + pairs.to(tl.int64)[None, :] * (2 * stride_sk)
-        lo = _load(src, mask, EVEN_N).to(tl.float32)
-        hi = _load(src + stride_sk, mask, EVEN_N).to(tl.float32)
+        src = src_rows[:, None, None] + pairs.to(tl.int64) * (2 * stride_sk)
+        lo = _load(src, mask, EVEN).to(tl.float32)
+        hi = _load(src + stride_sk, mask, EVEN).to(tl.float32)
     else:
-        w = _load(src_rows[:, None] + pairs[None, :], mask, EVEN_N)
+        w = _load(src_rows[:, None, None] + pairs, mask, EVEN)
         if SRC == "bf16":
             # A bf16 is the top half of the float32 of the same value.
             lo = (w << 16).to(tl.float32, bitcast=True)
@@ -318,9 +298,69 @@ def _fp4_kernel(
         else:
             lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    lo = tl.reshape(lo, (BLOCK_N, GROUPS, GROUP_PAIRS))
-    hi = tl.reshape(hi, (BLOCK_N, GROUPS, GROUP_PAIRS))
-    block_amax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)
+    return lo, hi
+
+
+@triton.jit
+def _fp4_kernel(
+    src_ptr, dst_ptr, dst_rows_ptr, scale_ptr, scale_rows_ptr, table_ptr, factor2_ptr,
+    N, slices, num_col_blocks, run,
+    stride_se, stride_sn, stride_sk,
+    stride_de, stride_dn,
+    stride_ce, stride_cn,
+    QUANT: tl.constexpr,
+    SRC: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    SLICES_ALIGN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One tile of src[e] (BLOCK_N rows, BLOCK_S 16-column slices; a row is `slices` = K/16
+    slices) -> packed e2m1 rows dst[e, dst_rows[r]] in kernel order, and their block scales at
+    rows scale_rows[r] in natural order.
+
+    dst is the int16 view of the kernel-order rows: a row is 4 runs of `run` = Kp/16 int16, the
+    2 bytes of slice c in run t at t * run + c (moe_ops.quant, "The kernel order of packed e2m1
+    rows"; _kernel_order_runs). The grid covers the padded row (Kp/16 slices, BLOCK_S divides
+    it): the padding past K is loaded as zeros and so written as zero codes and zero scales
+    (what the GEMMs, which read it unmasked, need), in the same pass.
+
+    Each thread holds whole slices (two 16-byte loads of a 16-bit source), so the block amax, the
+    codes, the natural bytes and their re-pairing into the kernel order all stay in its
+    registers; the stores are 16-byte vectors along each run. (An earlier version packed natural
+    bytes first and re-paired them across threads: 2.8x the memory floor instead of ~1.5x.)
+
+    QUANT "nvfp4": e4m3 block scales (16 along K = one slice); factor2 = the inverse of the
+                   expert's global scale (0 for a zero expert), table = the inverse of each
+                   block scale times the global scale, per expert and e4m3 byte.
+    QUANT "mxfp4": e8m0 block scales (32 along K = two slices; SLICES_ALIGN is even).
+    SRC "bf16" / "f16": src is the int32 view of a 16-bit source with contiguous rows: one load
+                   gives a pair of values, element 2i in the low half, which is the pair one
+                   output nibble pair packs; "strided": any float dtype and strides, even and odd
+                   columns loaded apart.
+    SLICES_ALIGN: a power of two <= BLOCK_S that divides `slices` (== BLOCK_S: the row has no
+                   padding, no column masks).
+    """
+    EVEN_K: tl.constexpr = SLICES_ALIGN == BLOCK_S
+    e, row_block, col_block, rows = _tile(num_col_blocks, BLOCK_N)
+    c = col_block * BLOCK_S + tl.arange(0, BLOCK_S)
+    src_rows = src_ptr + e * stride_se + rows.to(tl.int64) * stride_sn
+    row_mask = rows < N
+    # Load masks constant over SLICES_ALIGN slices (bounds written as multiples of it), so the
+    # loads stay vectorized; whole scale blocks are in or out. Stores mask rows only.
+    slice_ok = c < (slices // SLICES_ALIGN) * SLICES_ALIGN
+    mask = row_mask[:, None] & slice_ok[None, :]
+    EVEN: tl.constexpr = EVEN_N and EVEN_K
+    lo0, hi0 = _fp4_half_slices(src_rows, c, 0, mask[:, :, None], stride_sk, SRC, EVEN)
+    lo1, hi1 = _fp4_half_slices(src_rows, c, 1, mask[:, :, None], stride_sk, SRC, EVEN)
+    store_mask = None if EVEN_N else row_mask[:, None]
+    slice_amax = tl.maximum(tl.max(tl.maximum(tl.abs(lo0), tl.abs(hi0)), axis=2),
+                            tl.max(tl.maximum(tl.abs(lo1), tl.abs(hi1)), axis=2))
+    if QUANT == "nvfp4":
+        block_amax = slice_amax                                           # [rows, slices]
+    else:
+        block_amax = tl.max(tl.reshape(slice_amax, (BLOCK_N, BLOCK_S // 2, 2)), axis=2)
 
     if QUANT == "nvfp4":
         # quant.quantize_nvfp4: block scale = e4m3(amax / 6 * inv_global); the values are
@@ -349,24 +389,25 @@ def _fp4_kernel(
         factor = tl.where(exponent == 127, tl.full(exponent.shape, 0x400000, tl.int32),
                           (127 - exponent) << 23).to(tl.float32, bitcast=True)
         block_scale = (exponent + 127).to(tl.uint8)
+        # Back to one factor per slice (the two slices of a block share it).
+        factor = tl.reshape(tl.broadcast_to(factor[:, :, None], (BLOCK_N, BLOCK_S // 2, 2)),
+                            (BLOCK_N, BLOCK_S))
     # mxfp4's scaled values never pass 6 (2^exponent >= amax / 6): no saturation needed.
     f = factor[:, :, None]
-    natural = _e2m1_pack(lo * f, hi * f, QUANT == "nvfp4")
-    # Kernel order: the natural bytes' nibbles re-paired (_fp4_order_bytes), 2 * SLICES bytes
-    # of each of the row's 4 runs. Done on the packed bytes rather than on the float pairs: the
-    # shuffle across threads it takes moves an eighth of the data.
-    SLICES: tl.constexpr = BLOCK_PAIRS // 8
-    packed = _fp4_order_bytes(tl.reshape(natural, (BLOCK_N, BLOCK_PAIRS)), BLOCK_N, SLICES)
-    runs = tl.arange(0, 4) * run
-    run_bytes = col_block * (2 * SLICES) + tl.arange(0, 2 * SLICES)
+    word0 = _slice_word(_e2m1_pack(lo0 * f, hi0 * f, QUANT == "nvfp4"))   # natural bytes 0-3
+    word1 = _slice_word(_e2m1_pack(lo1 * f, hi1 * f, QUANT == "nvfp4"))   # natural bytes 4-7
+    runs01, runs23 = _kernel_order_runs(word0, word1)
 
     dst_rows = _load(dst_rows_ptr + rows, row_mask, EVEN_N).to(tl.int64)
-    dst = dst_ptr + e * stride_de + dst_rows * stride_dn
-    tl.store(dst[:, None, None] + runs[None, :, None] + run_bytes[None, None, :], packed,
-             mask=None if EVEN_N else row_mask[:, None, None])
+    dst = dst_ptr + e * stride_de + dst_rows[:, None] * stride_dn + c[None, :]
+    _store_runs(dst, run, runs01, runs23, store_mask)
     scale_rows = _load(scale_rows_ptr + rows, row_mask, EVEN_N).to(tl.int64)
     scale = scale_ptr + e * stride_ce + scale_rows * stride_cn
-    tl.store(scale[:, None] + groups[None, :], block_scale, mask=mask)
+    if QUANT == "nvfp4":
+        tl.store(scale[:, None] + c[None, :], block_scale, mask=store_mask)
+    else:
+        groups = col_block * (BLOCK_S // 2) + tl.arange(0, BLOCK_S // 2)
+        tl.store(scale[:, None] + groups[None, :], block_scale, mask=store_mask)
 
 
 @triton.jit
@@ -405,23 +446,23 @@ def _amax_kernel(
 
 @triton.jit
 def _scatter_rows_kernel(
-    src_ptr, dst_ptr, dst_rows_ptr, N, K, num_col_blocks,
+    src_ptr, dst_ptr, dst_rows_ptr, N, K, K_DST, num_col_blocks,
     stride_se, stride_sn, stride_sk,
     stride_de, stride_dn,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """dst[e, dst_rows[r], :] = src[e, r, :] for one tile, bits as they are."""
+    """dst[e, dst_rows[r], :K] = src[e, r, :] for one tile, bits as they are; the columns K..K_DST
+    of the destination rows (fp4 scale rows' padding) are written as zeros."""
     e, row_block, col_block, rows = _tile(num_col_blocks, BLOCK_N)
     cols = col_block * BLOCK_K + tl.arange(0, BLOCK_K)
     row_mask = rows < N
-    mask = row_mask[:, None] & (cols < K)[None, :]
     src = (src_ptr + e * stride_se + rows.to(tl.int64)[:, None] * stride_sn
            + cols.to(tl.int64)[None, :] * stride_sk)
-    values = tl.load(src, mask=mask)
+    values = tl.load(src, mask=row_mask[:, None] & (cols < K)[None, :], other=0)
     dst_rows = tl.load(dst_rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     tl.store(dst_ptr + e * stride_de + dst_rows[:, None] * stride_dn + cols[None, :], values,
-             mask=mask)
+             mask=row_mask[:, None] & (cols < K_DST)[None, :])
 
 
 @triton.jit
@@ -429,46 +470,46 @@ def _fp4_order_rows_kernel(
     src_ptr, dst_ptr, dst_rows_ptr, N, slices, num_col_blocks, run,
     stride_se, stride_sn, stride_sk,
     stride_de, stride_dn,
-    UNIT_K: tl.constexpr,
+    WORDS: tl.constexpr,
     EVEN_N: tl.constexpr,
     SLICES_ALIGN: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_SLICES: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    """One tile of natural packed e2m1 rows src[e] (BLOCK_N rows, BLOCK_SLICES 16-column slices
-    = 8 * BLOCK_SLICES bytes; a row is `slices` = K/16 slices) -> the same rows in kernel order
-    at dst[e, dst_rows[r]] (runs of `run` = Kp/8 bytes, see _fp4_kernel).
+    """One tile of natural packed e2m1 rows src[e] (BLOCK_N rows, BLOCK_S 16-column slices; a
+    row is `slices` = K/16 slices) -> the same rows in kernel order at dst[e, dst_rows[r]] (the
+    int16 view, runs of `run` = Kp/16 int16, see _fp4_kernel), bit for bit. The grid covers the
+    padded row (Kp/16 slices, BLOCK_S divides it): the padding is written as zeros.
 
-    UNIT_K: src's bytes are contiguous along a row (32-bit column offsets); EVEN_N: the tile
-    grid divides the rows (no row masks); SLICES_ALIGN: a power of two <= BLOCK_SLICES that
-    divides `slices` (== BLOCK_SLICES: the tile grid divides the row, no column masks).
+    WORDS: src is the int64 view of the rows (a slice's 8 bytes are one word; strides in words):
+    one 8-byte element a slice, vector loads and stores, the re-pairing within each thread.
+    Otherwise src is bytes with any strides, each half of a slice loaded as 4 bytes.
+    SLICES_ALIGN: a power of two <= BLOCK_S that divides `slices` (== BLOCK_S: the row has no
+    padding, no column masks).
     """
-    EVEN_K: tl.constexpr = SLICES_ALIGN == BLOCK_SLICES
+    EVEN_K: tl.constexpr = SLICES_ALIGN == BLOCK_S
+    EVEN: tl.constexpr = EVEN_N and EVEN_K
     e, row_block, col_block, rows = _tile(num_col_blocks, BLOCK_N)
-    cols = col_block * (8 * BLOCK_SLICES) + tl.arange(0, 8 * BLOCK_SLICES)
-    run_bytes = col_block * (2 * BLOCK_SLICES) + tl.arange(0, 2 * BLOCK_SLICES)
-    if UNIT_K:
-        col_offsets = cols[None, :]
-    else:
-        col_offsets = cols.to(tl.int64)[None, :] * stride_sk
-    src = src_ptr + e * stride_se + (rows.to(tl.int64) * stride_sn)[:, None] + col_offsets
+    c = col_block * BLOCK_S + tl.arange(0, BLOCK_S)
     row_mask = rows < N
-    if EVEN_K:
-        load_mask = row_mask[:, None]
-        store_mask = row_mask[:, None, None]
+    # Whole slices are loaded or read as zeros, SLICES_ALIGN of them at a time (bounds written
+    # as multiples of it, so Triton sees the masks constant over that many and keeps the loads
+    # vectorized). Stores mask rows only.
+    mask = row_mask[:, None] & (c < (slices // SLICES_ALIGN) * SLICES_ALIGN)[None, :]
+    src_rows = src_ptr + e * stride_se + rows.to(tl.int64)[:, None] * stride_sn
+    if WORDS:
+        word = _load(src_rows + c[None, :], mask, EVEN)
+        lo = word.to(tl.int32)
+        hi = (word >> 32).to(tl.int32)
     else:
-        # Whole slices are in or out, SLICES_ALIGN of them at a time. The bounds are written
-        # as multiples of SLICES_ALIGN slices (8 source bytes, 2 run bytes each) so that Triton
-        # sees the masks constant over that many bytes and keeps the accesses vectorized.
-        aligned = (slices // SLICES_ALIGN) * SLICES_ALIGN
-        load_mask = row_mask[:, None] & (cols < aligned * 8)[None, :]
-        store_mask = row_mask[:, None, None] & (run_bytes < aligned * 2)[None, None, :]
-    out = _fp4_order_bytes(_load(src, load_mask, EVEN_N and EVEN_K), BLOCK_N, BLOCK_SLICES)
+        j = tl.arange(0, 4)[None, None, :]
+        src = src_rows[:, :, None] + ((8 * c)[None, :, None] + j).to(tl.int64) * stride_sk
+        lo = _slice_word(_load(src, mask[:, :, None], EVEN))
+        hi = _slice_word(_load(src + 4 * stride_sk, mask[:, :, None], EVEN))
+    runs01, runs23 = _kernel_order_runs(lo, hi)
     dst_rows = _load(dst_rows_ptr + rows, row_mask, EVEN_N).to(tl.int64)
-    dst = dst_ptr + e * stride_de + dst_rows * stride_dn
-    runs = tl.arange(0, 4) * run
-    tl.store(dst[:, None, None] + runs[None, :, None] + run_bytes[None, None, :], out,
-             mask=None if EVEN_N and EVEN_K else store_mask)
+    dst = dst_ptr + e * stride_de + dst_rows[:, None] * stride_dn + c[None, :]
+    _store_runs(dst, run, runs01, runs23, None if EVEN_N else row_mask[:, None])
 
 
 def _rows_view(w: torch.Tensor, width: int) -> Optional[torch.Tensor]:
@@ -542,7 +583,7 @@ def quantize_scatter(
     nvfp4 / mxfp4: dst [E, *, Kp/2] uint8, the packed e2m1 rows in kernel order (moe_ops.quant,
     "The kernel order of packed e2m1 rows"; Kp = quant.fp4_padded_k(K)), and scale_dst
     [E, *, Kp/block] (e4m3 for nvfp4, e8m0 as uint8 for mxfp4), the block scales in natural
-    order. dst and scale_dst must be zero-filled: the padding columns K..Kp are never written.
+    order. Whole rows are written: the padding columns K..Kp get zero codes and zero scales.
     """
     e, n, k = w.shape
     if e == 0 or n == 0 or k == 0:
@@ -576,48 +617,80 @@ def quantize_scatter(
     kp = q.fp4_padded_k(k)
     assert dst.shape[-1] == kp // 2, "fp4 rows are kernel-order rows of Kp/2 bytes"
     assert not has_scale or scale_dst.shape[-1] == kp // q.fp4_scale_block(quant)
+    assert k % q.fp4_scale_block(quant) == 0, "fp4 rows are whole scale blocks"
     if quant == "nvfp4":
         table = _nvfp4_inverse_table(factor)
-    group_pairs = q.fp4_scale_block(quant) // 2
-    pairs = k // 2
-    assert pairs % group_pairs == 0, "fp4 rows are whole scale blocks"
-    # The widest power-of-two tile width (in pairs) that divides the row: no column masks. It
-    # is at least group_pairs >= 8, i.e. whole 16-column slices of the kernel order.
-    block_pairs = group_pairs
-    while block_pairs * 2 <= _FP4_MAX_PAIRS and pairs % (block_pairs * 2) == 0:
-        block_pairs *= 2
-    block_n = min(max(1, _FP4_TILE_PAIRS // block_pairs), next_power_of_2(n))
-    col_blocks = pairs // block_pairs
+    slices = k // 16
+    block_s, align = _fp4_column_tiles(slices, kp // 16, _FP4_MAX_SLICES)
+    block_n = min(max(1, _FP4_TILE_SLICES // block_s), next_power_of_2(n))
+    col_blocks = kp // 16 // block_s
     src, kind = _fp4_source(w)
+    runs = _int16_rows(dst)
     _fp4_kernel[(cdiv(n, block_n) * col_blocks, e)](
-        src, dst, dst_rows, scale_arg, scale_rows_arg,
+        src, runs, dst_rows, scale_arg, scale_rows_arg,
         table if quant == "nvfp4" else dst_rows, factor2 if factor2 is not None else dst_rows,
-        n, col_blocks, dst.shape[-1] // 4, *src.stride(), dst.stride(0), dst.stride(1),
+        n, slices, col_blocks, kp // 16, *src.stride(), runs.stride(0), runs.stride(1),
         *scale_strides,
-        QUANT=quant, SRC=kind, HW_E4M3=hw, EVEN_N=n % block_n == 0, BLOCK_N=block_n,
-        BLOCK_PAIRS=block_pairs, num_warps=_FP4_WARPS, enable_fp_fusion=False,
+        QUANT=quant, SRC=kind, HW_E4M3=hw, EVEN_N=n % block_n == 0, SLICES_ALIGN=align,
+        BLOCK_N=block_n, BLOCK_S=block_s, num_warps=_FP4_WARPS, enable_fp_fusion=False,
     )
+
+
+def _fp4_column_tiles(slices: int, padded_slices: int, max_slices: int) -> tuple[int, int]:
+    """Tile width (16-column slices) and load-mask granularity for kernel-order rows of `slices`
+    data slices padded to `padded_slices` (a multiple of 16): the widest power of two up to
+    max_slices that divides the padded row (the grid covers it, padding included), and the
+    largest power of two up to that width dividing the data (== the width: no padding)."""
+    block_s = max_slices
+    while padded_slices % block_s:
+        block_s //= 2
+    return block_s, min(slices & -slices, block_s)
+
+
+def _int16_rows(dst: torch.Tensor) -> torch.Tensor:
+    """The int16 view of kernel-order rows uint8 [E, *, Kp/2] (contiguous rows, even strides):
+    what the fp4 kernels store, one slice's 2 bytes of a run at a time."""
+    assert dst.stride(-1) == 1 and dst.stride(0) % 2 == 0 and dst.stride(1) % 2 == 0
+    return dst.view(torch.int16)
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def scatter_rows(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
-    """dst[e, dst_rows[r]] = src[e, r] for src [E, N, K] of dst's dtype (any strides), bit for bit."""
+    """dst[e, dst_rows[r], :K] = src[e, r] for src [E, N, K] of dst's dtype (any strides), bit for
+    bit; where dst's rows are longer (fp4 block-scale rows padded to Kp/block), the rest of each
+    written row is zeros."""
     e, n, k = src.shape
     if e == 0 or n == 0 or k == 0:
         return
-    size = src.element_size()
-    # Moved as integers of the same width: a copy must not touch the bits (NaN payloads,
-    # float8 has no arithmetic here anyway).
-    src_bits, dst_bits = src.view(_BITS[size]), dst.view(_BITS[size])
-    block_k = min(triton.next_power_of_2(k), _COPY_TILE_BYTES // size // 4)
-    block_n = max(1, _COPY_TILE_BYTES // size // block_k)
-    col_blocks = cdiv(k, block_k)
+    k_dst = dst.shape[-1]
+    # Moved as integers: a copy must not touch the bits (NaN payloads; float8 has no arithmetic
+    # here anyway), and as wide ones as the rows allow (a byte-wide scale row moves 8 at once).
+    width = src.element_size()
+    for wide in (8, 4, 2):
+        if wide > width and _rows_allow(src, wide) and _rows_allow(dst, wide):
+            width = wide
+            break
+    ratio = width // src.element_size()
+    src_bits = src.view(torch.uint8 if width == 1 else src.dtype).view(_BITS[width])
+    dst_bits = dst.view(torch.uint8 if width == 1 else dst.dtype).view(_BITS[width])
+    k, k_dst = k // ratio, k_dst // ratio
+    block_k = min(triton.next_power_of_2(k_dst), _COPY_TILE_BYTES // width // 4)
+    block_n = max(1, _COPY_TILE_BYTES // width // block_k)
+    col_blocks = cdiv(k_dst, block_k)
     grid = (cdiv(n, block_n) * col_blocks, e)
-    _scatter_rows_kernel[grid](src_bits, dst_bits, dst_rows, n, k, col_blocks, *src_bits.stride(),
-                               dst_bits.stride(0), dst_bits.stride(1),
+    _scatter_rows_kernel[grid](src_bits, dst_bits, dst_rows, n, k, k_dst, col_blocks,
+                               *src_bits.stride(), dst_bits.stride(0), dst_bits.stride(1),
                                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+
+
+def _rows_allow(t: torch.Tensor, width: int) -> bool:
+    """Whether t [E, N, K] (contiguous along K) can be viewed as integers of `width` bytes."""
+    size = t.element_size()
+    return (t.stride(2) == 1 and (t.shape[2] * size) % width == 0
+            and (t.stride(1) * size) % width == 0 and (t.stride(0) * size) % width == 0
+            and t.data_ptr() % width == 0)
 
 
 def scatter_fp4_rows(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
@@ -625,8 +698,8 @@ def scatter_fp4_rows(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tenso
 
     src: natural packed e2m1 rows (quant.pack_e2m1) uint8 [E, N, K/2], any strides, K a
     multiple of 16. dst: kernel-order rows uint8 [E, *, Kp/2] (moe_ops.quant, "The kernel order
-    of packed e2m1 rows"; Kp = quant.fp4_padded_k(K)) with contiguous rows, zero-filled: only
-    the bytes of columns < K are written, the padding is left as it is.
+    of packed e2m1 rows"; Kp = quant.fp4_padded_k(K)) with contiguous rows: whole rows are
+    written, the padding past K as zeros.
     """
     e, n, row_bytes = src.shape
     if e == 0 or n == 0 or row_bytes == 0:
@@ -635,19 +708,19 @@ def scatter_fp4_rows(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tenso
     assert k % 16 == 0, "fp4 rows are whole 16-column slices"
     assert src.element_size() == 1 and dst.element_size() == 1
     assert dst.shape[-1] == q.fp4_padded_k(k) // 2 and dst.stride(-1) == 1
-    src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+    src, dst = src.view(torch.uint8), _int16_rows(dst.view(torch.uint8))
     slices = k // 16
-    # Power-of-two tiles; a row that the widest tile does not divide gets masked column tiles
-    # rather than narrow ones (gpt_oss' 2880 = 180 slices: 6 tiles of 32 slices, not 45 of 4),
-    # so a program reads and writes long contiguous pieces of each row; the masks' granularity
-    # (and so the vector width) is the largest power of two of slices dividing the row.
-    block_slices = min(_FP4_ORDER_MAX_SLICES, next_power_of_2(slices))
-    align = slices & -slices
-    block_n = min(max(1, _COPY_TILE_BYTES // (8 * block_slices)), next_power_of_2(n))
-    col_blocks = cdiv(slices, block_slices)
+    # Whole slices as int64 words where the rows allow it (contiguous, 8-byte aligned).
+    words = (src.stride(2) == 1 and src.stride(1) % 8 == 0 and src.stride(0) % 8 == 0
+             and src.data_ptr() % 8 == 0)
+    if words:
+        src = src.view(torch.int64)
+    padded_slices = dst.shape[-1] // 4
+    block_s, align = _fp4_column_tiles(slices, padded_slices, _FP4_ORDER_MAX_SLICES)
+    block_n = min(max(1, _COPY_TILE_BYTES // (8 * block_s)), next_power_of_2(n))
+    col_blocks = padded_slices // block_s
     _fp4_order_rows_kernel[(cdiv(n, block_n) * col_blocks, e)](
         src, dst, dst_rows, n, slices, col_blocks, dst.shape[-1] // 4, *src.stride(),
-        dst.stride(0), dst.stride(1), UNIT_K=src.stride(2) == 1, EVEN_N=n % block_n == 0,
-        SLICES_ALIGN=min(align, block_slices), BLOCK_N=block_n, BLOCK_SLICES=block_slices,
-        num_warps=4,
+        dst.stride(0), dst.stride(1), WORDS=words, EVEN_N=n % block_n == 0,
+        SLICES_ALIGN=align, BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4,
     )
