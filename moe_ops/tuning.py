@@ -389,9 +389,9 @@ def _config_from_json(data: Dict[str, Any]) -> GemmConfig:
         raise ValueError(f"not a GemmConfig: {data!r}")
     values = {}
     for name, value in data.items():
-        if name == "swap_ab":
+        if name in ("swap_ab", "persistent"):
             if not isinstance(value, bool):
-                raise ValueError("swap_ab must be a bool")
+                raise ValueError(f"{name} must be a bool")
         elif not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{name} must be an int")
         values[name] = value

@@ -241,7 +241,15 @@ def test_act_quant(quant, K):
     deq = q.double() * (s.double()[:, None] if not group
                         else s.double().repeat_interleave(128, 1)[:, :K])
     ref = _quant_rows(x, group)
-    assert torch.equal(deq, ref), "kernel quantization differs from round-to-nearest-even e4m3"
+    if not torch.equal(deq, ref):
+        bad = (deq != ref).nonzero()
+        r, c = bad[0].tolist()
+        ref_q, ref_s = (quantize_fp8_per_token_group(x, group) if group
+                        else quantize_fp8_per_token(x))
+        col_s = (r, c // group) if group else (r,)
+        pytest.fail(f"kernel quantization differs from round-to-nearest-even e4m3 at {len(bad)} "
+                    f"elements, first [{r}, {c}]: x={x[r, c].item()!r} q={q[r, c].item()!r} vs "
+                    f"{ref_q[r, c].item()!r}, scale={s[col_s].item()!r} vs {ref_s[col_s].item()!r}")
     assert (q[2].float() == 0).all()
 
 
@@ -371,6 +379,46 @@ def test_experts_combine_modes(combine, dtype, monkeypatch, poisoned_empty):
     tensors, kwargs = make_problem(8, 48, 40, 4, 2, dtype=dtype, bias=True,
                                    invalid_ids=True, seed=2)
     check_experts(tensors, kwargs, TOL[dtype])
+
+
+@pytest.mark.parametrize("quant,activation,bias,combine,promote_k", [
+    ("none", "swiglu", False, "rows", 256), ("none", "swiglu_oai", True, "atomic", 256),
+    ("none", "relu2", True, "rows", 256), ("fp8", "swiglu", True, "rows", 256),
+    ("fp8", "relu2", False, "atomic", 32)])
+def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, monkeypatch,
+                                poisoned_empty):
+    """The persistent TMA kernel (GemmConfig.persistent) on both GEMMs, GEMM1's rows gathered
+    into dispatch order first: K not a multiple of block_k (TMA's zero fill), N not a multiple
+    of block_n (tiles straddling two experts' weights), more tiles than programs, expert-
+    parallel ids and ids of no local expert, both combine modes; fp8 with the partial sum
+    promoted every 8 K steps and (promote_k = block_k) inside each dot."""
+    import moe_ops.kernels.grouped_gemm as gg
+    monkeypatch.setattr(experts_mod, "COMBINE", combine)
+    monkeypatch.setattr(gg, "FP8_PROMOTE_K", promote_k)
+    tensors, kwargs = make_problem(40, 80, 48, 4, 2, activation=activation, quant=quant,
+                                   bias=bias, local_expert_offset=2, num_global_experts=8,
+                                   invalid_ids=True, seed=23)
+    config = GemmConfig(64, 64, 32, 2, 4, 2, persistent=True)
+    assert gg.use_persistent(config, gg.Routing(tensors[1], tensors[2], 2, 4, 2,
+                                                tensors[1], tensors[1]), tensors[0], tensors[3])
+    check_experts(tensors, kwargs, FP8_TOL if quant != "none" else 1e-2,
+                  gemm1_config=config, gemm2_config=config)
+
+
+def test_persistent_config_falls_back_where_it_cannot_run(poisoned_empty):
+    """A persistent config on a batch without dispatch (direct mode) or with rows TMA cannot
+    address runs the tile kernel with the same tiles; the validity rules name what it needs."""
+    tensors, kwargs = make_problem(1, 48, 40, 8, 4, seed=29)
+    config = GemmConfig(64, 64, 32, 2, 4, 2, persistent=True)
+    check_experts(tensors, kwargs, 1e-2, gemm1_config=config, gemm2_config=config)
+    from moe_ops.kernels.grouped_gemm import config_problems
+    fp8_block = GemmProblem(1, 8, 256, 128, 300.0, torch.bfloat16, "fp8_block")
+    assert any("persistent" in why for why in config_problems(fp8_block, config))
+    odd_k = GemmProblem(2, 8, 256, 40, 300.0, torch.bfloat16, "fp8")  # 40 bytes a row
+    assert any("TMA" in why for why in config_problems(odd_k, config))
+    narrow = GemmProblem(1, 8, 256, 128, 300.0, torch.bfloat16)
+    assert any("block_m" in why for why in config_problems(narrow, GemmConfig(
+        32, 64, 32, 2, 4, 2, persistent=True)))
 
 
 # ---------------------------------------------------------------- configs

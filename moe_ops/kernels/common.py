@@ -33,6 +33,21 @@ def upcast_dots(dtype: torch.dtype) -> bool:
     return INTERPRET and dtype in (torch.bfloat16, torch.float16)
 
 
+_CAPABILITIES: dict = {}
+
+
+def capability_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
+    """Whether `device` is a CUDA GPU of at least this compute capability (never in the
+    interpreter). The capability is looked up once per device: launchers ask on every call."""
+    if INTERPRET or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    have = _CAPABILITIES.get(index)
+    if have is None:
+        have = _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return have >= capability
+
+
 # ---------------------------------------------------------------------------------------------
 # Programmatic dependent launch (PDL, sm_90+). A layer call is a chain of small launches (route,
 # [quant], [dispatch], GEMM1, [quant], GEMM2, combine); at decode each lasts a few microseconds,
@@ -44,18 +59,11 @@ def upcast_dots(dtype: torch.dtype) -> bool:
 # these as programmatic edges. Off in the interpreter (no inline PTX there), on pre-Hopper GPUs,
 # and when MOE_OPS_PDL=0 (read at import: a launch pays no environment lookup).
 # ---------------------------------------------------------------------------------------------
-_PDL_DEVICES: dict = {}
 _PDL_DISABLED = os.environ.get("MOE_OPS_PDL", "1") == "0"
 
 
 def use_pdl(device: torch.device) -> bool:
-    if INTERPRET or _PDL_DISABLED or device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    enabled = _PDL_DEVICES.get(index)
-    if enabled is None:
-        enabled = _PDL_DEVICES[index] = torch.cuda.get_device_capability(index) >= (9, 0)
-    return enabled
+    return not _PDL_DISABLED and capability_at_least(device, (9, 0))
 
 
 def pdl_launch_options(device: torch.device) -> dict:

@@ -128,6 +128,7 @@ def triton_experts(
         aligned = moe_align(topk_ids, E, align_block_m, local_expert_offset)
         routing.sorted_pair_ids = aligned.sorted_pair_ids
         routing.block_expert_ids = aligned.block_expert_ids
+        routing.num_padded = aligned.num_padded
         routing.align_block_m = align_block_m
 
     # The 4-bit modes dot x.dtype operands (the dequantized weight) like quant="none".

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -51,8 +52,8 @@ import triton
 import triton.language as tl
 
 from moe_ops.kernels.common import (
-    FP8_BLOCK, apply_activation, cdiv, next_power_of_2, pdl_launch_options, pdl_prologue,
-    round_to_dtype, use_pdl,
+    FP8_BLOCK, apply_activation, capability_at_least, cdiv, next_power_of_2, pdl_launch_options,
+    pdl_prologue, round_to_dtype, use_pdl,
 )
 from moe_ops.kernels import INTERPRET
 from moe_ops.quant import FP4_K_ALIGN, fp4_scale_block
@@ -73,7 +74,8 @@ FP4_FAST_DEQUANT = True
 
 # Shared memory per block on sm_90 (227 KiB opt-in), less a margin for the epilogue's
 # layout conversions (the gate/up split goes through shared memory).
-_SMEM_LIMIT_BYTES = 227 * 1024 - 16 * 1024
+_SMEM_HW_BYTES = 227 * 1024
+_SMEM_LIMIT_BYTES = _SMEM_HW_BYTES - 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,9 @@ class GemmConfig:
     # partial products atomically into the fp32 output (decode: a long K streamed by few
     # programs, e.g. Mixtral's down projection, 128 tiles of K = 14336 on 132 SMs).
     split_k: int = 1
+    # Prefill: the persistent TMA kernel (_grouped_gemm_persistent_kernel; quant none / fp8,
+    # sm_90+). GEMM1's token rows are then gathered into dispatch order first (gather_rows).
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,16 @@ def config_problems(problem: GemmProblem, config: GemmConfig) -> List[str]:
             # in TritonGPUOptimizeDotOperands). The interpreter runs that path (tests do).
             why.append(f"{problem.quant} needs swap_ab=True (the decoded weight tile is the "
                        "MMA's register operand)")
+    if config.persistent:
+        if problem.quant not in ("none", "fp8") or problem.dtype not in (torch.bfloat16,
+                                                                        torch.float16):
+            why.append("persistent: quant none or fp8 with bf16/fp16 activations")
+        if config.swap_ab or config.split_k > 1:
+            why.append("persistent: no swap_ab, no split_k")
+        if config.block_m < 64:
+            why.append("persistent: block_m >= 64 (a warpgroup's MMA rows)")
+        if (problem.k * problem.operand_bytes) % 16:
+            why.append("persistent: rows of K elements must be whole 16-byte units (TMA)")
     if problem.quant == "fp8_block" and config.block_k > FP8_BLOCK:
         why.append(f"fp8_block scales change every {FP8_BLOCK} columns: block_k must divide it")
     if problem.gemm == 1 and problem.gated and config.block_n < 32:
@@ -171,7 +186,17 @@ def config_problems(problem: GemmProblem, config: GemmConfig) -> List[str]:
     else:
         smem = config.num_stages * (config.block_m + config.block_n) * config.block_k
         smem *= problem.operand_bytes
-    if smem > _SMEM_LIMIT_BYTES:
+    if config.persistent:
+        # The flattened tile loop keeps the pipeline's buffers live through the epilogue, so
+        # the epilogue's layout conversion comes on top (sm_90 builds: 4 bytes a tile element
+        # for GEMM2, whose fp32 atomics are converted, 2 for an ungated GEMM1's stores, 1 for
+        # a gated one's half-width tile); the limit is then the hardware's.
+        per_element = 4 if problem.gemm == 2 else 1 if problem.gated else 2
+        smem += config.block_m * config.block_n * per_element
+        if smem > _SMEM_HW_BYTES:
+            why.append(f"{smem} bytes of pipelined tiles and epilogue exceed the shared memory "
+                       "of sm_90")
+    elif smem > _SMEM_LIMIT_BYTES:
         why.append(f"{smem} bytes of pipelined tiles exceed the shared memory of sm_90")
     return why
 
@@ -234,10 +259,15 @@ _FP4_LARGE_CANDIDATES = [
     (128, 128, 128, 16, 8, 3, True), (64, 128, 128, 8, 4, 3, True), (128, 256, 64, 16, 8, 3, True),
     (256, 128, 64, 16, 8, 3, True),
 ]
+# Prefill, quant none / fp8 / fp8_block: the tile kernel's tiles, and the persistent TMA kernel's
+# (last field; none and fp8 only, the validity rules drop the rest).
 _LARGE_CANDIDATES = [
     (128, 256, 64, 16, 8, 3, False), (128, 128, 64, 8, 8, 4, False), (128, 256, 64, 8, 8, 4, False),
-    (128, 128, 128, 16, 8, 3, False), (256, 128, 64, 16, 8, 3, False), (64, 256, 128, 8, 8, 3, False),
-    (64, 128, 128, 8, 4, 3, False), (64, 128, 128, 16, 4, 4, False), (128, 64, 128, 16, 4, 3, False),
+    (128, 128, 128, 16, 8, 3, False), (64, 256, 128, 8, 8, 3, False),
+    (64, 128, 128, 8, 4, 3, False), (64, 128, 128, 16, 4, 4, False),
+    (128, 256, 64, 16, 8, 3, False, 1, True), (128, 128, 256, 8, 8, 3, False, 1, True),
+    (128, 256, 64, 16, 8, 2, False, 1, True), (128, 128, 256, 8, 8, 2, False, 1, True),
+    (128, 128, 128, 8, 8, 4, False, 1, True),
 ]
 
 
@@ -320,8 +350,12 @@ def default_config(problem: GemmProblem) -> GemmConfig:
     elif problem.quant == "fp8" and m >= 512:
         # with promotions every 512 columns: Mixtral T=16384 868 TFLOP/s against 737 at
         # 64x128x128 (Qwen3 at m=256 kept 64x128x128: 441 against 381); every 256 (now):
-        # 818 at 128x128x128
-        config = GemmConfig(128, 128, 128, 16, 8, 3)
+        # 818 at 128x128x128. The persistent TMA kernel, 256-wide K steps (one promotion
+        # each, inside the dot): 984 / 997 TFLOP/s for Mixtral's GEMM1 / GEMM2 at T=16384 on
+        # sorted rows, against 828 / 878 for the tile kernel (results/h200_prefill_ws.json).
+        config = GemmConfig(128, 128, 256, 8, 8, 3, persistent=problem.gemm == 1)
+        if problem.gemm == 2:  # (GEMM2's epilogue does not fit beside that pipeline)
+            config = GemmConfig(128, 128, 128, 16, 8, 3)
     elif fp8:
         config = GemmConfig(64, 128, 128, 8, 4, 3)
     elif m <= 128:
@@ -329,7 +363,9 @@ def default_config(problem: GemmProblem) -> GemmConfig:
     elif fp32:
         config = GemmConfig(128, 128, 32, 8, 8, 3)
     else:
-        config = GemmConfig(128, 256, 64, 16, 8, 3)
+        # GEMM1 on the persistent TMA kernel: 678 TFLOP/s against 566 (as above); GEMM2's
+        # epilogue needs the pipeline shallower there: left to the tuner.
+        config = GemmConfig(128, 256, 64, 16, 8, 3, persistent=problem.gemm == 1)
     if not is_valid_config(problem, config):
         # fp32 operands at large tiles overflow shared memory: shrink stages, then K.
         for stages in (2, 1):
@@ -491,6 +527,60 @@ def _dequant_fp4_tile_bf16_asm(packed, scale, QUANT: tl.constexpr, BLOCK_N: tl.c
             [byte, _fp4_scale_per_code(factor, BLOCK_N, BLOCK_K, 32)],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return _fp4_natural_k(low, high, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _epilogue(acc, expert, pair_ids, row_ok, slots, a_rows, offs_n, w_rows, pid_n, add_bias,
+              a_scale_ptr, stride_asm, w_scale_ptr, stride_wse, stride_wsn,
+              w_global_scale_ptr, stride_wge, bias_ptr, stride_be, topk_weights_ptr,
+              out_ptr, stride_om, N, top_k, alpha, limit,
+              QUANT: tl.constexpr, FAST_FP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+              ACTIVATION: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, ATOMIC_OUT: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A finished [BLOCK_M, BLOCK_N] fp32 tile (rows: the block's slots, columns offs_n) ->
+    scales, bias, then GEMM1: the activation, stored at intermediate[slot]; GEMM2: times the
+    routing weight, stored at out[pair] or added into out[token] (ATOMIC_OUT). Shared by the
+    tile kernel and the persistent one."""
+    if QUANT == "fp8":
+        a_s = tl.load(a_scale_ptr + a_rows * stride_asm, mask=row_ok, other=0.0)
+        w_s = tl.load(w_scale_ptr + expert * stride_wse + w_rows * stride_wsn)
+        acc = acc * a_s[:, None] * w_s[None, :]
+    if QUANT == "nvfp4":
+        global_scale = tl.load(w_global_scale_ptr + expert * stride_wge + w_rows)
+        if FAST_FP4:
+            global_scale = global_scale * 512.0  # NVFP4_FAST_EPILOGUE
+        acc = acc * global_scale[None, :]
+    if HAS_BIAS:
+        if add_bias:  # with split-K, the bias is added once
+            acc += tl.load(bias_ptr + expert * stride_be + w_rows)[None, :]
+
+    out_ty = out_ptr.dtype.element_ty
+    if ACTIVATION == "none":
+        if MUL_ROUTED_WEIGHT:
+            routed_weight = tl.load(topk_weights_ptr + pair_ids, mask=row_ok, other=0.0)
+            acc = acc * routed_weight[:, None]
+        mask = row_ok[:, None] & (offs_n < N)[None, :]
+        if ATOMIC_OUT:
+            tokens = (pair_ids // top_k).to(tl.int64)
+            tl.atomic_add(out_ptr + tokens[:, None] * stride_om + offs_n[None, :], acc,
+                          mask=mask, sem="relaxed")
+        else:
+            out_rows = pair_ids.to(tl.int64)
+            tl.store(out_ptr + out_rows[:, None] * stride_om + offs_n[None, :],
+                     round_to_dtype(acc, out_ty), mask=mask)
+    else:
+        out_rows = slots.to(tl.int64)
+        if ACTIVATION == "relu2":
+            h = apply_activation(acc, acc, alpha, limit, ACTIVATION)
+            cols = offs_n
+            n_out = N
+        else:
+            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+            h = apply_activation(gate, up, alpha, limit, ACTIVATION)
+            cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            n_out = N // 2
+        tl.store(out_ptr + out_rows[:, None] * stride_om + cols[None, :], round_to_dtype(h, out_ty),
+                 mask=row_ok[:, None] & (cols < n_out)[None, :])
 
 
 @triton.jit
@@ -698,46 +788,94 @@ def _grouped_gemm_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)
 
-    if QUANT == "fp8":
-        a_s = tl.load(a_scale_ptr + a_rows * stride_asm, mask=row_ok, other=0.0)
-        w_s = tl.load(w_scale_ptr + expert * stride_wse + w_rows * stride_wsn)
-        acc = acc * a_s[:, None] * w_s[None, :]
-    if QUANT == "nvfp4":
-        global_scale = tl.load(w_global_scale_ptr + expert * stride_wge + w_rows)
-        if FAST_FP4:
-            global_scale = global_scale * 512.0  # NVFP4_FAST_EPILOGUE
-        acc = acc * global_scale[None, :]
-    if HAS_BIAS:
-        if split == 0:  # with split-K, the bias is added once
-            acc += tl.load(bias_ptr + expert * stride_be + w_rows)[None, :]
+    _epilogue(acc, expert, pair_ids, row_ok, slots, a_rows, offs_n, w_rows, pid_n, split == 0,
+              a_scale_ptr, stride_asm, w_scale_ptr, stride_wse, stride_wsn,
+              w_global_scale_ptr, stride_wge, bias_ptr, stride_be, topk_weights_ptr,
+              out_ptr, stride_om, N, top_k, alpha, limit,
+              QUANT, FAST_FP4, HAS_BIAS, ACTIVATION, MUL_ROUTED_WEIGHT, ATOMIC_OUT,
+              BLOCK_M, BLOCK_N)
 
-    out_ty = out_ptr.dtype.element_ty
-    if ACTIVATION == "none":
-        if MUL_ROUTED_WEIGHT:
-            routed_weight = tl.load(topk_weights_ptr + pair_ids, mask=row_ok, other=0.0)
-            acc = acc * routed_weight[:, None]
-        mask = row_ok[:, None] & (offs_n < N)[None, :]
-        if ATOMIC_OUT:
-            tokens = (pair_ids // top_k).to(tl.int64)
-            tl.atomic_add(out_ptr + tokens[:, None] * stride_om + offs_n[None, :], acc,
-                          mask=mask, sem="relaxed")
-        else:
-            out_rows = pair_ids.to(tl.int64)
-            tl.store(out_ptr + out_rows[:, None] * stride_om + offs_n[None, :],
-                     round_to_dtype(acc, out_ty), mask=mask)
-    else:
-        out_rows = slots.to(tl.int64)
-        if ACTIVATION == "relu2":
-            h = apply_activation(acc, acc, alpha, limit, ACTIVATION)
-            cols = offs_n
-            n_out = N
-        else:
-            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-            h = apply_activation(gate, up, alpha, limit, ACTIVATION)
-            cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            n_out = N // 2
-        tl.store(out_ptr + out_rows[:, None] * stride_om + cols[None, :], round_to_dtype(h, out_ty),
-                 mask=row_ok[:, None] & (cols < n_out)[None, :])
+
+@triton.jit
+def _grouped_gemm_persistent_kernel(
+    a_desc, a_scale_ptr, w_desc, w_scale_ptr, bias_ptr, out_ptr,
+    sorted_pair_ids_ptr, block_expert_ids_ptr, num_padded_ptr, topk_weights_ptr,
+    N, num_pairs, top_k, num_k_steps,
+    stride_wse, stride_be, stride_om,
+    alpha, limit,
+    ALIGN_BLOCK_M: tl.constexpr,
+    ATOMIC_OUT: tl.constexpr,
+    QUANT: tl.constexpr,            # "none" | "fp8"
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,     # programs launched (one per SM); tiles pid, pid + P, ...
+    UPCAST: tl.constexpr,
+    PROMOTE_STEPS: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False,
+):
+    """Prefill form of _grouped_gemm_kernel (GemmConfig.persistent): one program per SM walks
+    the output tiles in grouped order, both operands through TMA descriptors, the tile loop
+    flattened into the K loop so the next tile's first loads are in flight during an epilogue.
+
+    The activation rows are in dispatch order already (a_desc over [slots, K]: GEMM2's
+    intermediate, or GEMM1's x gathered by gather_rows): TMA cannot gather rows. w_desc covers
+    the weights as [E * N, K]; a tile straddling an expert's last row reads the next expert's
+    (or TMA's zero fill), columns never stored. Only the live row blocks are walked (their
+    count, num_padded, is on the device); padding rows are masked at the store as in the tile
+    kernel. Measured on one H200 (benchmarks/dev_prefill_ws.py, Mixtral T=16384, activations
+    in sorted order): 1.13-1.26x the tile kernel's TFLOP/s, bf16 and fp8.
+    """
+    pdl_prologue(USE_PDL)
+    num_m_blocks = tl.load(num_padded_ptr) // BLOCK_M
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_m_blocks * num_n_blocks, NUM_PROGRAMS,
+                         flatten=True):
+        blocks_per_group = GROUP_M * num_n_blocks
+        first_m = (tile // blocks_per_group) * GROUP_M
+        group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
+        pid_m = first_m + (tile % blocks_per_group) % group_size
+        pid_n = (tile % blocks_per_group) // group_size
+        off_m = pid_m * BLOCK_M
+        expert = tl.load(block_expert_ids_ptr + off_m // ALIGN_BLOCK_M).to(tl.int64)
+        w_row = (expert * N + pid_n * BLOCK_N).to(tl.int32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if QUANT == "fp8" and PROMOTE_STEPS > 1:
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, num_k_steps):
+            a = a_desc.load([off_m, kb * BLOCK_K])
+            # [BN, BK], K contiguous: its transpose is the K-major B operand (fp8's wgmma needs
+            # it; nothing moves, the MMA reads shared memory transposed)
+            w = w_desc.load([w_row, kb * BLOCK_K]).T
+            if UPCAST:
+                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            elif QUANT == "fp8":
+                # As the tile kernel: the partial sum promoted every FP8_PROMOTE_K columns
+                if PROMOTE_STEPS == 1:
+                    acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
+                else:
+                    part = tl.dot(a, w, part)
+                    if kb % PROMOTE_STEPS == PROMOTE_STEPS - 1:
+                        acc += part
+                        part = tl.zeros_like(part)
+            else:
+                acc = tl.dot(a, w, acc)
+        if QUANT == "fp8" and PROMOTE_STEPS > 1:
+            acc += part
+
+        slots = off_m + tl.arange(0, BLOCK_M)
+        pair_ids = tl.load(sorted_pair_ids_ptr + slots)
+        row_ok = pair_ids < num_pairs
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _epilogue(acc, expert, pair_ids, row_ok, slots, slots.to(tl.int64), offs_n, offs_n % N,
+                  pid_n, True,
+                  a_scale_ptr, 1, w_scale_ptr, stride_wse, 1,
+                  w_scale_ptr, 0, bias_ptr, stride_be, topk_weights_ptr,
+                  out_ptr, stride_om, N, top_k, alpha, limit,
+                  QUANT, False, HAS_BIAS, ACTIVATION, MUL_ROUTED_WEIGHT, ATOMIC_OUT,
+                  BLOCK_M, BLOCK_N)
 
 
 @dataclass
@@ -751,6 +889,7 @@ class Routing:
     sorted_pair_ids: Optional[torch.Tensor] = None   # None: direct mode
     block_expert_ids: Optional[torch.Tensor] = None
     align_block_m: int = 16
+    num_padded: Optional[torch.Tensor] = None         # int32 [1]: live slots (dispatch)
 
     @property
     def num_pairs(self) -> int:
@@ -782,10 +921,112 @@ def compile_only() -> Iterator[None]:
         _COMPILE_ONLY.reset(token)
 
 
-def _launcher(grid):
+def _launcher(grid, kernel=_grouped_gemm_kernel):
     if _COMPILE_ONLY.get():
-        return functools.partial(_grouped_gemm_kernel.warmup, grid=grid)
-    return _grouped_gemm_kernel[grid]
+        return functools.partial(kernel.warmup, grid=grid)
+    return kernel[grid]
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether a 2-D view [rows, K] of t can be a TMA descriptor: K contiguous, 16-byte aligned
+    base and row stride."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.shape[-1] * size) % 16 == 0
+            and (t.stride(-2) * size) % 16 == 0)
+
+
+def use_persistent(config: GemmConfig, routing: "Routing", a: torch.Tensor,
+                   w: torch.Tensor) -> bool:
+    """Whether a launch with `config` runs the persistent TMA kernel: the config asks for it,
+    there is a dispatch (the kernel walks its slots), the GPU has TMA (sm_90+; the interpreter
+    runs it too), and the operands are TMA-addressable (the weights as one [E * N, K] matrix).
+    Otherwise the tile kernel runs the same tiles."""
+    return (config.persistent and not routing.direct
+            and (INTERPRET or capability_at_least(a.device, (9, 0)))
+            and _tma_ready(a) and w.is_contiguous() and _tma_ready(w))
+
+
+_SM_COUNTS: dict = {}
+
+
+def _programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per SM (a few in the interpreter, which runs them
+    one after the other anyway)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+@triton.jit
+def _gather_rows_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr, sorted_pair_ids_ptr,
+                        num_padded_ptr, num_pairs, top_k, K, stride_s, stride_d,
+                        HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """dst[slot] = src[pair // top_k] (and its per-row scale) for the live slots; padding slots
+    get zeros, slots past num_padded are left alone (the persistent kernel never reads them)."""
+    pdl_prologue(USE_PDL)
+    slot = tl.program_id(0)
+    if slot >= tl.load(num_padded_ptr):
+        return
+    pair = tl.load(sorted_pair_ids_ptr + slot)
+    valid = pair < num_pairs
+    row = (pair // top_k).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs
+        values = tl.load(src_ptr + row * stride_s + cols, mask=(cols < K) & valid, other=0.0)
+        tl.store(dst_ptr + slot.to(tl.int64) * stride_d + cols, values, mask=cols < K)
+    if HAS_SCALE:
+        scale = tl.load(src_scale_ptr + row, mask=valid, other=0.0)
+        tl.store(dst_scale_ptr + slot, scale)
+
+
+def gather_rows(a: torch.Tensor, a_scale: Optional[torch.Tensor], routing: "Routing"):
+    """GEMM1's token rows (and per-row fp8 scales) in dispatch order, [slots, K]: the persistent
+    kernel reads its activation tiles through TMA, which cannot gather. One read and one write of
+    the routed rows (at prefill a few percent of the GEMM's time)."""
+    slots = routing.num_slots
+    rows = torch.empty((slots, a.shape[1]), dtype=a.dtype, device=a.device)
+    scales = None if a_scale is None else torch.empty(slots, dtype=a_scale.dtype, device=a.device)
+    block_k = min(next_power_of_2(a.shape[1]), 2048)
+    _gather_rows_kernel[(slots,)](
+        a, a_scale if a_scale is not None else a, rows, scales if scales is not None else rows,
+        routing.sorted_pair_ids, routing.num_padded, routing.num_pairs, routing.top_k,
+        a.shape[1], a.stride(0), rows.stride(0), HAS_SCALE=a_scale is not None,
+        BLOCK_K=block_k, USE_PDL=use_pdl(a.device), num_warps=4, **pdl_launch_options(a.device))
+    return rows, scales
+
+
+def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
+                       config: GemmConfig, *, n: int, k: int, gemm: int, quant: str,
+                       activation: str, alpha: float, limit: float, atomic_out: bool,
+                       interpret_upcast: bool):
+    """a: activation rows in dispatch order (GEMM2's intermediate; GEMM1's gathered rows)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a_desc = TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1],
+                              [config.block_m, config.block_k])
+    w_desc = TensorDescriptor(w, [w.shape[0] * n, k], [k, 1], [config.block_n, config.block_k])
+    programs = _programs(a.device)
+    dummy = routing.topk_weights
+    _launcher((programs,), _grouped_gemm_persistent_kernel)(
+        a_desc, a_scale if a_scale is not None else dummy, w_desc,
+        w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, out,
+        routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
+        routing.topk_weights, n, routing.num_pairs, routing.top_k, cdiv(k, config.block_k),
+        w_scale.stride(0) if w_scale is not None else 0,
+        bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
+        ALIGN_BLOCK_M=routing.align_block_m, ATOMIC_OUT=atomic_out, QUANT=quant,
+        ACTIVATION=activation if gemm == 1 else "none", HAS_BIAS=bias is not None,
+        MUL_ROUTED_WEIGHT=gemm == 2, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_PROGRAMS=programs,
+        UPCAST=interpret_upcast,
+        PROMOTE_STEPS=max(1, FP8_PROMOTE_K // config.block_k) if quant == "fp8" else 1,
+        USE_PDL=use_pdl(a.device), num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch_options(a.device),
+    )
 
 
 def use_fast_fp4(quant: str, dtype: torch.dtype, config: GemmConfig) -> bool:
@@ -800,6 +1041,19 @@ def use_fast_fp4(quant: str, dtype: torch.dtype, config: GemmConfig) -> bool:
 def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmConfig, *,
             n: int, k: int, gemm: int, quant: str, activation: str, alpha: float, limit: float,
             atomic_out: bool, interpret_upcast: bool, global_scale=None):
+    if config.persistent:
+        if use_persistent(config, routing, a, w):
+            if routing.align_block_m % config.block_m:
+                raise ValueError(f"block_m={config.block_m} must divide the dispatch block_m="
+                                 f"{routing.align_block_m}")
+            if gemm == 1:
+                a, a_scale = gather_rows(a, a_scale, routing)
+            _launch_persistent(a, a_scale, w, w_scale, bias, out, routing, config, n=n, k=k,
+                               gemm=gemm, quant=quant, activation=activation, alpha=alpha,
+                               limit=limit, atomic_out=atomic_out,
+                               interpret_upcast=interpret_upcast)
+            return
+        config = dataclasses.replace(config, persistent=False)
     if routing.direct:
         num_m_blocks = routing.num_pairs
     else:

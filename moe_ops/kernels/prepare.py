@@ -45,8 +45,9 @@ import triton
 import triton.language as tl
 
 from moe_ops import quant as q
-from moe_ops.kernels import INTERPRET
-from moe_ops.kernels.common import cdiv, next_power_of_2, round_to_e4m3_grid
+from moe_ops.kernels.common import (
+    capability_at_least, cdiv, next_power_of_2, round_to_e4m3_grid,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Tile shapes and warps. Every kernel here is a streaming kernel: what matters is enough bytes in
@@ -81,19 +82,10 @@ _COPY_TILE_BYTES = 16384
 # 128 bytes of each of the 4 runs) per row of a tile, _COPY_TILE_BYTES per program.
 _FP4_ORDER_MAX_SLICES = 64
 
-_HW_E4M3: dict = {}
-
-
 def _hw_e4m3(device: torch.device) -> bool:
     """Whether the GPU converts float32 -> e4m3 itself (cvt.rn.satfinite.e4m3x2.f32, sm_89+);
     never in the interpreter."""
-    if INTERPRET or device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    hw = _HW_E4M3.get(index)
-    if hw is None:
-        hw = _HW_E4M3[index] = torch.cuda.get_device_capability(index) >= (8, 9)
-    return hw
+    return capability_at_least(device, (8, 9))
 
 
 @triton.jit
