@@ -54,7 +54,8 @@ def _act_quant_kernel(
             x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
             q, scale = fp8_quantize(x, row_amax)
             tl.store(q_row + k0 + offs, q, mask=mask)
-        tl.store(s_row, row_amax / 448.0)
+        # correctly rounded, as quant.py divides (Triton's `/` is approximate on the GPU)
+        tl.store(s_row, tl.div_rn(row_amax, 448.0))
     else:
         GROUPS: tl.constexpr = BLOCK_K // GROUP_K
         offs_g = tl.arange(0, GROUPS)
