@@ -405,6 +405,31 @@ def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, mon
                   gemm1_config=config, gemm2_config=config)
 
 
+@pytest.mark.parametrize("quant", ["none", "fp8"])
+def test_gather_rows_puts_token_rows_in_dispatch_order(quant, poisoned_empty):
+    """gather_rows (GEMM1's rows for the persistent kernel): slot s of the live ones gets
+    x[pair // top_k] (and its fp8 scale), padding slots zeros; slots past the live ones are never
+    read, and left as they are."""
+    import moe_ops.kernels.grouped_gemm as gg
+    T, H, E, k = 37, 48, 5, 3
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(DEVICE)
+    ids = torch.randint(-1, E + 1, (T, k), generator=g).to(DEVICE)  # -1 / E: no local expert
+    aligned = moe_align(ids, E, 16, 0)
+    routing = gg.Routing(ids.reshape(-1), torch.ones(T * k, device=DEVICE), k, E, 0,
+                         aligned.sorted_pair_ids, aligned.block_expert_ids, 16, aligned.num_padded)
+    a, a_scale = (x, None) if quant == "none" else act_quant(x, quant)
+    rows, scales = gg.gather_rows(a, a_scale, routing)
+    live = int(aligned.num_padded[0])
+    pairs = aligned.sorted_pair_ids[:live].long().cpu()
+    valid = pairs < T * k
+    tokens = (pairs // k).clamp(max=T - 1)
+    want = torch.where(valid[:, None], a.cpu().float()[tokens], 0.0)
+    assert torch.equal(rows[:live].cpu().float(), want)
+    if quant == "fp8":
+        assert torch.equal(scales[:live].cpu(), torch.where(valid, a_scale.cpu()[tokens], 0.0))
+
+
 def test_persistent_config_falls_back_where_it_cannot_run(poisoned_empty):
     """A persistent config on a batch without dispatch (direct mode) or with rows TMA cannot
     address runs the tile kernel with the same tiles; the validity rules name what it needs."""

@@ -7,6 +7,8 @@ Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
               packed weights in registers)
   dispatch    moe_align (or nothing in direct mode, for tiny batches)
   GEMM1       gathered token rows, activation in the epilogue -> intermediate [slots, I]
+              (a persistent config at prefill first copies the rows into dispatch order,
+              grouped_gemm.gather_rows: its TMA loads cannot gather)
   [fp8 modes] act_quant(intermediate)            padding slots skipped
   GEMM2       routing weight in the epilogue -> one row per pair
   combine     sum of each token's k rows in fp32; for large batches instead fp32 atomics in
