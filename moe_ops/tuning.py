@@ -384,12 +384,14 @@ def _config_to_json(config: GemmConfig) -> Dict[str, Any]:
 
 
 def _config_from_json(data: Dict[str, Any]) -> GemmConfig:
-    names = {f.name for f in dataclasses.fields(GemmConfig)}
+    fields = dataclasses.fields(GemmConfig)
+    names = {f.name for f in fields}
+    flags = {f.name for f in fields if f.type in (bool, "bool")}  # the rest are ints
     if not isinstance(data, dict) or set(data) - names:
         raise ValueError(f"not a GemmConfig: {data!r}")
     values = {}
     for name, value in data.items():
-        if name in ("swap_ab", "persistent"):
+        if name in flags:
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool")
         elif not isinstance(value, int) or isinstance(value, bool):

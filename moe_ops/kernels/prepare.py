@@ -642,7 +642,7 @@ def _fp4_column_tiles(slices: int, padded_slices: int, max_slices: int) -> tuple
 def _int16_rows(dst: torch.Tensor) -> torch.Tensor:
     """The int16 view of kernel-order rows uint8 [E, *, Kp/2] (contiguous rows, even strides):
     what the fp4 kernels store, one slice's 2 bytes of a run at a time."""
-    assert dst.stride(-1) == 1 and dst.stride(0) % 2 == 0 and dst.stride(1) % 2 == 0
+    assert _rows_allow(dst, 2)
     return dst.view(torch.int16)
 
 
@@ -703,8 +703,7 @@ def scatter_fp4_rows(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tenso
     src, dst = src.view(torch.uint8), _int16_rows(dst.view(torch.uint8))
     slices = k // 16
     # Whole slices as int64 words where the rows allow it (contiguous, 8-byte aligned).
-    words = (src.stride(2) == 1 and src.stride(1) % 8 == 0 and src.stride(0) % 8 == 0
-             and src.data_ptr() % 8 == 0)
+    words = _rows_allow(src, 8)
     if words:
         src = src.view(torch.int64)
     padded_slices = dst.shape[-1] // 4
