@@ -382,19 +382,30 @@ def test_experts_combine_modes(combine, dtype, monkeypatch, poisoned_empty):
 
 
 @pytest.mark.parametrize("quant,activation,bias,combine,promote_k", [
-    ("none", "swiglu", False, "rows", 256), ("none", "swiglu_oai", True, "atomic", 256),
-    ("none", "relu2", True, "rows", 256), ("fp8", "swiglu", True, "rows", 256),
+    ("none", "swiglu", False, "auto", 256), ("none", "swiglu_oai", True, "atomic", 256),
+    ("none", "relu2", True, "rows", 256), ("fp8", "swiglu", True, "auto", 256),
     ("fp8", "relu2", False, "atomic", 32)])
 def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, monkeypatch,
                                 poisoned_empty):
     """The persistent TMA kernel (GemmConfig.persistent) on both GEMMs, GEMM1's rows gathered
     into dispatch order first: K not a multiple of block_k (TMA's zero fill), N not a multiple
     of block_n (tiles straddling two experts' weights), more tiles than programs, expert-
-    parallel ids and ids of no local expert, both combine modes; fp8 with the partial sum
-    promoted every 8 K steps and (promote_k = block_k) inside each dot."""
+    parallel ids and ids of no local expert; fp8 with the partial sum promoted every 8 K steps
+    and (promote_k = block_k) inside each dot. GEMM2 on it writes rows: "auto" picks them even
+    where it would pick atomics for the tile kernel (threshold 0 here), and a forced "atomic"
+    runs GEMM2 on the tile kernel."""
     import moe_ops.kernels.grouped_gemm as gg
     monkeypatch.setattr(experts_mod, "COMBINE", combine)
+    monkeypatch.setattr(experts_mod, "ATOMIC_COMBINE_MIN_BYTES", 0)
     monkeypatch.setattr(gg, "FP8_PROMOTE_K", promote_k)
+    persistent_gemms = []
+    launch = gg._launch_persistent
+
+    def counting_launch(*args, gemm, **kwargs):
+        persistent_gemms.append(gemm)
+        return launch(*args, gemm=gemm, **kwargs)
+
+    monkeypatch.setattr(gg, "_launch_persistent", counting_launch)
     tensors, kwargs = make_problem(40, 80, 48, 4, 2, activation=activation, quant=quant,
                                    bias=bias, local_expert_offset=2, num_global_experts=8,
                                    invalid_ids=True, seed=23)
@@ -403,6 +414,7 @@ def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, mon
                                                 tensors[1], tensors[1]), tensors[0], tensors[3])
     check_experts(tensors, kwargs, FP8_TOL if quant != "none" else 1e-2,
                   gemm1_config=config, gemm2_config=config)
+    assert persistent_gemms == ([1] if combine == "atomic" else [1, 2])
 
 
 @pytest.mark.parametrize("quant", ["none", "fp8"])

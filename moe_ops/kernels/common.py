@@ -33,19 +33,26 @@ def upcast_dots(dtype: torch.dtype) -> bool:
     return INTERPRET and dtype in (torch.bfloat16, torch.float16)
 
 
-_CAPABILITIES: dict = {}
+_DEVICE_PROPERTIES: dict = {}
+
+
+def device_properties(device: torch.device):
+    """torch.cuda.get_device_properties of a CUDA device, looked up once per device: launchers
+    ask for the capability and the SM count on every call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = _DEVICE_PROPERTIES.get(index)
+    if props is None:
+        props = _DEVICE_PROPERTIES[index] = torch.cuda.get_device_properties(index)
+    return props
 
 
 def capability_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
     """Whether `device` is a CUDA GPU of at least this compute capability (never in the
-    interpreter). The capability is looked up once per device: launchers ask on every call."""
+    interpreter)."""
     if INTERPRET or device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    have = _CAPABILITIES.get(index)
-    if have is None:
-        have = _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
-    return have >= capability
+    props = device_properties(device)
+    return (props.major, props.minor) >= capability
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
               grouped_gemm.gather_rows: its TMA loads cannot gather)
   [fp8 modes] act_quant(intermediate)            padding slots skipped
   GEMM2       routing weight in the epilogue -> one row per pair
-  combine     sum of each token's k rows in fp32; for large batches instead fp32 atomics in
-              GEMM2's epilogue + a cast (COMBINE, measured choice; summation order then varies)
+  combine     sum of each token's k rows in fp32; for large batches on the tile kernel instead
+              fp32 atomics in GEMM2's epilogue + a cast (COMBINE, measured choice; summation
+              order then varies); a persistent GEMM2 always writes rows
 The caller (the package's op layer) has validated every argument; nothing is re-checked here.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from moe_ops.kernels.align import moe_align
 from moe_ops.kernels.common import is_gated, upcast_dots
 from moe_ops.quant import FP4_K_ALIGN
 from moe_ops.kernels.grouped_gemm import (
-    FP4_QUANTS, GemmConfig, GemmProblem, Routing, combine_pair_rows, gemm1, gemm2,
+    FP4_QUANTS, GemmConfig, GemmProblem, Routing, combine_pair_rows, gemm1, gemm2, use_persistent,
 )
 from moe_ops.tuning import experts_configs
 
@@ -37,7 +38,10 @@ DIRECT_MAX_PAIRS = 64
 DIRECT_MAX_PAIRS_PER_EXPERT = 0.125
 # "rows": GEMM2 writes one row per pair, a second pass sums them (deterministic).
 # "atomic": GEMM2 adds into an fp32 [T, H] buffer (then cast unless x is fp32).
-# "auto": atomic once the per-pair buffer would reach ATOMIC_COMBINE_MIN_BYTES. Measured on one
+# "auto": rows when GEMM2 runs the persistent kernel (it has no atomic epilogue: see
+# grouped_gemm), else atomic once the per-pair buffer would reach ATOMIC_COMBINE_MIN_BYTES.
+# The per-pair buffer [T*k, H] is then no larger than the [slots, H] copy of the routed rows the
+# persistent GEMM1 held (freed before GEMM2) for 16-bit x, twice it for fp8's rows. Measured on one
 # H200 at T=4096 (graph replay): atomic 918.7 vs rows 974.9 us (Qwen3 bf16), 4573 vs 4981
 # (Mixtral bf16), 6127 vs 6725 (DeepSeek fp8_block), 623.5 vs 663.2 (Qwen3 fp8). At decode
 # sizes rows needs two launches where atomic needs three (zero fill, GEMM2, cast).
@@ -152,7 +156,10 @@ def triton_experts(
     combine = COMBINE
     if combine == "auto":
         pair_rows_bytes = routing.num_pairs * H * x.element_size()
-        combine = "atomic" if pair_rows_bytes >= ATOMIC_COMBINE_MIN_BYTES else "rows"
+        if use_persistent(config2, routing, a2, w2):
+            combine = "rows"
+        else:
+            combine = "atomic" if pair_rows_bytes >= ATOMIC_COMBINE_MIN_BYTES else "rows"
     if config2.split_k > 1:
         combine = "atomic"  # split-K partial products meet in the fp32 output
     if combine == "atomic":

@@ -31,7 +31,15 @@ activations' dtype (bf16/fp16) for an ordinary tensor-core dot with fp32 accumul
 multiplies the accumulator's columns in the epilogue: one multiply per output instead of one
 per weight element.
 
-Config: every launch takes a `GemmConfig` (tiles, warps, stages, swap-AB, split-K).
+Two kernels run these tiles. `_grouped_gemm_kernel` (one program per output tile, loads by
+pointer, so GEMM1 gathers its token rows inside the loads) serves every mode and size.
+`_grouped_gemm_persistent_kernel` (GemmConfig.persistent; prefill, quant none / fp8, sm_90+) runs
+one program per SM over the tiles with both operands read through TMA descriptors: its
+activation rows must be in dispatch order (GEMM1's are copied there first by `gather_rows`), and
+its GEMM2 writes one row per pair (then `combine_pair_rows`), never the fp32 atomics, whose
+conversion through shared memory does not fit beside its pipeline.
+
+Config: every launch takes a `GemmConfig` (tiles, warps, stages, swap-AB, split-K, persistent).
 `config_space`, `config_problems` and `default_config` describe the choices for a
 `GemmProblem`; GEMM1 and GEMM2 are separate problems with separate configs. Split-K (GEMM2 with
 the atomic output only) splits the reduction over several programs per output tile, for decode
@@ -52,8 +60,8 @@ import triton
 import triton.language as tl
 
 from moe_ops.kernels.common import (
-    FP8_BLOCK, apply_activation, capability_at_least, cdiv, next_power_of_2, pdl_launch_options,
-    pdl_prologue, round_to_dtype, use_pdl,
+    FP8_BLOCK, apply_activation, capability_at_least, cdiv, device_properties, next_power_of_2,
+    pdl_launch_options, pdl_prologue, round_to_dtype, use_pdl,
 )
 from moe_ops.kernels import INTERPRET
 from moe_ops.quant import FP4_K_ALIGN, fp4_scale_block
@@ -94,7 +102,8 @@ class GemmConfig:
     # programs, e.g. Mixtral's down projection, 128 tiles of K = 14336 on 132 SMs).
     split_k: int = 1
     # Prefill: the persistent TMA kernel (_grouped_gemm_persistent_kernel; quant none / fp8,
-    # sm_90+). GEMM1's token rows are then gathered into dispatch order first (gather_rows).
+    # sm_90+). GEMM1's token rows are then gathered into dispatch order first (gather_rows);
+    # GEMM2 then writes one row per pair and the combine pass sums them (no fp32 atomics).
     persistent: bool = False
 
 
@@ -188,10 +197,10 @@ def config_problems(problem: GemmProblem, config: GemmConfig) -> List[str]:
         smem *= problem.operand_bytes
     if config.persistent:
         # The flattened tile loop keeps the pipeline's buffers live through the epilogue, so
-        # the epilogue's layout conversion comes on top (sm_90 builds: 4 bytes a tile element
-        # for GEMM2, whose fp32 atomics are converted, 2 for an ungated GEMM1's stores, 1 for
-        # a gated one's half-width tile); the limit is then the hardware's.
-        per_element = 4 if problem.gemm == 2 else 1 if problem.gated else 2
+        # the epilogue's layout conversion comes on top (sm_90 builds: 2 bytes a tile element
+        # for the 16-bit rows it stores, 1 for a gated GEMM1's half-width tile; GEMM2's fp32
+        # atomics, 4 bytes, are never used here); the limit is then the hardware's.
+        per_element = 1 if problem.gemm == 1 and problem.gated else 2
         smem += config.block_m * config.block_n * per_element
         if smem > _SMEM_HW_BYTES:
             why.append(f"{smem} bytes of pipelined tiles and epilogue exceed the shared memory "
@@ -266,8 +275,8 @@ _LARGE_CANDIDATES = [
     (128, 128, 128, 16, 8, 3, False), (64, 256, 128, 8, 8, 3, False),
     (64, 128, 128, 8, 4, 3, False), (64, 128, 128, 16, 4, 4, False),
     (128, 256, 64, 16, 8, 3, False, 1, True), (128, 128, 256, 8, 8, 3, False, 1, True),
-    (128, 256, 64, 16, 8, 2, False, 1, True), (128, 128, 256, 8, 8, 2, False, 1, True),
-    (128, 128, 128, 8, 8, 4, False, 1, True),
+    (128, 128, 128, 8, 8, 4, False, 1, True), (128, 128, 64, 8, 8, 5, False, 1, True),
+    (128, 256, 64, 8, 8, 3, False, 1, True),
 ]
 
 
@@ -353,9 +362,7 @@ def default_config(problem: GemmProblem) -> GemmConfig:
         # 818 at 128x128x128. The persistent TMA kernel, 256-wide K steps (one promotion
         # each, inside the dot): 984 / 997 TFLOP/s for Mixtral's GEMM1 / GEMM2 at T=16384 on
         # sorted rows, against 828 / 878 for the tile kernel (results/h200_prefill_ws.json).
-        config = GemmConfig(128, 128, 256, 8, 8, 3, persistent=problem.gemm == 1)
-        if problem.gemm == 2:  # (GEMM2's epilogue does not fit beside that pipeline)
-            config = GemmConfig(128, 128, 128, 16, 8, 3)
+        config = GemmConfig(128, 128, 256, 8, 8, 3, persistent=True)
     elif fp8:
         config = GemmConfig(64, 128, 128, 8, 4, 3)
     elif m <= 128:
@@ -363,9 +370,9 @@ def default_config(problem: GemmProblem) -> GemmConfig:
     elif fp32:
         config = GemmConfig(128, 128, 32, 8, 8, 3)
     else:
-        # GEMM1 on the persistent TMA kernel: 678 TFLOP/s against 566 (as above); GEMM2's
-        # epilogue needs the pipeline shallower there: left to the tuner.
-        config = GemmConfig(128, 256, 64, 16, 8, 3, persistent=problem.gemm == 1)
+        # The persistent TMA kernel: 678 / 693 TFLOP/s for GEMM1 / GEMM2 against 566 / 587
+        # (as above).
+        config = GemmConfig(128, 256, 64, 16, 8, 3, persistent=True)
     if not is_valid_config(problem, config):
         # fp32 operands at large tiles overflow shared memory: shrink stages, then K.
         for stages in (2, 1):
@@ -530,6 +537,37 @@ def _dequant_fp4_tile_bf16_asm(packed, scale, QUANT: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
+def _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
+    """Output tile number -> (row block, column block) in grouped order: GROUP_M consecutive row
+    blocks walk the N tiles together, so a weight tile read from HBM is reused from L2 by the
+    other row blocks of the same expert."""
+    blocks_per_group = GROUP_M * num_n_blocks
+    first_m = (tile // blocks_per_group) * GROUP_M
+    group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (tile % blocks_per_group) % group_size
+    pid_n = (tile % blocks_per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _fp8_dot(x, y, acc, part, step, PROMOTE_STEPS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc (+ part) += x @ y for e4m3 operands, with the partial sum promoted into the fp32
+    accumulator: Hopper's fp8 MMA keeps only about 14 bits while it accumulates (measured here:
+    1.2e-2 relative error at K=2048 with Triton's sm_90 default of never promoting).
+    PROMOTE_STEPS == 1: every K step, inside the dot (each step then waits for its MMAs; `part`
+    is unused and returned as it came); > 1: the MMAs chain asynchronously through `part` for
+    that many steps (step counts from 0), then one promotion. Returns (acc, part)."""
+    if PROMOTE_STEPS == 1:
+        acc = tl.dot(x, y, acc, max_num_imprecise_acc=BLOCK_K)
+    else:
+        part = tl.dot(x, y, part)
+        if step % PROMOTE_STEPS == PROMOTE_STEPS - 1:
+            acc += part
+            part = tl.zeros_like(part)
+    return acc, part
+
+
+@triton.jit
 def _epilogue(acc, expert, pair_ids, row_ok, slots, a_rows, offs_n, w_rows, pid_n, add_bias,
               a_scale_ptr, stride_asm, w_scale_ptr, stride_wse, stride_wsn,
               w_global_scale_ptr, stride_wge, bias_ptr, stride_be, topk_weights_ptr,
@@ -613,8 +651,6 @@ def _grouped_gemm_kernel(
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (common.pdl_prologue)
 ):
     pdl_prologue(USE_PDL)
-    # Grouped ordering: GROUP_M consecutive row blocks walk the N tiles together, so a weight
-    # tile read from HBM is reused from L2 by the other row blocks of the same expert.
     pid = tl.program_id(0)
     if SPLIT_K > 1:
         # neighbouring programs take neighbouring K chunks of the same tile
@@ -622,12 +658,7 @@ def _grouped_gemm_kernel(
         pid = pid // SPLIT_K
     else:
         split = 0
-    num_n_blocks = tl.cdiv(N, BLOCK_N)
-    blocks_per_group = GROUP_M * num_n_blocks
-    first_m = (pid // blocks_per_group) * GROUP_M
-    group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % blocks_per_group) % group_size
-    pid_n = (pid % blocks_per_group) // group_size
+    pid_m, pid_n = _tile_coords(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_r = tl.arange(0, BLOCK_M)
     if DIRECT:
@@ -702,6 +733,8 @@ def _grouped_gemm_kernel(
             w_ptrs += kb_start * BLOCK_K
     if QUANT == "fp8" and PROMOTE_STEPS > 1:
         part = tl.zeros_like(acc)
+    else:
+        part = acc  # unused (see _fp8_dot)
     for kb in range(kb_start, kb_end):
         k_left = K - kb * BLOCK_K
         if FP4:
@@ -753,24 +786,10 @@ def _grouped_gemm_kernel(
             else:
                 acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
         elif QUANT == "fp8":
-            # Hopper's fp8 MMA keeps only about 14 bits while it accumulates (measured here:
-            # 1.2e-2 relative error at K=2048 with Triton's sm_90 default of never promoting):
-            # the partial sum is promoted into the fp32 accumulator. PROMOTE_STEPS == 1: every
-            # K step, inside the dot (each step then waits for its MMAs); > 1: the MMAs chain
-            # asynchronously through `part` for that many steps, then one promotion.
-            if PROMOTE_STEPS == 1:
-                if SWAP_AB:
-                    acc = tl.dot(w, a, acc, max_num_imprecise_acc=BLOCK_K)
-                else:
-                    acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
+            if SWAP_AB:
+                acc, part = _fp8_dot(w, a, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K)
             else:
-                if SWAP_AB:
-                    part = tl.dot(w, a, part)
-                else:
-                    part = tl.dot(a, w, part)
-                if (kb - kb_start) % PROMOTE_STEPS == PROMOTE_STEPS - 1:
-                    acc += part
-                    part = tl.zeros_like(part)
+                acc, part = _fp8_dot(a, w, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K)
         else:
             if SWAP_AB:
                 acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
@@ -804,7 +823,6 @@ def _grouped_gemm_persistent_kernel(
     stride_wse, stride_be, stride_om,
     alpha, limit,
     ALIGN_BLOCK_M: tl.constexpr,
-    ATOMIC_OUT: tl.constexpr,
     QUANT: tl.constexpr,            # "none" | "fp8"
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -821,7 +839,9 @@ def _grouped_gemm_persistent_kernel(
     flattened into the K loop so the next tile's first loads are in flight during an epilogue.
 
     The activation rows are in dispatch order already (a_desc over [slots, K]: GEMM2's
-    intermediate, or GEMM1's x gathered by gather_rows): TMA cannot gather rows. w_desc covers
+    intermediate, or GEMM1's x gathered by gather_rows): TMA cannot gather rows. GEMM2 stores
+    one row per pair (combine="rows"): the fp32 atomics' layout conversion needs 4 bytes of
+    shared memory a tile element, which the deep pipelines here leave no room for. w_desc covers
     the weights as [E * N, K]; a tile straddling an expert's last row reads the next expert's
     (or TMA's zero fill), columns never stored. Only the live row blocks are walked (their
     count, num_padded, is on the device); padding rows are masked at the store as in the tile
@@ -833,17 +853,15 @@ def _grouped_gemm_persistent_kernel(
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m_blocks * num_n_blocks, NUM_PROGRAMS,
                          flatten=True):
-        blocks_per_group = GROUP_M * num_n_blocks
-        first_m = (tile // blocks_per_group) * GROUP_M
-        group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
-        pid_m = first_m + (tile % blocks_per_group) % group_size
-        pid_n = (tile % blocks_per_group) // group_size
+        pid_m, pid_n = _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M)
         off_m = pid_m * BLOCK_M
         expert = tl.load(block_expert_ids_ptr + off_m // ALIGN_BLOCK_M).to(tl.int64)
         w_row = (expert * N + pid_n * BLOCK_N).to(tl.int32)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if QUANT == "fp8" and PROMOTE_STEPS > 1:
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            part = acc  # unused (see _fp8_dot)
         for kb in range(0, num_k_steps):
             a = a_desc.load([off_m, kb * BLOCK_K])
             # [BN, BK], K contiguous: its transpose is the K-major B operand (fp8's wgmma needs
@@ -852,14 +870,7 @@ def _grouped_gemm_persistent_kernel(
             if UPCAST:
                 acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             elif QUANT == "fp8":
-                # As the tile kernel: the partial sum promoted every FP8_PROMOTE_K columns
-                if PROMOTE_STEPS == 1:
-                    acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
-                else:
-                    part = tl.dot(a, w, part)
-                    if kb % PROMOTE_STEPS == PROMOTE_STEPS - 1:
-                        acc += part
-                        part = tl.zeros_like(part)
+                acc, part = _fp8_dot(a, w, acc, part, kb, PROMOTE_STEPS, BLOCK_K)
             else:
                 acc = tl.dot(a, w, acc)
         if QUANT == "fp8" and PROMOTE_STEPS > 1:
@@ -874,7 +885,7 @@ def _grouped_gemm_persistent_kernel(
                   a_scale_ptr, 1, w_scale_ptr, stride_wse, 1,
                   w_scale_ptr, 0, bias_ptr, stride_be, topk_weights_ptr,
                   out_ptr, stride_om, N, top_k, alpha, limit,
-                  QUANT, False, HAS_BIAS, ACTIVATION, MUL_ROUTED_WEIGHT, ATOMIC_OUT,
+                  QUANT, False, HAS_BIAS, ACTIVATION, MUL_ROUTED_WEIGHT, False,
                   BLOCK_M, BLOCK_N)
 
 
@@ -936,17 +947,15 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def use_persistent(config: GemmConfig, routing: "Routing", a: torch.Tensor,
-                   w: torch.Tensor) -> bool:
+                   w: torch.Tensor, atomic_out: bool = False) -> bool:
     """Whether a launch with `config` runs the persistent TMA kernel: the config asks for it,
-    there is a dispatch (the kernel walks its slots), the GPU has TMA (sm_90+; the interpreter
-    runs it too), and the operands are TMA-addressable (the weights as one [E * N, K] matrix).
-    Otherwise the tile kernel runs the same tiles."""
-    return (config.persistent and not routing.direct
+    there is a dispatch (the kernel walks its slots), the output is rows (not GEMM2's fp32
+    atomics, see the kernel), the GPU has TMA (sm_90+; the interpreter runs it too), and the
+    operands are TMA-addressable (the weights as one [E * N, K] matrix). Otherwise the tile
+    kernel runs the same tiles."""
+    return (config.persistent and not routing.direct and not atomic_out
             and (INTERPRET or capability_at_least(a.device, (9, 0)))
             and _tma_ready(a) and w.is_contiguous() and _tma_ready(w))
-
-
-_SM_COUNTS: dict = {}
 
 
 def _programs(device: torch.device) -> int:
@@ -954,10 +963,7 @@ def _programs(device: torch.device) -> int:
     one after the other anyway)."""
     if device.type != "cuda":
         return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+    return device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -1001,7 +1007,7 @@ def gather_rows(a: torch.Tensor, a_scale: Optional[torch.Tensor], routing: "Rout
 
 def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
                        config: GemmConfig, *, n: int, k: int, gemm: int, quant: str,
-                       activation: str, alpha: float, limit: float, atomic_out: bool,
+                       activation: str, alpha: float, limit: float,
                        interpret_upcast: bool):
     """a: activation rows in dispatch order (GEMM2's intermediate; GEMM1's gathered rows)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -1018,7 +1024,7 @@ def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
         routing.topk_weights, n, routing.num_pairs, routing.top_k, cdiv(k, config.block_k),
         w_scale.stride(0) if w_scale is not None else 0,
         bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
-        ALIGN_BLOCK_M=routing.align_block_m, ATOMIC_OUT=atomic_out, QUANT=quant,
+        ALIGN_BLOCK_M=routing.align_block_m, QUANT=quant,
         ACTIVATION=activation if gemm == 1 else "none", HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=gemm == 2, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_PROGRAMS=programs,
@@ -1041,25 +1047,21 @@ def use_fast_fp4(quant: str, dtype: torch.dtype, config: GemmConfig) -> bool:
 def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmConfig, *,
             n: int, k: int, gemm: int, quant: str, activation: str, alpha: float, limit: float,
             atomic_out: bool, interpret_upcast: bool, global_scale=None):
+    if not routing.direct and routing.align_block_m % config.block_m:
+        raise ValueError(f"block_m={config.block_m} must divide the dispatch block_m="
+                         f"{routing.align_block_m}")
     if config.persistent:
-        if use_persistent(config, routing, a, w):
-            if routing.align_block_m % config.block_m:
-                raise ValueError(f"block_m={config.block_m} must divide the dispatch block_m="
-                                 f"{routing.align_block_m}")
+        if use_persistent(config, routing, a, w, atomic_out):
             if gemm == 1:
                 a, a_scale = gather_rows(a, a_scale, routing)
             _launch_persistent(a, a_scale, w, w_scale, bias, out, routing, config, n=n, k=k,
                                gemm=gemm, quant=quant, activation=activation, alpha=alpha,
-                               limit=limit, atomic_out=atomic_out,
-                               interpret_upcast=interpret_upcast)
+                               limit=limit, interpret_upcast=interpret_upcast)
             return
         config = dataclasses.replace(config, persistent=False)
     if routing.direct:
         num_m_blocks = routing.num_pairs
     else:
-        if routing.align_block_m % config.block_m:
-            raise ValueError(f"block_m={config.block_m} must divide the dispatch block_m="
-                             f"{routing.align_block_m}")
         num_m_blocks = routing.sorted_pair_ids.numel() // config.block_m
     if quant == "fp8_block" and FP8_BLOCK % config.block_k:
         # the one config error that would not fail to compile but give wrong sums
