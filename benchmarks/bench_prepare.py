@@ -21,6 +21,12 @@ Every case also checks the prepared bytes against the plain-torch reference path
 + index_copy_) on a few experts, and the layer's parameters against prepare_weights' output.
 `--torch-path` (on by default for deepseek_v3 bf16 -> fp8_block) also times that reference
 path for the whole layer once: what preparation cost before the fused kernels.
+`--nvfp4-variants` adds, for deepseek_v3 bf16 -> nvfp4, the whole w1 quantization by each nvfp4
+path of kernels/prepare.py, timed and floored as `kernel only (w1)`: `w1 two launches` (the amax
+pass, the factors in torch, the quantizing kernel: NVFP4_FUSED_AMAX off) and the one-launch
+kernel in each program order (`w1 fused sequential`, `w1 fused interleaved`), whose bytes and
+global scales are checked against the two-launch path's (`exact`). On CPU they run only in the
+Triton interpreter (TRITON_INTERPRET=1), as a check that the option works.
 
 Random weights (normal, std 0.02); pre-quantized checkpoints are quantized from them with the
 reference functions, chunk by chunk. Peak memory on the GPU is about 45 GB (the deepseek_v3
@@ -62,6 +68,7 @@ CASES = (("deepseek_v3", "fp8_block", False), ("deepseek_v3", "nvfp4", False),
 # where the real shape has them (2880 = 22.5 x 128), fp4 sizes stay multiples of 32.
 TINY_SIZES = {"deepseek_v3": (4, 256, 128), "gpt_oss_120b": (4, 96, 96)}
 TARGET = ("deepseek_v3", "fp8_block", False, "prepare")  # PERFORMANCE.md: ratio <= 2
+NVFP4_VARIANTS_CASE = ("deepseek_v3", "nvfp4", False)  # --nvfp4-variants
 TARGET_RATIO = 2.0
 CHECK_EXPERTS = 2  # experts compared byte for byte against the reference path
 
@@ -301,6 +308,9 @@ def run_case(model: str, cfg: dict[str, Any], quant: str, ckpt: dict[str, torch.
         record("kernel only (w1)", time_runs(kernel_only, args.repeats, device), written_w1,
                read=tensor_bytes([w1]), bit_exact=None)
         del w13, w13_scale
+    if (args.nvfp4_variants and (model, quant, prequantized) == NVFP4_VARIANTS_CASE
+            and _nvfp4_variants_runnable(device)):
+        nvfp4_variants(cfg, ckpt["w1"], activation, dtype, device, args, record)
     if (model, quant, prequantized) == TARGET[:3] and args.torch_path:
         # The plain-torch path (what preparation was before the fused kernels), once.
         times = time_runs(lambda: _reference_prepare(ckpt, quant, activation, dtype), 1, device)
@@ -309,6 +319,69 @@ def run_case(model: str, cfg: dict[str, Any], quant: str, ckpt: dict[str, torch.
     if cuda:
         torch.cuda.empty_cache()
     return records
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _nvfp4_variants_runnable(device: torch.device) -> bool:
+    """The device kernels on the GPU, or the Triton interpreter on CPU (a check, not timing)."""
+    if layout.device_kernels_available(device):
+        return True
+    if device.type == "cpu" and _interpreting():
+        return True
+    log("[prepare] --nvfp4-variants: no device kernels here (on CPU: TRITON_INTERPRET=1)")
+    return False
+
+
+def nvfp4_variants(cfg: dict[str, Any], w1: torch.Tensor, activation: str, dtype: torch.dtype,
+                   device: torch.device, args: argparse.Namespace, record: Callable) -> None:
+    """w1 bf16 -> nvfp4 into a preallocated w13 (through its index) by each nvfp4 path, whole:
+    the two-launch path (amax_per_expert, the factors in torch, quantize_scatter) and the fused
+    one-launch kernel in each schedule. Floor as `kernel only (w1)`: w1 read once, w1's half of
+    w13 and its scales written. The fused runs write the same buffers as the two-launch run,
+    whose bytes (all of them: the rows w1 does not write are the same memory) and global scales
+    they must reproduce."""
+    from moe_ops.kernels import prepare as prep_kernels
+
+    specs = layout.plan_layout(quant="nvfp4", activation=activation,
+                               num_local_experts=cfg["num_experts"],
+                               hidden_size=cfg["hidden_size"],
+                               intermediate_size=cfg["intermediate_size"], bias=cfg["bias"],
+                               dtype=dtype, device=device)
+    w13 = torch.zeros(specs["w13"].shape, dtype=specs["w13"].dtype, device=device)
+    w13_scale = torch.zeros(specs["w13_scale"].shape, dtype=specs["w13_scale"].dtype,
+                            device=device)
+    rows = w1.shape[1]
+    index = layout.row_permutation(specs["w13"].key)[:rows]
+    scale_index = layout.row_permutation(specs["w13_scale"].key)[:rows]
+    written = w13.numel() // 2 + w13_scale.numel() // 2 * w13_scale.element_size()
+    read = tensor_bytes([w1])
+
+    def two_launches() -> torch.Tensor:
+        factors = q.nvfp4_global_scale(prep_kernels.amax_per_expert(w1))
+        prep_kernels.quantize_scatter(w1, "nvfp4", w13, index, w13_scale, scale_index, *factors)
+        return factors[0]
+
+    want_global = two_launches()
+    want = (w13.clone(), w13_scale.view(torch.uint8).clone())
+    record("w1 two launches", time_runs(two_launches, args.repeats, device), written, read=read,
+           bit_exact=None, variant="two launches")
+    for schedule in prep_kernels.NVFP4_SCHEDULES:
+        def fused(schedule: str = schedule) -> torch.Tensor:
+            return prep_kernels.quantize_scatter_nvfp4(w1, w13, index, w13_scale, scale_index,
+                                                       schedule)
+
+        w13.zero_()
+        w13_scale.view(torch.uint8).zero_()
+        exact = (torch.equal(fused(), want_global) and torch.equal(w13, want[0])
+                 and torch.equal(w13_scale.view(torch.uint8), want[1]))
+        if not exact:
+            log(f"[prepare] w1 fused {schedule}: MISMATCH against the two-launch path")
+        record(f"w1 fused {schedule}", time_runs(fused, args.repeats, device), written,
+               read=read, bit_exact=exact, variant=f"fused {schedule}")
+    del w13, w13_scale, want
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,6 +427,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--torch-path", dest="torch_path", action="store_true", default=True,
                    help="also time the plain-torch path for deepseek_v3 bf16 -> fp8_block (default)")
     p.add_argument("--no-torch-path", dest="torch_path", action="store_false")
+    p.add_argument("--nvfp4-variants", action="store_true",
+                   help="also time w1 bf16 -> nvfp4 by each nvfp4 path (two launches, fused "
+                        "sequential / interleaved) for deepseek_v3")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default $MOE_OPS_RESULTS_DIR or benchmarks/results/, "
                         "prepare_<gpu>.json)")

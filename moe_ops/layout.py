@@ -19,8 +19,10 @@ Quantize-on-load (high-precision checkpoint into a quantized mode) happens here 
 layout is always what the kernels (and the reference) read. The quantization is deferred to
 `load_into` (a `Quantized` source) so that on the GPU it runs fused with the permutation
 (kernels/prepare.py: one read of the checkpoint, one write of the layout, no temporary the size
-of a weight); elsewhere, and as the oracle, moe_ops.quant's reference functions run on bounded
-expert chunks and `index_copy_` places the rows. Both give the same bytes.
+of a weight; a per-expert scale (fp8, nvfp4's global scale) needs the expert's amax first, a
+second read, by a launch of its own; see `_device_parts`); elsewhere, and as the
+oracle, moe_ops.quant's reference functions run on bounded expert chunks and `index_copy_`
+places the rows. Both give the same bytes.
 """
 from __future__ import annotations
 
@@ -439,13 +441,28 @@ def _reference_parts(weight: torch.Tensor, quant: str) -> dict[str, torch.Tensor
 
 def _device_parts(weight: torch.Tensor, quant: str, targets: dict[str, torch.Tensor],
                   indices: dict[str, torch.Tensor]) -> None:
-    """The fused device path: quantize weight [E, N, K] straight into the kernel layout."""
+    """The fused device path: quantize weight [E, N, K] straight into the kernel layout, in one
+    launch (fp8_block, mxfp4) or, for a per-expert scale computed on the host side, an amax
+    launch first (fp8, nvfp4; with prepare.NVFP4_FUSED_AMAX on, measured slower and off by
+    default, nvfp4's amax pass runs inside its quantizing launch)."""
     from moe_ops.kernels import prepare
 
     e, rows = weight.shape[:2]
+    if quant == "nvfp4" and prepare.NVFP4_FUSED_AMAX and "scale" in targets:
+        # One launch: the per-expert amax, the global scale (the reference's expression,
+        # quant.nvfp4_global_scale, computed in the kernel) and the quantization. The global
+        # scales come back as a device tensor the kernel wrote: the copy below is stream-ordered
+        # after it, no synchronization.
+        global_scale = prepare.quantize_scatter_nvfp4(weight, targets["value"], indices["value"],
+                                                      targets["scale"], indices["scale"])
+        if "global_scale" in targets:
+            targets["global_scale"].index_copy_(1, indices["global_scale"],
+                                                global_scale[:, None].expand(e, rows))
+        return
     factor = factor2 = None
     if quant in ("fp8", "nvfp4"):
-        # The per-expert factors by the reference's own expressions, from an exact amax.
+        # The per-expert factors by the reference's own expressions, from an exact amax (a
+        # pass of its own before the quantization).
         amax = prepare.amax_per_expert(weight)
         if quant == "fp8":
             factor, per_row = q._inverse_scale(amax), q._exact_div(amax, q.FP8_MAX)

@@ -211,9 +211,11 @@ def fp4_pad_scales(scale: torch.Tensor, k: int, quant: str) -> torch.Tensor:
 def nvfp4_global_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-expert amax -> (global scale, its inverse or 0 for a zero expert), float32.
 
-    Shared with the device preparation (kernels/prepare.py), so both give the same bits.
+    Shared with the device preparation (kernels/prepare.py), so both give the same bits: the
+    division is the correctly rounded one on every device (_exact_div; the fused preparation
+    kernel computes it in-kernel as such), the inverse a reciprocal (correctly rounded too).
     """
-    global_scale = amax / (FP8_MAX * E2M1_MAX)
+    global_scale = _exact_div(amax, FP8_MAX * E2M1_MAX)
     inv_global = torch.where(global_scale > 0, 1.0 / global_scale, torch.zeros_like(global_scale))
     return global_scale, inv_global
 

@@ -564,6 +564,29 @@ def test_device_preparation_gives_the_reference_bytes(quant, activation, prequan
                        f"{quant} {activation} prequantized={prequantized}")
 
 
+@needs_triton
+@pytest.mark.parametrize("fused, schedule", [(False, None), (True, "sequential"),
+                                             (True, "interleaved")])
+def test_nvfp4_device_preparation_paths(monkeypatch, fused, schedule):
+    """bf16 -> nvfp4 through `_device_parts` by each of its paths (moe_ops.kernels.prepare's
+    NVFP4_FUSED_AMAX, NVFP4_SCHEDULE): the reference's bytes in every role, the per-row global
+    scales (taken from the fused kernel's output) included. A zero expert, rows that do not fill
+    a tile (96 = 64 + 32), rows padded to 256 columns (160, 96); destinations poisoned."""
+    from moe_ops.kernels import prepare
+
+    monkeypatch.setattr(prepare, "NVFP4_FUSED_AMAX", fused)
+    if schedule is not None:
+        monkeypatch.setattr(prepare, "NVFP4_SCHEDULE", schedule)
+    gen = torch.Generator().manual_seed(11)
+    ckpt = random_checkpoint(gen, 3, 160, 96, activation="swiglu", bias=False,
+                             dtype=torch.bfloat16)
+    ckpt["w3"][2].zero_()
+    ckpt = {k: v.to(_DEVICE) for k, v in ckpt.items()}
+    reference = _prepare(ckpt, "nvfp4", "swiglu", kernels=False)
+    _assert_same_bytes(_prepare(ckpt, "nvfp4", "swiglu", kernels=True), reference,
+                       f"fused={fused} {schedule}")
+
+
 def _edge_weights(e: int, n: int, k: int) -> torch.Tensor:
     """float32 weights with the values where rounding decisions are made: exact powers of two
     times 6 and values an ulp or a few above them (mxfp4's exponent), e2m1/e4m3 midpoints

@@ -1,6 +1,7 @@
 """The device preparation kernels (moe_ops.kernels.prepare) write 4-bit weights in the kernel
 order of moe_ops.quant ("The kernel order of packed e2m1 rows"): quantize_scatter quantizes
-float weights straight into it, scatter_fp4_rows reorders pre-quantized natural packed rows.
+float weights straight into it (nvfp4 also in one launch with its per-expert amax pass,
+quantize_scatter_nvfp4), scatter_fp4_rows reorders pre-quantized natural packed rows.
 Both must give, bit for bit, moe_ops.quant's reference (quantize_nvfp4 / quantize_mxfp4, then
 fp4_to_kernel_order and fp4_pad_scales) at the permuted rows, whole rows written (the padding
 columns K..Kp as zeros: the destinations start poisoned), and leave the rows no source row goes
@@ -105,7 +106,11 @@ def test_quantize_scatter_of_a_strided_source(quant):
     _check_quantize_scatter(w, quant, gen)
 
 
-def _check_quantize_scatter(w: torch.Tensor, quant: str, gen: torch.Generator) -> None:
+def _check_quantize_scatter(w: torch.Tensor, quant: str, gen: torch.Generator,
+                            nvfp4_path: str = "two launches") -> None:
+    """quantize_scatter's bytes (nvfp4: by `nvfp4_path`, "two launches" = amax_per_expert, the
+    factors in torch, quantize_scatter; or a schedule of the fused quantize_scatter_nvfp4)
+    against the reference, into poisoned destinations."""
     e, n, k = w.shape
     kp, block = q.fp4_padded_k(k), q.fp4_scale_block(quant)
     rows, scale_rows = _targets(gen, n), _targets(gen, n)
@@ -114,12 +119,17 @@ def _check_quantize_scatter(w: torch.Tensor, quant: str, gen: torch.Generator) -
     scale_dtype = q.FP8_DTYPE if quant == "nvfp4" else torch.uint8
     scale_dst = torch.full((e, r, kp // block), POISON, dtype=torch.uint8,
                            device=DEVICE).view(scale_dtype)
-    factor = factor2 = None
-    if quant == "nvfp4":
-        # As moe_ops.layout._device_parts computes them.
-        amax = prepare.amax_per_expert(w)
-        factor, factor2 = q.nvfp4_global_scale(amax)
-    prepare.quantize_scatter(w, quant, dst, rows, scale_dst, scale_rows, factor, factor2)
+    factor = factor2 = global_scale = None
+    if quant == "nvfp4" and nvfp4_path != "two launches":
+        global_scale = prepare.quantize_scatter_nvfp4(w, dst, rows, scale_dst, scale_rows,
+                                                      nvfp4_path)
+    else:
+        if quant == "nvfp4":
+            # As moe_ops.layout._device_parts computes them with NVFP4_FUSED_AMAX off.
+            amax = prepare.amax_per_expert(w)
+            factor, factor2 = q.nvfp4_global_scale(amax)
+            global_scale = factor
+        prepare.quantize_scatter(w, quant, dst, rows, scale_dst, scale_rows, factor, factor2)
 
     packed, scale = _reference(w, quant)
     want = torch.full_like(dst, POISON)
@@ -131,6 +141,147 @@ def _check_quantize_scatter(w: torch.Tensor, quant: str, gen: torch.Generator) -
     # Redundant with the comparison above, but the contract spelled out: the padding is zero.
     assert not dst[:, rows][..., _padding(k).to(DEVICE)].any()
     assert not scale_dst.view(torch.uint8)[:, scale_rows, k // block:].any()
+    if quant == "nvfp4":
+        _, _, want_global = q.quantize_nvfp4(w.contiguous())
+        _assert_bytes(global_scale, want_global.to(DEVICE), f"{tuple(w.shape)} global scale")
+
+
+# ---------------------------------------------------------------------------------------------
+# nvfp4 in one launch (quantize_scatter_nvfp4): amax programs, then each expert's factors
+# computed in the kernel, then its quantize programs, in either schedule; and the two-launch
+# path it replaces (NVFP4_FUSED_AMAX off).
+# ---------------------------------------------------------------------------------------------
+NVFP4_PATHS = ["two launches", "sequential", "interleaved"]
+
+
+def _nvfp4_weights(gen: torch.Generator, e: int, n: int, k: int, dtype: torch.dtype,
+                   view: str) -> torch.Tensor:
+    """Experts of different magnitudes with expert 1 all zeros (global scale 0: zero codes and
+    scales, never NaN), as `view`: "contiguous"; "rows" (every other row of a bigger tensor:
+    unit K stride, experts not contiguous); "transposed" (stored [E, K, N]: column loads)."""
+    rows = 2 * n if view == "rows" else n
+    w = torch.randn(e, rows, k, generator=gen) * torch.logspace(-3, 2, e)[:, None, None]
+    w[1].zero_()
+    if view == "transposed":
+        w = w.transpose(1, 2).contiguous().transpose(1, 2)
+    elif view == "rows":
+        w = w[:, ::2]
+    return _same_view_on(w.to(dtype), DEVICE)
+
+
+# (E, N, K, dtype, view): N = 12 / 5 / 40 leave the last row tile part empty, 8 fills it; K = 96
+# / 160 pad to 256 (masked column tiles), 256 does not; bf16 and f16 read as int32 pairs
+# (the amax programs' integer max of each half), float32 and the transposed view element by
+# element; the "rows" view's experts are not contiguous (the amax programs' 2-D tiles).
+NVFP4_CASES = [(3, 12, 96, torch.bfloat16, "contiguous"), (4, 5, 160, torch.float16, "contiguous"),
+               (3, 8, 256, torch.float32, "contiguous"), (3, 40, 160, torch.bfloat16, "rows"),
+               (3, 6, 96, torch.bfloat16, "transposed")]
+
+
+@pytest.mark.parametrize("path, amax_tiles", [(p, t) for p in NVFP4_PATHS
+                                               for t in ("default", "small")
+                                               if p != "two launches" or t == "default"])
+@pytest.mark.parametrize("case", NVFP4_CASES,
+                         ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-{str(c[3])[6:]}-{c[4]}")
+def test_nvfp4_paths_write_the_reference_bytes(monkeypatch, case, path, amax_tiles):
+    """Every nvfp4 path gives the reference's bytes and global scales. "small" amax tiles
+    (2 x 16, 2 per program) make several amax programs per expert, masked ones included, so
+    the last one to finish computes the factors and the interleaving has amax tiles to spread;
+    with the default tile each expert here is one amax program."""
+    e, n, k, dtype, view = case
+    if amax_tiles == "small":  # the fused launch's amax tiles (the two-launch path has its own)
+        monkeypatch.setattr(prepare, "_FUSED_AMAX_TILE", (2, 16))
+        monkeypatch.setattr(prepare, "_FUSED_AMAX_ITERS", 2)
+    gen = _generator("nvfp4", case, path)
+    w = _nvfp4_weights(gen, e, n, k, dtype, view)
+    _check_quantize_scatter(w, "nvfp4", gen, path)
+
+
+# The tiniest amaxes make the inverse global scale overflow to inf, and the quantize programs
+# compute 0 * inf (NaN) as the reference does: numpy warns in the interpreter.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("schedule", prepare.NVFP4_SCHEDULES)
+def test_nvfp4_fused_factors_are_the_reference_expressions(schedule):
+    """The kernel's global scale, its inverse and the [E, 128] inverse table are the bits of
+    quant.nvfp4_global_scale and _nvfp4_inverse_table (the two-launch path's torch
+    expressions), for amaxes from 0 and the float32 subnormals (a global scale that underflows,
+    table entries that overflow) to the float32 maximum. One expert per amax, float32 weights
+    (any amax is exact)."""
+    amaxes = [0.0, 1e-45, 1e-40, 2688 * 2.0 ** -126, 3e-38, 2.0 ** -20, 0.02, 1.0, 3.0, 448.0,
+              2688.0, 1e6, 1e30, 3.4028235e38]
+    w = torch.zeros(len(amaxes), 2, 32)
+    w[:, 1, 5] = -torch.tensor(amaxes)  # the amax a negative element: |w| is what counts
+    w[:, 0, :] = torch.tensor(amaxes)[:, None] * 0.25
+    w = w.to(DEVICE)
+    k = w.shape[2]
+    dst = torch.zeros((len(amaxes), 2, q.fp4_padded_k(k) // 2), dtype=torch.uint8, device=DEVICE)
+    scale_dst = torch.zeros((len(amaxes), 2, q.fp4_padded_k(k) // 16), dtype=torch.uint8,
+                            device=DEVICE).view(q.FP8_DTYPE)
+    rows = torch.arange(2, device=DEVICE)
+    got = prepare.quantize_scatter_nvfp4(w, dst, rows, scale_dst, rows, schedule,
+                                         return_factors=True)
+    amax = torch.tensor(amaxes, dtype=torch.float32, device=DEVICE)
+    global_scale, inv_global = q.nvfp4_global_scale(amax)
+    want = (global_scale, inv_global, prepare._nvfp4_inverse_table(global_scale))
+    for name, a, b in zip(("global scale", "inverse", "table"), got, want):
+        _assert_bytes(a, b, name)
+    assert not any(t.isnan().any() for t in got)
+
+
+def _schedule_probe():
+    """A kernel that records _nvfp4_schedule's (expert, amax?, tile) of every program (defined
+    lazily: triton.jit needs the function's source file, which pytest has)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(out_ptr, E, amax_tiles, quant_tiles, SCHEDULE: tl.constexpr, WIDE: tl.constexpr):
+        e, is_amax, tile = prepare._nvfp4_schedule(E, amax_tiles, quant_tiles, SCHEDULE, WIDE)
+        pid = tl.program_id(0)
+        tl.store(out_ptr + 3 * pid, e.to(tl.int64))
+        tl.store(out_ptr + 3 * pid + 1, is_amax.to(tl.int64))
+        tl.store(out_ptr + 3 * pid + 2, tile.to(tl.int64))
+
+    return probe
+
+
+@pytest.mark.parametrize("schedule", prepare.NVFP4_SCHEDULES)
+@pytest.mark.parametrize("e, a, qt", [(1, 1, 1), (1, 3, 5), (3, 1, 4), (4, 3, 7), (3, 5, 2),
+                                      (2, 4, 4)])
+def test_nvfp4_schedule_runs_each_tile_once_amax_first(schedule, e, a, qt):
+    """The fused grid runs every (expert, kind, tile) exactly once; all amax tiles of an expert
+    come before its quantize tiles (the in-kernel wait needs it); amax tiles in increasing
+    order, quantize tiles in decreasing order; "sequential" is [A_0][Q_0][A_1][Q_1]...,
+    "interleaved" [A_0][A_1 with Q_0]...[Q_{E-1}], each amax tile of expert s + 1 at
+    position floor(j * T / A) of its segment. The 64-bit variant (WIDE) maps the same."""
+    probe = _schedule_probe()
+    got = {}
+    for wide in (False, True):
+        out = torch.full((e * (a + qt), 3), -1, dtype=torch.int64, device=DEVICE)
+        probe[(e * (a + qt),)](out, e, a, qt, SCHEDULE=schedule, WIDE=wide)
+        got[wide] = [tuple(r) for r in out.cpu().tolist()]
+    assert got[False] == got[True]
+    programs = got[False]
+    assert sorted(programs) == sorted([(x, 1, t) for x in range(e) for t in range(a)]
+                                      + [(x, 0, t) for x in range(e) for t in range(qt)])
+    for x in range(e):
+        amax = [t for (y, kind, t) in programs if y == x and kind == 1]
+        quantize = [t for (y, kind, t) in programs if y == x and kind == 0]
+        assert amax == list(range(a)) and quantize == list(range(qt))[::-1]
+        last_amax = max(p for p, (y, kind, _) in enumerate(programs) if y == x and kind == 1)
+        first_quantize = min(p for p, (y, kind, _) in enumerate(programs) if y == x and kind == 0)
+        assert last_amax < first_quantize
+    t = a + qt
+    if schedule == "sequential":
+        assert [(y, kind) for y, kind, _ in programs] == [
+            (x, int(i < a)) for x in range(e) for i in range(t)]
+    else:
+        want = [(0, 1)] * a
+        for s in range(e - 1):
+            positions = {j * t // a for j in range(a)}
+            want += [(s + 1, 1) if i in positions else (s, 0) for i in range(t)]
+        want += [(e - 1, 0)] * qt
+        assert [(y, kind) for y, kind, _ in programs] == want
 
 
 # K = 16 (one slice: narrowest tile), 48 / 96 (3 / 6 slices: masked column tiles, 8- / 16-byte

@@ -281,6 +281,39 @@ def test_nvfp4_quantize_dequantize(seed, e, n, k, dtype):
     assert ((dequant.double() - wd).abs() <= full * 1.0 * (1 + 1e-5) + 1e-30).all()
 
 
+def _correctly_rounded(got: float, exact) -> bool:
+    """got (a float32) is the float32 nearest the exact rational `exact` (no ties here)."""
+    import numpy as np
+    from fractions import Fraction
+
+    g = np.float32(got)
+    neighbours = (np.nextafter(g, np.float32(np.inf)), np.nextafter(g, np.float32(-np.inf)))
+    distance = abs(Fraction(float(g)) - exact)
+    return all(not np.isfinite(n) or distance <= abs(Fraction(float(n)) - exact)
+               for n in neighbours)
+
+
+def test_nvfp4_global_scale_is_correctly_rounded():
+    """nvfp4_global_scale = amax / 2688 and its inverse 1 / global, each the correctly rounded
+    float32 (a true division on every device, as the fused preparation kernel computes them in
+    its own launch), 0 and 0 for a zero expert; float32 subnormals included."""
+    from fractions import Fraction
+
+    gen = torch.Generator().manual_seed(3)
+    amax = torch.cat((torch.tensor([0.0, 1e-45, 1e-40, 3e-38, 1.0, 2688.0, 448.0, 3.4e38]),
+                      torch.rand(200, generator=gen) * torch.logspace(-30, 30, 200)))
+    global_scale, inv_global = q.nvfp4_global_scale(amax)
+    assert global_scale.dtype == inv_global.dtype == torch.float32
+    for a, g, inv in zip(amax.tolist(), global_scale.tolist(), inv_global.tolist()):
+        assert _correctly_rounded(g, Fraction(a) / 2688), a
+        if g == 0:
+            assert inv == 0, a
+        elif math.isfinite(inv):
+            assert _correctly_rounded(inv, 1 / Fraction(g)), a
+        else:  # 1/g past float32's range: rounds to infinity
+            assert 1 / Fraction(g) >= Fraction(float(torch.finfo(torch.float32).max)), a
+
+
 def test_nvfp4_all_zero_tensor():
     packed, block_scale, global_scale = q.quantize_nvfp4(torch.zeros(2, 4, 32))
     dequant = q.dequantize_fp4(packed, block_scale, "nvfp4", global_scale[:, None].expand(2, 4))

@@ -4,7 +4,10 @@ moe_ops.kernels.INTERPRET; the format constants are moe_ops.quant's.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from typing import Iterator
 
 import torch
 import triton
@@ -66,16 +69,33 @@ def capability_at_least(device: torch.device, capability: tuple[int, int]) -> bo
 # these as programmatic edges. Off in the interpreter (no inline PTX there), on pre-Hopper GPUs,
 # and when MOE_OPS_PDL=0 (read at import: a launch pays no environment lookup).
 # ---------------------------------------------------------------------------------------------
+# Early launch pays at decode only: at prefill (long kernels, many programs) the dependent's
+# programs, resident early, take SM slots and shared memory from their still running predecessor:
+# Mixtral T=16384 on one H200, whole experts call, 643 -> 675 TFLOP/s (bf16) and 836 -> 881
+# (fp8) without it (benchmarks/results/h200_pdl_prefill.json). `pdl_early_launch(False)` scopes
+# launches without the attribute; the kernels stay the same (griddepcontrol.wait returns at once
+# in a kernel launched normally), so nothing is compiled twice.
 _PDL_DISABLED = os.environ.get("MOE_OPS_PDL", "1") == "0"
+_PDL_EARLY_LAUNCH = contextvars.ContextVar("moe_ops_pdl_early_launch", default=True)
 
 
 def use_pdl(device: torch.device) -> bool:
     return not _PDL_DISABLED and capability_at_least(device, (9, 0))
 
 
+@contextlib.contextmanager
+def pdl_early_launch(enabled: bool) -> Iterator[None]:
+    """Inside: kernels are launched with the PDL attribute only if `enabled`."""
+    token = _PDL_EARLY_LAUNCH.set(enabled)
+    try:
+        yield
+    finally:
+        _PDL_EARLY_LAUNCH.reset(token)
+
+
 def pdl_launch_options(device: torch.device) -> dict:
     """Launch keywords of a kernel that begins with pdl_prologue(USE_PDL=use_pdl(device))."""
-    return {"launch_pdl": True} if use_pdl(device) else {}
+    return {"launch_pdl": True} if use_pdl(device) and _PDL_EARLY_LAUNCH.get() else {}
 
 
 @triton.jit

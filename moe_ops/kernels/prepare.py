@@ -20,11 +20,14 @@ The quantization math is moe_ops.quant's, operation for operation, so the bytes 
   in the interpreter (whose float8 cast rounds wrongly, see common.round_to_e4m3_grid) and on
   GPUs without that instruction it is emulated bit for bit (`_e4m3_bits`);
 - float32 -> e2m1 is quant.e2m1_encode's rounding, done by float fmas (`_e2m1_bits`);
-- nvfp4's per-block inverse scale is looked up in a per-expert table that the launcher builds
-  with quant.quantize_nvfp4's own expressions (`_nvfp4_inverse_table`);
-- per-expert factors (fp8's 448/amax, nvfp4's global scale and its inverse) are computed by the
-  launcher with the reference's own torch expressions, from an amax reduced here (a max is exact
-  in any order);
+- nvfp4's per-block inverse scale is looked up in a per-expert table of quant.quantize_nvfp4's
+  own expressions (`_nvfp4_inverse_table`, or the same operations in _nvfp4_fused_kernel);
+- fp8's per-expert factor (448/amax) is computed by the launcher with the reference's own torch
+  expression, from an amax reduced here (a max is exact in any order); nvfp4's (global scale, its
+  inverse and the inverse table) likewise, or, with NVFP4_FUSED_AMAX on (measured slower, off),
+  in the quantizing launch itself (quantize_scatter_nvfp4: amax programs ahead of the quantize
+  programs of each expert, the last one of an expert computing its factors with the reference's
+  operations and releasing the expert's quantize programs through a flag);
 - launches disable FMA contraction, so no multiply-add is fused into a differently rounded op
   (the explicit `tl.fma`s below are exact products plus one rounding, as intended).
 
@@ -76,11 +79,35 @@ _FP4_WARPS = 4
 _AMAX_TILE = (8, 1024)
 _AMAX_ITERS = 4
 _AMAX_WARPS = 8
+# nvfp4 from float weights in one launch (quantize_scatter_nvfp4): the amax programs share
+# the quantize programs' kernel, and so their 4 warps; a tile is 16 KiB of a 16-bit source
+# (8 rows of 512 int32 pairs: 8 16-byte loads per thread), _FUSED_AMAX_ITERS of them per
+# program (64 KiB: an expert's two atomics per 64 KiB read).
+_FUSED_AMAX_TILE = (8, 512)
+_FUSED_AMAX_ITERS = 4
+# Where the tiles do not divide the expert (masked loads: gpt_oss' 2880 x 2880), 2 per program:
+# with 4 the sm_90 build holds all the masked loads at once, 146 registers instead of 96 (the
+# quantize programs' need), 3 programs per SM instead of 5.
+_FUSED_AMAX_MASKED_ITERS = 2
 # Whole-tile programs of a bit copy: 16 KiB per program.
 _COPY_TILE_BYTES = 16384
 # Reordering packed fp4 rows into the kernel order: up to 64 16-column slices (512 source bytes,
 # 128 bytes of each of the 4 runs) per row of a tile, _COPY_TILE_BYTES per program.
 _FP4_ORDER_MAX_SLICES = 64
+
+# nvfp4 from float weights: the amax pass, the factors in torch and quantize_scatter (two
+# kernels), or one launch (quantize_scatter_nvfp4, the amax pass fused in). Off: the fused
+# launch was slower on one H200 (deepseek_v3 w1, bf16 -> nvfp4, against (read + write) / copy
+# bandwidth: two launches 2.12x, fused interleaved 2.45x, sequential 2.59x;
+# results/h200_prepare_variants.json): the quantize programs wait on their expert's flag with
+# SM slots held, and each acquire invalidates L1, while the overlap it buys is small. Kept,
+# tested, to be re-measured (benchmarks/bench_prepare.py --nvfp4-variants). moe_ops.layout reads
+# these at each call.
+NVFP4_FUSED_AMAX = False
+# The order of the fused launch's programs (see _nvfp4_schedule).
+NVFP4_SCHEDULES = ("sequential", "interleaved")
+NVFP4_SCHEDULE = "interleaved"
+
 
 def _hw_e4m3(device: torch.device) -> bool:
     """Whether the GPU converts float32 -> e4m3 itself (cvt.rn.satfinite.e4m3x2.f32, sm_89+);
@@ -294,59 +321,39 @@ def _fp4_half_slices(src_rows, c, h, mask, stride_sk, SRC: tl.constexpr, EVEN: t
 
 
 @triton.jit
-def _fp4_kernel(
-    src_ptr, dst_ptr, dst_rows_ptr, scale_ptr, scale_rows_ptr, table_ptr, factor2_ptr,
-    N, slices, num_col_blocks, run,
-    stride_se, stride_sn, stride_sk,
-    stride_de, stride_dn,
-    stride_ce, stride_cn,
+def _fp4_load(src_ptr, e, col_block, rows, N, slices, stride_se, stride_sn, stride_sk,
+              SRC: tl.constexpr, EVEN_N: tl.constexpr, SLICES_ALIGN: tl.constexpr,
+              BLOCK_S: tl.constexpr):
+    """The source values of one fp4 tile (see _fp4_kernel) as float32 [rows, slices, 4]: the
+    low and high columns of each slice's two halves (lo0, hi0, lo1, hi1)."""
+    EVEN: tl.constexpr = EVEN_N and SLICES_ALIGN == BLOCK_S
+    c = col_block * BLOCK_S + tl.arange(0, BLOCK_S)
+    src_rows = src_ptr + e * stride_se + rows.to(tl.int64) * stride_sn
+    # Load masks constant over SLICES_ALIGN slices (bounds written as multiples of it), so the
+    # loads stay vectorized; whole scale blocks are in or out.
+    slice_ok = c < (slices // SLICES_ALIGN) * SLICES_ALIGN
+    mask = ((rows < N)[:, None] & slice_ok[None, :])[:, :, None]
+    lo0, hi0 = _fp4_half_slices(src_rows, c, 0, mask, stride_sk, SRC, EVEN)
+    lo1, hi1 = _fp4_half_slices(src_rows, c, 1, mask, stride_sk, SRC, EVEN)
+    return lo0, hi0, lo1, hi1
+
+
+@triton.jit
+def _fp4_quantize_store(
+    lo0, hi0, lo1, hi1, dst_ptr, dst_rows_ptr, scale_ptr, scale_rows_ptr, table_ptr,
+    factor2_ptr, e, col_block, rows, N, run,
+    stride_de, stride_dn, stride_ce, stride_cn,
     QUANT: tl.constexpr,
-    SRC: tl.constexpr,
-    HW_E4M3: tl.constexpr,
     EVEN_N: tl.constexpr,
-    SLICES_ALIGN: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """One tile of src[e] (BLOCK_N rows, BLOCK_S 16-column slices; a row is `slices` = K/16
-    slices) -> packed e2m1 rows dst[e, dst_rows[r]] in kernel order, and their block scales at
-    rows scale_rows[r] in natural order.
-
-    dst is the int16 view of the kernel-order rows: a row is 4 runs of `run` = Kp/16 int16, the
-    2 bytes of slice c in run t at t * run + c (moe_ops.quant, "The kernel order of packed e2m1
-    rows"; _kernel_order_runs). The grid covers the padded row (Kp/16 slices, BLOCK_S divides
-    it): the padding past K is loaded as zeros and so written as zero codes and zero scales
-    (what the GEMMs, which read it unmasked, need), in the same pass.
-
-    Each thread holds whole slices (two 16-byte loads of a 16-bit source), so the block amax, the
-    codes, the natural bytes and their re-pairing into the kernel order all stay in its
-    registers; the stores are 16-byte vectors along each run. (An earlier version packed natural
-    bytes first and re-paired them across threads: 2.8x the memory floor instead of ~1.5x.)
-
-    QUANT "nvfp4": e4m3 block scales (16 along K = one slice); factor2 = the inverse of the
-                   expert's global scale (0 for a zero expert), table = the inverse of each
-                   block scale times the global scale, per expert and e4m3 byte.
-    QUANT "mxfp4": e8m0 block scales (32 along K = two slices; SLICES_ALIGN is even).
-    SRC "bf16" / "f16": src is the int32 view of a 16-bit source with contiguous rows: one load
-                   gives a pair of values, element 2i in the low half, which is the pair one
-                   output nibble pair packs; "strided": any float dtype and strides, even and odd
-                   columns loaded apart.
-    SLICES_ALIGN: a power of two <= BLOCK_S that divides `slices` (== BLOCK_S: the row has no
-                   padding, no column masks).
-    """
-    EVEN_K: tl.constexpr = SLICES_ALIGN == BLOCK_S
-    e, row_block, col_block, rows = _tile(num_col_blocks, BLOCK_N)
+    """Quantize one fp4 tile loaded by _fp4_load and store its kernel-order codes and block
+    scales (see _fp4_kernel). Shared by _fp4_kernel and _nvfp4_fused_kernel, whose nvfp4
+    factors (table, factor2) come from the amax pass of the same launch."""
     c = col_block * BLOCK_S + tl.arange(0, BLOCK_S)
-    src_rows = src_ptr + e * stride_se + rows.to(tl.int64) * stride_sn
     row_mask = rows < N
-    # Load masks constant over SLICES_ALIGN slices (bounds written as multiples of it), so the
-    # loads stay vectorized; whole scale blocks are in or out. Stores mask rows only.
-    slice_ok = c < (slices // SLICES_ALIGN) * SLICES_ALIGN
-    mask = row_mask[:, None] & slice_ok[None, :]
-    EVEN: tl.constexpr = EVEN_N and EVEN_K
-    lo0, hi0 = _fp4_half_slices(src_rows, c, 0, mask[:, :, None], stride_sk, SRC, EVEN)
-    lo1, hi1 = _fp4_half_slices(src_rows, c, 1, mask[:, :, None], stride_sk, SRC, EVEN)
-    store_mask = None if EVEN_N else row_mask[:, None]
+    store_mask = None if EVEN_N else row_mask[:, None]   # stores mask rows only
     slice_amax = tl.maximum(tl.max(tl.maximum(tl.abs(lo0), tl.abs(hi0)), axis=2),
                             tl.max(tl.maximum(tl.abs(lo1), tl.abs(hi1)), axis=2))
     if QUANT == "nvfp4":
@@ -403,6 +410,56 @@ def _fp4_kernel(
 
 
 @triton.jit
+def _fp4_kernel(
+    src_ptr, dst_ptr, dst_rows_ptr, scale_ptr, scale_rows_ptr, table_ptr, factor2_ptr,
+    N, slices, num_col_blocks, run,
+    stride_se, stride_sn, stride_sk,
+    stride_de, stride_dn,
+    stride_ce, stride_cn,
+    QUANT: tl.constexpr,
+    SRC: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    SLICES_ALIGN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One tile of src[e] (BLOCK_N rows, BLOCK_S 16-column slices; a row is `slices` = K/16
+    slices) -> packed e2m1 rows dst[e, dst_rows[r]] in kernel order, and their block scales at
+    rows scale_rows[r] in natural order.
+
+    dst is the int16 view of the kernel-order rows: a row is 4 runs of `run` = Kp/16 int16, the
+    2 bytes of slice c in run t at t * run + c (moe_ops.quant, "The kernel order of packed e2m1
+    rows"; _kernel_order_runs). The grid covers the padded row (Kp/16 slices, BLOCK_S divides
+    it): the padding past K is loaded as zeros and so written as zero codes and zero scales
+    (what the GEMMs, which read it unmasked, need), in the same pass.
+
+    Each thread holds whole slices (two 16-byte loads of a 16-bit source), so the block amax, the
+    codes, the natural bytes and their re-pairing into the kernel order all stay in its
+    registers; the stores are 16-byte vectors along each run. (An earlier version packed natural
+    bytes first and re-paired them across threads: 2.8x the memory floor instead of ~1.5x.)
+
+    QUANT "nvfp4": e4m3 block scales (16 along K = one slice); factor2 = the inverse of the
+                   expert's global scale (0 for a zero expert), table = the inverse of each
+                   block scale times the global scale, per expert and e4m3 byte.
+    QUANT "mxfp4": e8m0 block scales (32 along K = two slices; SLICES_ALIGN is even).
+    SRC "bf16" / "f16": src is the int32 view of a 16-bit source with contiguous rows: one load
+                   gives a pair of values, element 2i in the low half, which is the pair one
+                   output nibble pair packs; "strided": any float dtype and strides, even and odd
+                   columns loaded apart.
+    SLICES_ALIGN: a power of two <= BLOCK_S that divides `slices` (== BLOCK_S: the row has no
+                   padding, no column masks).
+    """
+    e, row_block, col_block, rows = _tile(num_col_blocks, BLOCK_N)
+    lo0, hi0, lo1, hi1 = _fp4_load(src_ptr, e, col_block, rows, N, slices, stride_se,
+                                   stride_sn, stride_sk, SRC, EVEN_N, SLICES_ALIGN, BLOCK_S)
+    _fp4_quantize_store(lo0, hi0, lo1, hi1, dst_ptr, dst_rows_ptr, scale_ptr, scale_rows_ptr,
+                        table_ptr, factor2_ptr, e, col_block, rows, N, run,
+                        stride_de, stride_dn, stride_ce, stride_cn,
+                        QUANT, EVEN_N, BLOCK_N, BLOCK_S)
+
+
+@triton.jit
 def _amax_kernel(
     src_ptr, out_ptr, N, K, num_col_blocks, programs,
     stride_se, stride_sn, stride_sk,
@@ -434,6 +491,209 @@ def _amax_kernel(
             x = tl.load(src, mask=(rows < N)[:, None] & (cols < K)[None, :], other=0.0)
         acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
     tl.store(out_ptr + e * programs + pid, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _amax_tile(src_ptr, e, tile, rows, cols, num_col_blocks, stride_se, stride_an, stride_ak,
+               SRC: tl.constexpr, UNIT_K: tl.constexpr, EVEN: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr):
+    """max |x| over tile `tile` of expert e as float32, the expert seen as a [rows, cols] matrix
+    (strides stride_an, stride_ak; a contiguous expert is given as full-width rows, see
+    _rows_view): ITERS row tiles [BLOCK_N, BLOCK_K] of one column block, read with a running
+    elementwise max, so their loads are independent and in flight together.
+
+    SRC "bf16" / "f16": src is the int32 view (pairs of values). The magnitudes are maxed as
+    integers, each half apart: a non-negative float's bits order as the float does, so
+    `bits & 0x7FFF` (low value) and `bits & 0x7FFF0000` (high value, still a non-negative int32)
+    are compared as they are, two operations per value and exact. "strided": any float dtype.
+    """
+    row_block = tile // num_col_blocks
+    cols_k = (tile % num_col_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+    if UNIT_K:
+        col_offsets = cols_k[None, :]
+    else:
+        col_offsets = cols_k.to(tl.int64)[None, :] * stride_ak
+    base = src_ptr + e * stride_se
+    if SRC == "strided":
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc_lo = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
+        acc_hi = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
+    for i in tl.static_range(ITERS):
+        r = (row_block * ITERS + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        x = _load(base + (r.to(tl.int64) * stride_an)[:, None] + col_offsets,
+                  (r < rows)[:, None] & (cols_k < cols)[None, :], EVEN)
+        if SRC == "strided":
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+        else:
+            acc_lo = tl.maximum(acc_lo, x & 0x7FFF)
+            acc_hi = tl.maximum(acc_hi, x & 0x7FFF0000)
+    # One return at the end: Triton's compiler does not stop at a return inside a constexpr if
+    # (the interpreter does).
+    if SRC == "strided":
+        m = tl.max(tl.max(acc, axis=1), axis=0)
+    else:
+        lo = tl.max(tl.max(acc_lo, axis=1), axis=0)
+        hi = tl.max(tl.max(acc_hi, axis=1), axis=0)
+        if SRC == "bf16":  # a bf16's bits are the top half of its float32's
+            m = tl.maximum(lo << 16, hi).to(tl.float32, bitcast=True)
+        else:
+            m = tl.maximum(lo, hi >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return m
+
+
+@triton.jit
+def _nvfp4_schedule(E, amax_tiles, quant_tiles, SCHEDULE: tl.constexpr, WIDE: tl.constexpr):
+    """This program's (expert, whether it is an amax tile, tile index) in _nvfp4_fused_kernel's
+    grid of E * (amax_tiles + quant_tiles) programs. Every amax tile of an expert has a lower
+    program id than every quantize tile of it (what the kernel's wait needs).
+
+    "sequential":  [A_0][Q_0][A_1][Q_1]...: each expert's amax tiles, then its quantize tiles.
+    "interleaved": [A_0][A_1 + Q_0][A_2 + Q_1]...[Q_{E-1}]: the amax tiles of expert s + 1 spread
+                   evenly among the quantize tiles of expert s (amax tile j at position
+                   floor(j * T / A) of the segment of T = A + Q programs), so the memory-bound
+                   and the instruction-bound programs share the SMs all along.
+    Quantize tiles go in reverse order (last row block first) in both: the amax pass reads an
+    expert front to back, so its last tiles are the likeliest still in L2.
+
+    Scalar work once per program, but the quantize programs are instruction-bound: 32-bit
+    arithmetic and one division ("sequential") or two ("interleaved"); WIDE (the launcher's
+    choice, where T * (A + 1) can pass 2^31) makes it 64-bit.
+    """
+    pid = tl.program_id(0)
+    A = amax_tiles
+    if WIDE:
+        pid = pid.to(tl.int64)
+        A = A.to(tl.int64)
+    T = A + quant_tiles
+    if SCHEDULE == "sequential":
+        e = pid // T
+        i = pid - e * T
+        is_amax = i < A
+        tile = tl.where(is_amax, i, T - 1 - i)  # quantize tile Q - 1 - (i - A)
+    else:
+        head = pid < A                           # A_0
+        tail = pid >= A + (E - 1) * T            # Q_{E-1}
+        body = tl.where(head | tail, 0, pid - A)
+        s = body // T                            # segment A_{s+1} + Q_s
+        i = body - s * T
+        # Amax tile j sits at floor(j * T / A). j0 = ceil(i * A / T), how many lie before
+        # position i, has j0 * T >= i * A; position i is j0's iff j0 * T < (i + 1) * A.
+        j0 = (i * A + T - 1) // T
+        mixed_amax = (j0 < A) & (j0 * T < (i + 1) * A)
+        is_amax = tl.where(head, True, tl.where(tail, False, mixed_amax))
+        e = tl.where(head, 0, tl.where(tail, E - 1, tl.where(mixed_amax, s + 1, s)))
+        q_index = tl.where(tail, pid - A - (E - 1) * T, i - j0)
+        tile = tl.where(head, pid, tl.where(is_amax, j0, quant_tiles - 1 - q_index))
+    return e.to(tl.int64), is_amax, tile.to(tl.int32)  # tile counts fit 32 bits (the grid does)
+
+
+@triton.jit
+def _nvfp4_fused_kernel(
+    src_ptr, dst_ptr, dst_rows_ptr, scale_ptr, scale_rows_ptr,
+    sync_ptr, global_ptr, inv_global_ptr, table_ptr,
+    E, N, slices, num_col_blocks, run, quant_tiles,
+    amax_tiles, amax_rows, amax_cols, amax_col_blocks,
+    stride_se, stride_sn, stride_sk,
+    stride_de, stride_dn,
+    stride_ce, stride_cn,
+    stride_an, stride_ak,
+    SCHEDULE: tl.constexpr,
+    WIDE_SCHEDULE: tl.constexpr,
+    SRC: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    SLICES_ALIGN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    AMAX_UNIT_K: tl.constexpr,
+    AMAX_EVEN: tl.constexpr,
+    AMAX_BLOCK_N: tl.constexpr,
+    AMAX_BLOCK_K: tl.constexpr,
+    AMAX_ITERS: tl.constexpr,
+):
+    """nvfp4 quantize-and-scatter of src [E, N, K] in one launch, the per-expert amax included:
+    _fp4_kernel's work (QUANT "nvfp4"; the same tiles, arguments and outputs) plus the pass that
+    _amax_kernel and the launcher's torch expressions did before it, as two kinds of programs
+    (_nvfp4_schedule). A memory-bound amax program and instruction-bound quantize programs then
+    share the SMs, and the quantize pass re-reads an expert soon after the amax pass (in L2, in
+    part), where two launches ran them one after the other.
+
+    sync (int32 [3, E], zeros): the float32 bits of the expert's amax so far (amax >= 0, so
+    the bits order as integers do: an integer atomic max), how many of its amax programs are
+    done, and its "ready" flag. Outputs: global (float32 [E], quant.nvfp4_global_scale's
+    global scale), inv_global ([E], its inverse, 0 for a zero expert), table ([E, 128],
+    _nvfp4_inverse_table's).
+
+    An amax program reduces its tile, maxes it into the expert's slot, and counts itself done
+    (acq_rel: its max is visible before its count). The one that completes the count
+    (atomic_add returns amax_tiles - 1) sees every max (acquire), computes the expert's
+    factors, and publishes them with a release on the ready flag. A quantize program loads its
+    tile (the weights do not depend on the amax pass), waits for its expert's flag (acquire),
+    then reads the factors and does what _fp4_kernel does.
+
+    No deadlock: a program only waits on programs of lower ids (every amax tile of an expert
+    precedes its quantize tiles, _nvfp4_schedule), and NVIDIA GPUs dispatch the programs of a
+    1-D grid in increasing id order, so those have all been started (they never wait) and will
+    finish: the forward-progress assumption of decoupled look-back scans. The interpreter runs
+    the programs one after another in id order: the flag is always set already.
+    """
+    e, is_amax, tile = _nvfp4_schedule(E, amax_tiles, quant_tiles, SCHEDULE, WIDE_SCHEDULE)
+    amax_slot = sync_ptr + e
+    done = sync_ptr + E + e
+    ready = sync_ptr + 2 * E + e
+    if is_amax:
+        m = _amax_tile(src_ptr, e, tile, amax_rows, amax_cols, amax_col_blocks, stride_se,
+                       stride_an, stride_ak, SRC, AMAX_UNIT_K, AMAX_EVEN, AMAX_BLOCK_N,
+                       AMAX_BLOCK_K, AMAX_ITERS)
+        # Relaxed: the acq_rel count below (same thread: a scalar atomic is issued by one
+        # thread of the program) orders it.
+        tl.atomic_max(amax_slot, m.to(tl.int32, bitcast=True), sem="relaxed")
+        if tl.atomic_add(done, 1, sem="acq_rel") == amax_tiles - 1:
+            # The last amax program of the expert: every max is in the slot (read atomically,
+            # from L2). quant.nvfp4_global_scale and _nvfp4_inverse_table, operation for
+            # operation: amax / 2688 and 1 / x correctly rounded (torch's true division and
+            # reciprocal), products of exact factors rounded once (no FMA contraction).
+            amax = tl.atomic_add(amax_slot, 0, sem="relaxed").to(tl.float32, bitcast=True)
+            g = tl.div_rn(amax, 2688.0)                       # quant.FP8_MAX * quant.E2M1_MAX
+            tl.store(global_ptr + e, g)
+            tl.store(inv_global_ptr + e, tl.where(g > 0, tl.div_rn(1.0, tl.where(g > 0, g, 1.0)),
+                                                  0.0))
+            # The e4m3 value of each byte b = 0..127 from its bits (exact; no float8
+            # conversion, which needs sm_89 and which the interpreter gets wrong for 0x7F):
+            # exponent 0 is subnormal, m * 2^-9; 0x7F is e4m3fn's NaN, whose inverse the
+            # reference makes 0 (NaN > 0 is false; never looked up: block scales saturate at
+            # 448 = 0x7E).
+            b = tl.arange(0, 128)
+            exponent = b >> 3
+            mantissa = b & 7
+            value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125,
+                             (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32,
+                                                                               bitcast=True))
+            full = value * g
+            ok = (full > 0) & (b != 127)
+            tl.store(table_ptr + e * 128 + b,
+                     tl.where(ok, tl.div_rn(1.0, tl.where(ok, full, 1.0)), 0.0))
+            # Every thread's stores before the one thread's release (CTA barrier, then the
+            # release is cumulative over what the barrier ordered before it).
+            tl.debug_barrier()
+            tl.atomic_xchg(ready, 1, sem="release")
+    else:
+        row_block = tile // num_col_blocks
+        col_block = tile % num_col_blocks
+        rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        # The weights first: their loads are in flight while the flag is checked.
+        lo0, hi0, lo1, hi1 = _fp4_load(src_ptr, e, col_block, rows, N, slices, stride_se,
+                                       stride_sn, stride_sk, SRC, EVEN_N, SLICES_ALIGN, BLOCK_S)
+        # Acquire reads of the flag, so that the factors read below are those published before
+        # it. Triton turns an atomic add of 0 into an atomic load (ld.acquire.gpu: no
+        # read-modify-write contending on the flag's address); a spin on volatile loads followed
+        # by one such read would not do: with its result unused that read is dropped.
+        while tl.atomic_add(ready, 0, sem="acquire") == 0:
+            pass
+        _fp4_quantize_store(lo0, hi0, lo1, hi1, dst_ptr, dst_rows_ptr, scale_ptr,
+                            scale_rows_ptr, table_ptr, inv_global_ptr, e, col_block, rows, N,
+                            run, stride_de, stride_dn, stride_ce, stride_cn,
+                            "nvfp4", EVEN_N, BLOCK_N, BLOCK_S)
 
 
 @triton.jit
@@ -606,26 +866,115 @@ def quantize_scatter(
         )
         return
 
-    kp = q.fp4_padded_k(k)
-    assert dst.shape[-1] == kp // 2, "fp4 rows are kernel-order rows of Kp/2 bytes"
-    assert not has_scale or scale_dst.shape[-1] == kp // q.fp4_scale_block(quant)
-    assert k % q.fp4_scale_block(quant) == 0, "fp4 rows are whole scale blocks"
+    _check_fp4_destination(k, quant, dst, scale_dst)
     if quant == "nvfp4":
         table = _nvfp4_inverse_table(factor)
-    slices = k // 16
-    block_s, align = _fp4_column_tiles(slices, kp // 16, _FP4_MAX_SLICES)
-    block_n = min(max(1, _FP4_TILE_SLICES // block_s), next_power_of_2(n))
-    col_blocks = kp // 16 // block_s
+    slices, block_n, block_s, align, col_blocks = _fp4_tiles(n, k)
     src, kind = _fp4_source(w)
     runs = _int16_rows(dst)
     _fp4_kernel[(cdiv(n, block_n) * col_blocks, e)](
         src, runs, dst_rows, scale_arg, scale_rows_arg,
         table if quant == "nvfp4" else dst_rows, factor2 if factor2 is not None else dst_rows,
-        n, slices, col_blocks, kp // 16, *src.stride(), runs.stride(0), runs.stride(1),
-        *scale_strides,
+        n, slices, col_blocks, q.fp4_padded_k(k) // 16, *src.stride(), runs.stride(0),
+        runs.stride(1), *scale_strides,
         QUANT=quant, SRC=kind, HW_E4M3=hw, EVEN_N=n % block_n == 0, SLICES_ALIGN=align,
         BLOCK_N=block_n, BLOCK_S=block_s, num_warps=_FP4_WARPS, enable_fp_fusion=False,
     )
+
+
+def _check_fp4_destination(k: int, quant: str, dst: torch.Tensor,
+                           scale_dst: Optional[torch.Tensor]) -> None:
+    kp = q.fp4_padded_k(k)
+    assert dst.shape[-1] == kp // 2, "fp4 rows are kernel-order rows of Kp/2 bytes"
+    assert scale_dst is None or scale_dst.shape[-1] == kp // q.fp4_scale_block(quant)
+    assert k % q.fp4_scale_block(quant) == 0, "fp4 rows are whole scale blocks"
+
+
+def _fp4_tiles(n: int, k: int) -> tuple[int, int, int, int, int]:
+    """The tiles of _fp4_kernel (and of _nvfp4_fused_kernel's quantize programs) for rows of
+    K columns: (slices = K/16, BLOCK_N, BLOCK_S, SLICES_ALIGN, column blocks per row block)."""
+    slices, padded_slices = k // 16, q.fp4_padded_k(k) // 16
+    block_s, align = _fp4_column_tiles(slices, padded_slices, _FP4_MAX_SLICES)
+    block_n = min(max(1, _FP4_TILE_SLICES // block_s), next_power_of_2(n))
+    return slices, block_n, block_s, align, padded_slices // block_s
+
+
+def _amax_view(src: torch.Tensor) -> tuple[tuple[int, int, int, int], int, int, int, bool]:
+    """How _nvfp4_fused_kernel's amax programs read src (the kernel's source view, [E, N, K]
+    elements or int32 pairs): ((rows, cols, row stride, column stride) of each expert seen as a
+    matrix, BLOCK_N, BLOCK_K, ITERS, EVEN). A contiguous expert is read as full-width rows of
+    _FUSED_AMAX_TILE[1] elements whatever its shape (a max does not care about it: vector loads,
+    no masks); otherwise its own rows, in tiles of the same size."""
+    block_n, block_k = _FUSED_AMAX_TILE
+    flat = _rows_view(src, block_k)
+    if flat is not None:
+        rows, cols, stride_n, stride_k = flat.shape[1], block_k, block_k, 1
+    else:
+        rows, cols = src.shape[1:]
+        stride_n, stride_k = src.stride(1), src.stride(2)
+        block_k = min(block_k, next_power_of_2(cols))
+        block_n = max(1, _FUSED_AMAX_TILE[0] * _FUSED_AMAX_TILE[1] // block_k)
+    iters = max(1, min(_FUSED_AMAX_ITERS, cdiv(rows, block_n)))
+    even = rows % (block_n * iters) == 0 and cols % block_k == 0
+    if not even:
+        iters = min(iters, _FUSED_AMAX_MASKED_ITERS)
+        even = rows % (block_n * iters) == 0 and cols % block_k == 0
+    return (rows, cols, stride_n, stride_k), block_n, block_k, iters, even
+
+
+def quantize_scatter_nvfp4(
+    w: torch.Tensor,
+    dst: torch.Tensor,
+    dst_rows: torch.Tensor,
+    scale_dst: torch.Tensor,
+    scale_rows: torch.Tensor,
+    schedule: Optional[str] = None,
+    return_factors: bool = False,
+):
+    """quantize_scatter(w, "nvfp4", ...) in one launch, its per-expert global scales included
+    (_nvfp4_fused_kernel): returns them, float32 [E] (quant.nvfp4_global_scale of each expert's
+    amax), written by the kernel (stream-ordered: no synchronization).
+
+    schedule: the order of the amax and quantize programs ("sequential" or "interleaved", see
+    _nvfp4_schedule); None = NVFP4_SCHEDULE.
+    return_factors: return (global scale, its inverse, the [E, 128] inverse table) instead,
+    what the kernel computed (tests compare them with the launcher-side expressions).
+    """
+    schedule = NVFP4_SCHEDULE if schedule is None else schedule
+    assert schedule in NVFP4_SCHEDULES, schedule
+    e, n, k = w.shape
+    if e == 0 or n == 0 or k == 0:
+        zeros = torch.zeros(e, dtype=torch.float32, device=w.device)
+        return (zeros, zeros.clone(), zeros.new_zeros(e, 128)) if return_factors else zeros
+    assert dst.stride(-1) == 1 and scale_dst.stride(-1) == 1
+    _check_fp4_destination(k, "nvfp4", dst, scale_dst)
+    if scale_dst.dtype == q.FP8_DTYPE:  # e4m3 bytes are stored as uint8
+        scale_dst = scale_dst.view(torch.uint8)
+    slices, block_n, block_s, align, col_blocks = _fp4_tiles(n, k)
+    src, kind = _fp4_source(w)
+    runs = _int16_rows(dst)
+    (amax_rows, amax_cols, stride_an, stride_ak), amax_n, amax_k, iters, even = _amax_view(src)
+    amax_tiles = cdiv(amax_rows, amax_n * iters) * cdiv(amax_cols, amax_k)
+    quant_tiles = cdiv(n, block_n) * col_blocks
+    device = w.device
+    # Per call: a few bytes per expert (the reload path's temporaries stay small).
+    sync = torch.zeros((3, e), dtype=torch.int32, device=device)
+    global_scale = torch.empty(e, dtype=torch.float32, device=device)
+    inv_global = torch.empty(e, dtype=torch.float32, device=device)
+    table = torch.empty((e, 128), dtype=torch.float32, device=device)
+    _nvfp4_fused_kernel[(e * (amax_tiles + quant_tiles),)](
+        src, runs, dst_rows, scale_dst, scale_rows, sync, global_scale, inv_global, table,
+        e, n, slices, col_blocks, q.fp4_padded_k(k) // 16, quant_tiles,
+        amax_tiles, amax_rows, amax_cols, cdiv(amax_cols, amax_k),
+        *src.stride(), runs.stride(0), runs.stride(1), scale_dst.stride(0), scale_dst.stride(1),
+        stride_an, stride_ak,
+        SCHEDULE=schedule, WIDE_SCHEDULE=(amax_tiles + quant_tiles) * (amax_tiles + 1) >= 2**31,
+        SRC=kind, EVEN_N=n % block_n == 0, SLICES_ALIGN=align,
+        BLOCK_N=block_n, BLOCK_S=block_s, AMAX_UNIT_K=stride_ak == 1, AMAX_EVEN=even,
+        AMAX_BLOCK_N=amax_n, AMAX_BLOCK_K=amax_k, AMAX_ITERS=iters,
+        num_warps=_FP4_WARPS, enable_fp_fusion=False,
+    )
+    return (global_scale, inv_global, table) if return_factors else global_scale
 
 
 def _fp4_column_tiles(slices: int, padded_slices: int, max_slices: int) -> tuple[int, int]:
