@@ -417,6 +417,34 @@ def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, mon
     assert persistent_gemms == ([1] if combine == "atomic" else [1, 2])
 
 
+@pytest.mark.parametrize("tokens,early", [(4, True), (256, True), (257, False), (1000, False)])
+def test_pdl_early_launch_at_decode_sizes_only(tokens, early, monkeypatch, poisoned_empty):
+    """Every launch of an experts call carries the PDL attribute iff the call routes at most
+    PDL_MAX_PAIRS pairs (here top_k = 2: 256 tokens); outside a call the default (on) is back,
+    and the kernels are the same either way (USE_PDL does not follow the scope)."""
+    from moe_ops.kernels import common
+    import moe_ops.kernels.grouped_gemm as gg
+    assert experts_mod.PDL_MAX_PAIRS == 512
+    monkeypatch.setattr(common, "_PDL_DISABLED", False)
+    monkeypatch.setattr(common, "capability_at_least", lambda device, capability: True)
+    seen = []
+    options = common.pdl_launch_options
+
+    def recording_options(device):
+        got = options(device)
+        seen.append(got.get("launch_pdl", False))
+        return {}  # the interpreter's launcher takes no PDL attribute
+
+    import moe_ops.kernels.act_quant as act_quant_mod
+    for module in (gg, align_mod, act_quant_mod):  # every launcher of the experts call
+        monkeypatch.setattr(module, "pdl_launch_options", recording_options)
+        monkeypatch.setattr(module, "use_pdl", lambda device: False)  # no PTX in the interpreter
+    tensors, kwargs = make_problem(tokens, 32, 16, 4, 2, seed=41)
+    check_experts(tensors, kwargs, 1e-2)
+    assert seen and all(flag == early for flag in seen), seen
+    assert options(torch.device(DEVICE)) == {"launch_pdl": True}
+
+
 @pytest.mark.parametrize("quant", ["none", "fp8"])
 def test_gather_rows_puts_token_rows_in_dispatch_order(quant, poisoned_empty):
     """gather_rows (GEMM1's rows for the persistent kernel): slot s of the live ones gets
