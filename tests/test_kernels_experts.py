@@ -417,6 +417,17 @@ def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, mon
     assert persistent_gemms == ([1] if combine == "atomic" else [1, 2])
 
 
+@pytest.mark.parametrize("quant,dtype", [("fp8_block", torch.bfloat16), ("none", torch.float32)])
+def test_explicit_persistent_config_is_refused_where_it_cannot_compute(quant, dtype):
+    """The persistent kernel computes none / fp8 with 16-bit activations only: an explicit
+    persistent config for another mode or dtype is refused, naming the argument, before any
+    launch (its launcher checks only what TMA needs)."""
+    tensors, kwargs = make_problem(40, 128, 128, 4, 2, quant=quant, dtype=dtype, seed=43)
+    config = GemmConfig(64, 64, 64, 2, 4, 2, persistent=True)
+    with pytest.raises(ValueError, match="gemm2_config: persistent"):
+        triton_experts(*tensors, **kwargs, gemm2_config=config)
+
+
 @pytest.mark.parametrize("tokens,early", [(4, True), (256, True), (257, False), (1000, False)])
 def test_pdl_early_launch_at_decode_sizes_only(tokens, early, monkeypatch, poisoned_empty):
     """Every launch of an experts call carries the PDL attribute iff the call routes at most

@@ -583,8 +583,17 @@ def test_nvfp4_device_preparation_paths(monkeypatch, fused, schedule):
     ckpt["w3"][2].zero_()
     ckpt = {k: v.to(_DEVICE) for k, v in ckpt.items()}
     reference = _prepare(ckpt, "nvfp4", "swiglu", kernels=False)
+    fused_calls = []
+    fused_launch = prepare.quantize_scatter_nvfp4
+
+    def counting_launch(*args, **kwargs):
+        fused_calls.append(1)
+        return fused_launch(*args, **kwargs)
+
+    monkeypatch.setattr(prepare, "quantize_scatter_nvfp4", counting_launch)
     _assert_same_bytes(_prepare(ckpt, "nvfp4", "swiglu", kernels=True), reference,
                        f"fused={fused} {schedule}")
+    assert bool(fused_calls) == fused  # the path asked for is the one that ran
 
 
 def _edge_weights(e: int, n: int, k: int) -> torch.Tensor:

@@ -41,16 +41,22 @@ DIRECT_MAX_PAIRS_PER_EXPERT = 0.125
 # "atomic": GEMM2 adds into an fp32 [T, H] buffer (then cast unless x is fp32).
 # "auto": rows when GEMM2 runs the persistent kernel (it has no atomic epilogue: see
 # grouped_gemm), else atomic once the per-pair buffer would reach ATOMIC_COMBINE_MIN_BYTES.
-# The per-pair buffer [T*k, H] is then no larger than the [slots, H] copy of the routed rows the
-# persistent GEMM1 held (freed before GEMM2) for 16-bit x, twice it for fp8's rows. Measured on one
+# The per-pair buffer [T*k, H] (x.dtype) is then the size of the [slots, H] copy of the routed
+# rows a persistent GEMM1 held and freed before GEMM2 (16-bit x; twice fp8's 1-byte rows), and
+# larger than the atomic mode's fp32 [T, H] for top_k > 2 (Qwen3 T=16384: 512 against 128 MiB)
+# where GEMM1 ran the tile kernel (no copy). Measured on one
 # H200 at T=4096 (graph replay): atomic 918.7 vs rows 974.9 us (Qwen3 bf16), 4573 vs 4981
 # (Mixtral bf16), 6127 vs 6725 (DeepSeek fp8_block), 623.5 vs 663.2 (Qwen3 fp8). At decode
 # sizes rows needs two launches where atomic needs three (zero fill, GEMM2, cast).
 COMBINE = "auto"
 ATOMIC_COMBINE_MIN_BYTES = 64 << 20
 # Programmatic dependent launch (common.pdl_early_launch) for calls of at most this many routed
-# pairs: it takes about 2 us off each decode call (results/h200_pdl_on.json) and costs prefill
-# about 5% (Mixtral T=16384, results/h200_pdl_prefill.json).
+# pairs: it takes about 2 us off each decode call (results/h200_pdl_on.json); at prefill,
+# Mixtral T=16384 ran 5% faster with PDL off altogether (MOE_OPS_PDL=0, which also drops the
+# kernels' prologue: results/h200_pdl_prefill.json). This scope keeps the prologue and drops
+# only the launch attribute; an A/B of exactly that, per model and mode, is still to be run
+# (against the sweep with PDL on every launch, other tables, bf16 prefill got faster and some
+# fp8 points slower, within +-5%).
 PDL_MAX_PAIRS = 512
 
 
@@ -130,6 +136,14 @@ def triton_experts(
                 local_expert_offset=local_expert_offset, gemm1_config=c1, gemm2_config=c2,
                 w13_global_scale=w13_global_scale, w2_global_scale=w2_global_scale))
         config1, config2 = config1 or tuned1, config2 or tuned2
+    for name, config in (("gemm1_config", gemm1_config), ("gemm2_config", gemm2_config)):
+        # The persistent kernel has no fp8_block scales, 4-bit decode or fp32 dots: an explicit
+        # persistent config elsewhere would compute wrong sums (its launcher only checks what
+        # TMA needs), so it is refused before any launch.
+        if config is not None and config.persistent and (
+                quant not in ("none", "fp8") or x.dtype not in (torch.bfloat16, torch.float16)):
+            raise ValueError(f"{name}: persistent=True needs quant 'none' or 'fp8' and bf16/fp16 "
+                             f"activations, got quant={quant!r}, dtype {x.dtype}")
     if fp4:
         for config in (gemm1_config, gemm2_config):
             # Explicit configs skip config_problems (tuned and default ones pass it): the rule
