@@ -86,11 +86,7 @@ def main() -> int:
     shapes = bench.load_shapes()
     records, rows = [], []
     for case in args.cases:
-        name, quant, tokens = case.split(":")
-        tokens = int(tokens)
-        cfg = shapes.models[name]
-        layer, _ = bench.build_layer(cfg, quant, backend="triton", device="cuda",
-                                     with_baseline=False)
+        quant, tokens, layer = bench.case_layer(shapes, case)
         x, ids, weights = bench.routed_inputs(
             layer, tokens, torch.Generator(device="cuda").manual_seed(0))
         kw = layer.kernel_weights()
