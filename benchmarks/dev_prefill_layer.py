@@ -127,7 +127,7 @@ def main() -> int:
                 record["finite"] = bool(torch.isfinite(out).all())
                 us = triton.testing.do_bench_cudagraph(call, rep=60, return_mode="median") * 1e3
                 record.update(us=us, tflops=flops / us / 1e6)
-                if not args.no_profile and variant in ("tile", "pers_a"):
+                if not args.no_profile and variant in ("tile", "pers_a", "tuned"):
                     record["kernels_us"] = kernel_breakdown(call)
             except Exception as exc:  # a config the compiler or the GPU rejects: record it
                 record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
