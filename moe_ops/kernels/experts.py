@@ -28,7 +28,8 @@ from moe_ops.kernels.align import moe_align
 from moe_ops.kernels.common import is_gated, pdl_early_launch, upcast_dots
 from moe_ops.quant import FP4_K_ALIGN
 from moe_ops.kernels.grouped_gemm import (
-    FP4_QUANTS, GemmConfig, GemmProblem, Routing, combine_pair_rows, gemm1, gemm2, use_persistent,
+    FP4_QUANTS, PERSISTENT_QUANTS, GemmConfig, GemmProblem, Routing, combine_pair_rows, gemm1,
+    gemm2, use_persistent,
 )
 from moe_ops.tuning import experts_configs
 
@@ -137,13 +138,12 @@ def triton_experts(
                 w13_global_scale=w13_global_scale, w2_global_scale=w2_global_scale))
         config1, config2 = config1 or tuned1, config2 or tuned2
     for name, config in (("gemm1_config", gemm1_config), ("gemm2_config", gemm2_config)):
-        # The persistent kernel has no fp8_block scales, 4-bit decode or fp32 dots: an explicit
-        # persistent config elsewhere would compute wrong sums (its launcher only checks what
-        # TMA needs), so it is refused before any launch.
+        # The persistent kernel has no 4-bit decode or fp32 dots: an explicit persistent config
+        # elsewhere is refused before any launch, naming the argument.
         if config is not None and config.persistent and (
-                quant not in ("none", "fp8") or x.dtype not in (torch.bfloat16, torch.float16)):
-            raise ValueError(f"{name}: persistent=True needs quant 'none' or 'fp8' and bf16/fp16 "
-                             f"activations, got quant={quant!r}, dtype {x.dtype}")
+                quant not in PERSISTENT_QUANTS or x.dtype not in (torch.bfloat16, torch.float16)):
+            raise ValueError(f"{name}: persistent=True needs quant in {PERSISTENT_QUANTS} and "
+                             f"bf16/fp16 activations, got quant={quant!r}, dtype {x.dtype}")
     if fp4:
         for config in (gemm1_config, gemm2_config):
             # Explicit configs skip config_problems (tuned and default ones pass it): the rule
