@@ -331,6 +331,28 @@ def route_ids(layer: moe_ops.FusedMoE, router_logits: torch.Tensor) -> torch.Ten
     return ids
 
 
+def case_layer(shapes: Shapes, case: str,
+               device: str = "cuda") -> tuple[str, int, moe_ops.FusedMoE]:
+    """A "model:quant:T" case of the developer scripts -> (quant, T, its layer on the Triton
+    backend with random weights, no baseline)."""
+    name, quant, tokens = case.split(":")
+    layer, _ = build_layer(shapes.models[name], quant, backend="triton", device=device,
+                           with_baseline=False)
+    return quant, int(tokens), layer
+
+
+def routed_inputs(layer: moe_ops.FusedMoE, tokens: int,
+                  generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, ...]:
+    """Random (x [T, H] bf16, topk_ids, topk_weights in [0, 1)) for the layer's experts call on
+    its device: ids routed from random logits by the layer's own routing."""
+    device = layer.w13.device
+    x = torch.randn(tokens, layer.hidden_size, device=device, dtype=torch.bfloat16,
+                    generator=generator)
+    logits = torch.randn(tokens, layer.num_experts, device=device, generator=generator)
+    ids = route_ids(layer, logits)
+    return x, ids, torch.rand(ids.shape, device=device, generator=generator)
+
+
 def count_local_experts_hit(ids: torch.Tensor, local_expert_offset: int, num_local: int) -> int:
     local = ids.reshape(-1).long() - local_expert_offset
     local = local[(local >= 0) & (local < num_local)]

@@ -90,17 +90,9 @@ def main() -> int:
     shapes = bench.load_shapes()
     records, rows = [], []
     for case in args.cases:
-        name, quant, tokens = case.split(":")
-        tokens = int(tokens)
-        cfg = shapes.models[name]
-        layer, _ = bench.build_layer(cfg, quant, backend="triton", device="cuda",
-                                     with_baseline=False)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16,
-                        generator=g)
-        logits = torch.randn(tokens, cfg.num_experts, device="cuda", generator=g)
-        ids = bench.route_ids(layer, logits)
-        weights = torch.rand(ids.shape, device="cuda", generator=g)
+        quant, tokens, layer = bench.case_layer(shapes, case)
+        x, ids, weights = bench.routed_inputs(
+            layer, tokens, torch.Generator(device="cuda").manual_seed(0))
         kw = layer.kernel_weights()
         p1, p2 = gemm_problems(x, ids.shape[1], kw["w13"], kw["w2"], layer.activation, quant)
         flops = 2.0 * ids.numel() * (p1.n * p1.k + p2.n * p2.k)

@@ -145,6 +145,22 @@ def _dot(a, w, acc, PROMOTE_IN_DOT: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST:
 
 
 @triton.jit
+def _promoted_dot(a, w, acc, part, kb, QUANT: tl.constexpr, PROMOTE_STEPS: tl.constexpr,
+                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """One K step into (acc, part): fp8 with PROMOTE_STEPS > 1 chains the MMAs through `part`
+    and promotes it into acc every PROMOTE_STEPS steps; otherwise _dot into acc (fp8: promoting
+    inside the dot; `part` unused and returned as it came)."""
+    if QUANT == "fp8" and PROMOTE_STEPS > 1:
+        part = _dot(a, w, part, False, BLOCK_K, UPCAST)
+        if kb % PROMOTE_STEPS == PROMOTE_STEPS - 1:
+            acc += part
+            part = tl.zeros_like(part)
+    else:
+        acc = _dot(a, w, acc, QUANT == "fp8", BLOCK_K, UPCAST)
+    return acc, part
+
+
+@triton.jit
 def _ptr_gemm_kernel(
     a_ptr, w_ptr, c_ptr, a_scale_ptr, w_scale_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
     num_m_blocks, N, K, num_pairs,
@@ -171,16 +187,12 @@ def _ptr_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if QUANT == "fp8" and PROMOTE_STEPS > 1:
         part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        part = acc  # unused (see _promoted_dot)
     for kb in range(0, K // BLOCK_K):
         a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         w = tl.load(w_ptrs)
-        if QUANT == "fp8" and PROMOTE_STEPS > 1:
-            part = _dot(a, w, part, False, BLOCK_K, UPCAST)
-            if kb % PROMOTE_STEPS == PROMOTE_STEPS - 1:
-                acc += part
-                part = tl.zeros_like(part)
-        else:
-            acc = _dot(a, w, acc, QUANT == "fp8", BLOCK_K, UPCAST)
+        acc, part = _promoted_dot(a, w, acc, part, kb, QUANT, PROMOTE_STEPS, BLOCK_K, UPCAST)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if QUANT == "fp8" and PROMOTE_STEPS > 1:
@@ -235,18 +247,15 @@ def _tma_persistent_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if QUANT == "fp8" and PROMOTE_STEPS > 1:
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            part = acc  # unused (see _promoted_dot)
         for kb in range(0, k_steps):
             a = a_desc.load([off_m, kb * BLOCK_K])
             # [BN, BK] with K contiguous: its transpose is the K-major B operand (which the fp8
             # wgmma requires; no data moves, the MMA reads shared memory transposed)
             w = w_desc.load([w_row, kb * BLOCK_K]).T
-            if QUANT == "fp8" and PROMOTE_STEPS > 1:
-                part = _dot(a, w, part, False, BLOCK_K, UPCAST)
-                if kb % PROMOTE_STEPS == PROMOTE_STEPS - 1:
-                    acc += part
-                    part = tl.zeros_like(part)
-            else:
-                acc = _dot(a, w, acc, QUANT == "fp8", BLOCK_K, UPCAST)
+            acc, part = _promoted_dot(a, w, acc, part, kb, QUANT, PROMOTE_STEPS, BLOCK_K,
+                                      UPCAST)
         if QUANT == "fp8" and PROMOTE_STEPS > 1:
             acc += part  # K not a multiple of PROMOTE_K: the last partial run
         if QUANT == "fp8":

@@ -54,15 +54,8 @@ def main() -> None:
     shapes = bench.load_shapes()
     results, summary = [], []
     for case in args.cases:
-        name, quant, tokens = case.split(":")
-        tokens = int(tokens)
-        cfg = shapes.models[name]
-        layer, _ = bench.build_layer(cfg, quant, backend="triton", device="cuda",
-                                     with_baseline=False)
-        x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-        logits = torch.randn(tokens, cfg.num_experts, device="cuda")
-        ids, weights = bench.route_ids(layer, logits), None
-        weights = torch.rand(ids.shape, device="cuda")
+        quant, tokens, layer = bench.case_layer(shapes, case)
+        x, ids, weights = bench.routed_inputs(layer, tokens)
         kw = layer.kernel_weights()
         problem1, problem2 = gemm_problems(x, ids.shape[1], kw["w13"], kw["w2"], layer.activation,
                                            quant)

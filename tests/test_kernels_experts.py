@@ -421,7 +421,7 @@ def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, mon
 
 @pytest.mark.parametrize("quant,dtype", [("nvfp4", torch.bfloat16), ("none", torch.float32)])
 def test_explicit_persistent_config_is_refused_where_it_cannot_compute(quant, dtype):
-    """The persistent kernel computes none / fp8 with 16-bit activations only: an explicit
+    """The persistent kernel computes none / fp8 / fp8_block with 16-bit activations only: an explicit
     persistent config for another mode or dtype is refused, naming the argument, before any
     launch (its launcher checks only what TMA needs)."""
     tensors, kwargs = make_problem(40, 128, 128, 4, 2, quant=quant, dtype=dtype, seed=43)

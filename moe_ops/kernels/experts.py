@@ -138,20 +138,20 @@ def triton_experts(
                 w13_global_scale=w13_global_scale, w2_global_scale=w2_global_scale))
         config1, config2 = config1 or tuned1, config2 or tuned2
     for name, config in (("gemm1_config", gemm1_config), ("gemm2_config", gemm2_config)):
-        # The persistent kernel has no 4-bit decode or fp32 dots: an explicit persistent config
-        # elsewhere is refused before any launch, naming the argument.
-        if config is not None and config.persistent and (
+        # Explicit configs skip config_problems (tuned and default ones pass it). The rules whose
+        # break would not fail a launch but read out of bounds or sum wrongly are checked here,
+        # before any launch: 4-bit weight rows are padded to FP4_K_ALIGN columns (the K step
+        # must not pass it), and the persistent kernel has no 4-bit decode or fp32 dots (its
+        # launcher only checks what TMA needs).
+        if config is None:
+            continue
+        if fp4 and config.block_k > FP4_K_ALIGN:
+            raise ValueError(f"{quant} needs block_k <= {FP4_K_ALIGN} (its rows are padded "
+                             f"to a multiple of {FP4_K_ALIGN}), got {config.block_k}")
+        if config.persistent and (
                 quant not in PERSISTENT_QUANTS or x.dtype not in (torch.bfloat16, torch.float16)):
             raise ValueError(f"{name}: persistent=True needs quant in {PERSISTENT_QUANTS} and "
                              f"bf16/fp16 activations, got quant={quant!r}, dtype {x.dtype}")
-    if fp4:
-        for config in (gemm1_config, gemm2_config):
-            # Explicit configs skip config_problems (tuned and default ones pass it): the rule
-            # that keeps 4-bit weight reads in bounds (rows padded to FP4_K_ALIGN columns) is
-            # checked here, before any launch.
-            if config is not None and config.block_k > FP4_K_ALIGN:
-                raise ValueError(f"{quant} needs block_k <= {FP4_K_ALIGN} (its rows are padded "
-                                 f"to a multiple of {FP4_K_ALIGN}), got {config.block_k}")
 
     x = x.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()

@@ -469,28 +469,13 @@ def _amax_kernel(
     BLOCK_K: tl.constexpr,
     ITERS: tl.constexpr,
 ):
-    """out[e, pid] = max |src[e]| over ITERS row tiles of one column block; the launcher reduces
-    over programs. The tiles' loads are independent (a running elementwise max), so several are
-    in flight at once, and the block-wide reduction happens once per program."""
+    """out[e, pid] = max |src[e]| over the program's tile (_amax_tile: ITERS row tiles of one
+    column block, any float dtype); the launcher reduces over programs."""
     pid = tl.program_id(0)
     e = tl.program_id(1).to(tl.int64)
-    row_block = pid // num_col_blocks
-    cols = (pid % num_col_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
-    if UNIT_K:
-        col_offsets = cols[None, :]
-    else:
-        col_offsets = cols.to(tl.int64)[None, :] * stride_sk
-    base = src_ptr + e * stride_se
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for i in tl.static_range(ITERS):
-        rows = (row_block * ITERS + i) * BLOCK_N + tl.arange(0, BLOCK_N)
-        src = base + (rows.to(tl.int64) * stride_sn)[:, None] + col_offsets
-        if EVEN:
-            x = tl.load(src)
-        else:
-            x = tl.load(src, mask=(rows < N)[:, None] & (cols < K)[None, :], other=0.0)
-        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
-    tl.store(out_ptr + e * programs + pid, tl.max(tl.max(acc, axis=1), axis=0))
+    m = _amax_tile(src_ptr, e, pid, N, K, num_col_blocks, stride_se, stride_sn, stride_sk,
+                   "strided", UNIT_K, EVEN, BLOCK_N, BLOCK_K, ITERS)
+    tl.store(out_ptr + e * programs + pid, m)
 
 
 @triton.jit
