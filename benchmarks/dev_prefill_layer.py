@@ -10,11 +10,12 @@ kernel (one row per pair + the combine pass), on one GPU: time of the whole expe
 
 GEMM1 runs its default config (the persistent kernel at these sizes; passed explicitly, so the
 tuned tables play no part) in every variant but "tuned", so the variants differ by GEMM2 (and
-the combine it implies) alone; "tuned" runs what ships (the tables, else the defaults), for any
-quant mode. --pdl-max-pairs times each variant once per value of experts.PDL_MAX_PAIRS (the
-experts calls that launch with the PDL attribute). Each variant's output is checked
-against the first variant's (relative Frobenius error; the two combine orders differ in
-rounding only). TFLOP/s counts the routed pairs' GEMM flops (2 * T * k * (N13 * H + H * I)).
+the combine it implies) alone; for fp8_block both GEMMs take the variant's config. "tuned" runs
+what ships (the tables, else the defaults), for any quant mode. --pdl-max-pairs times each
+variant once per value of experts.PDL_MAX_PAIRS (the experts calls that launch with the PDL
+attribute). Each variant's output is checked against the first variant's (relative Frobenius
+error; the two combine orders differ in rounding only). TFLOP/s counts the routed pairs' GEMM
+flops (2 * T * k * (N13 * H + H * I)).
 Writes JSON (command, GPU, date, records) and prints a table last.
 """
 from __future__ import annotations
@@ -43,11 +44,14 @@ DEFAULT_CASES = ("mixtral_8x7b:none:4096", "mixtral_8x7b:none:16384", "mixtral_8
 # of the previous tables (fp32 atomics at these sizes); the others the persistent kernel.
 VARIANTS = {
     "tuned": None,
-    "tile": {"none": GemmConfig(128, 256, 64, 16, 8, 3), "fp8": GemmConfig(128, 128, 128, 16, 8, 3)},
+    "tile": {"none": GemmConfig(128, 256, 64, 16, 8, 3), "fp8": GemmConfig(128, 128, 128, 16, 8, 3),
+             "fp8_block": GemmConfig(64, 128, 128, 8, 4, 3)},
     "pers_a": {"none": GemmConfig(128, 256, 64, 16, 8, 3, persistent=True),
-               "fp8": GemmConfig(128, 128, 256, 8, 8, 3, persistent=True)},
+               "fp8": GemmConfig(128, 128, 256, 8, 8, 3, persistent=True),
+               "fp8_block": GemmConfig(64, 128, 128, 8, 4, 4, persistent=True)},
     "pers_b": {"none": GemmConfig(128, 128, 64, 8, 8, 5, persistent=True),
-               "fp8": GemmConfig(128, 128, 128, 8, 8, 4, persistent=True)},
+               "fp8": GemmConfig(128, 128, 128, 8, 8, 4, persistent=True),
+               "fp8_block": GemmConfig(64, 128, 128, 16, 4, 3, persistent=True)},
     "pers_c": {"none": GemmConfig(128, 256, 64, 8, 8, 3, persistent=True),
                "fp8": GemmConfig(128, 128, 64, 8, 8, 5, persistent=True)},
 }
@@ -99,12 +103,17 @@ def main() -> int:
                 c1 = c2 = None
             elif quant in ("none", "fp8"):
                 c1, c2 = default_config(p1), VARIANTS[variant][quant]
+            elif quant in VARIANTS[variant]:
+                # fp8_block: both GEMMs take the variant's config (GEMM1's default is the tile
+                # kernel there)
+                c1 = c2 = VARIANTS[variant][quant]
             else:
                 records.append(dict(case=case, variant=variant, skipped=f"no {quant} variant"))
                 continue
             record = dict(case=case, variant=variant, pdl_max_pairs=pdl_max_pairs,
                           gemm1=str(c1), gemm2=str(c2))
-            if c2 is not None and not is_valid_config(p2, c2):
+            if c2 is not None and not (is_valid_config(p2, c2)
+                                       and (c1 is None or is_valid_config(p1, c1))):
                 record["skipped"] = "invalid config"
                 records.append(record)
                 continue

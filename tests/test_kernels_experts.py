@@ -384,7 +384,8 @@ def test_experts_combine_modes(combine, dtype, monkeypatch, poisoned_empty):
 @pytest.mark.parametrize("quant,activation,bias,combine,promote_k", [
     ("none", "swiglu", False, "auto", 256), ("none", "swiglu_oai", True, "atomic", 256),
     ("none", "relu2", True, "rows", 256), ("fp8", "swiglu", True, "auto", 256),
-    ("fp8", "relu2", False, "atomic", 32)])
+    ("fp8", "relu2", False, "atomic", 32), ("fp8_block", "swiglu", True, "auto", 256),
+    ("fp8_block", "relu2", False, "rows", 256)])
 def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, monkeypatch,
                                 poisoned_empty):
     """The persistent TMA kernel (GemmConfig.persistent) on both GEMMs, GEMM1's rows gathered
@@ -410,16 +411,17 @@ def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, mon
                                    bias=bias, local_expert_offset=2, num_global_experts=8,
                                    invalid_ids=True, seed=23)
     config = GemmConfig(64, 64, 32, 2, 4, 2, persistent=True)
+    a1 = tensors[0].to(tensors[3].dtype)  # GEMM1's operand (fp8 modes: the quantized x)
     assert gg.use_persistent(config, gg.Routing(tensors[1], tensors[2], 2, 4, 2,
-                                                tensors[1], tensors[1]), tensors[0], tensors[3])
+                                                tensors[1], tensors[1]), a1, tensors[3])
     check_experts(tensors, kwargs, FP8_TOL if quant != "none" else 1e-2,
                   gemm1_config=config, gemm2_config=config)
     assert persistent_gemms == ([1] if combine == "atomic" else [1, 2])
 
 
-@pytest.mark.parametrize("quant,dtype", [("fp8_block", torch.bfloat16), ("none", torch.float32)])
+@pytest.mark.parametrize("quant,dtype", [("nvfp4", torch.bfloat16), ("none", torch.float32)])
 def test_explicit_persistent_config_is_refused_where_it_cannot_compute(quant, dtype):
-    """The persistent kernel computes none / fp8 with 16-bit activations only: an explicit
+    """The persistent kernel computes none / fp8 / fp8_block with 16-bit activations only: an explicit
     persistent config for another mode or dtype is refused, naming the argument, before any
     launch (its launcher checks only what TMA needs)."""
     tensors, kwargs = make_problem(40, 128, 128, 4, 2, quant=quant, dtype=dtype, seed=43)
@@ -456,13 +458,13 @@ def test_pdl_early_launch_at_decode_sizes_only(tokens, early, monkeypatch, poiso
     assert options(torch.device(DEVICE)) == {"launch_pdl": True}
 
 
-@pytest.mark.parametrize("quant", ["none", "fp8"])
+@pytest.mark.parametrize("quant", ["none", "fp8", "fp8_block"])
 def test_gather_rows_puts_token_rows_in_dispatch_order(quant, poisoned_empty):
     """gather_rows (GEMM1's rows for the persistent kernel): slot s of the live ones gets
     x[pair // top_k] (and its fp8 scale), padding slots zeros; slots past the live ones are never
     read, and left as they are."""
     import moe_ops.kernels.grouped_gemm as gg
-    T, H, E, k = 37, 48, 5, 3
+    T, H, E, k = 37, 48 if quant != "fp8_block" else 272, 5, 3  # fp8_block: 3 scale groups
     g = torch.Generator().manual_seed(31)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(DEVICE)
     ids = torch.randint(-1, E + 1, (T, k), generator=g).to(DEVICE)  # -1 / E: no local expert
@@ -477,8 +479,10 @@ def test_gather_rows_puts_token_rows_in_dispatch_order(quant, poisoned_empty):
     tokens = (pairs // k).clamp(max=T - 1)
     want = torch.where(valid[:, None], a.cpu().float()[tokens], 0.0)
     assert torch.equal(rows[:live].cpu().float(), want)
-    if quant == "fp8":
-        assert torch.equal(scales[:live].cpu(), torch.where(valid, a_scale.cpu()[tokens], 0.0))
+    if quant != "none":
+        want_scales = a_scale.cpu()[tokens]
+        mask = valid if want_scales.dim() == 1 else valid[:, None]
+        assert torch.equal(scales[:live].cpu(), torch.where(mask, want_scales, 0.0))
 
 
 def test_persistent_config_falls_back_where_it_cannot_run(poisoned_empty):
@@ -488,8 +492,8 @@ def test_persistent_config_falls_back_where_it_cannot_run(poisoned_empty):
     config = GemmConfig(64, 64, 32, 2, 4, 2, persistent=True)
     check_experts(tensors, kwargs, 1e-2, gemm1_config=config, gemm2_config=config)
     from moe_ops.kernels.grouped_gemm import config_problems
-    fp8_block = GemmProblem(1, 8, 256, 128, 300.0, torch.bfloat16, "fp8_block")
-    assert any("persistent" in why for why in config_problems(fp8_block, config))
+    nvfp4 = GemmProblem(1, 8, 256, 128, 300.0, torch.bfloat16, "nvfp4")
+    assert any("persistent" in why for why in config_problems(nvfp4, config))
     odd_k = GemmProblem(2, 8, 256, 40, 300.0, torch.bfloat16, "fp8")  # 40 bytes a row
     assert any("TMA" in why for why in config_problems(odd_k, config))
     narrow = GemmProblem(1, 8, 256, 128, 300.0, torch.bfloat16)

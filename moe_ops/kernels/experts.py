@@ -28,7 +28,8 @@ from moe_ops.kernels.align import moe_align
 from moe_ops.kernels.common import is_gated, pdl_early_launch, upcast_dots
 from moe_ops.quant import FP4_K_ALIGN
 from moe_ops.kernels.grouped_gemm import (
-    FP4_QUANTS, GemmConfig, GemmProblem, Routing, combine_pair_rows, gemm1, gemm2, use_persistent,
+    FP4_QUANTS, PERSISTENT_QUANTS, GemmConfig, GemmProblem, Routing, combine_pair_rows, gemm1,
+    gemm2, use_persistent,
 )
 from moe_ops.tuning import experts_configs
 
@@ -140,17 +141,17 @@ def triton_experts(
         # Explicit configs skip config_problems (tuned and default ones pass it). The rules whose
         # break would not fail a launch but read out of bounds or sum wrongly are checked here,
         # before any launch: 4-bit weight rows are padded to FP4_K_ALIGN columns (the K step
-        # must not pass it), and the persistent kernel has no fp8_block scales, 4-bit decode or
-        # fp32 dots (its launcher only checks what TMA needs).
+        # must not pass it), and the persistent kernel has no 4-bit decode or fp32 dots (its
+        # launcher only checks what TMA needs).
         if config is None:
             continue
         if fp4 and config.block_k > FP4_K_ALIGN:
             raise ValueError(f"{quant} needs block_k <= {FP4_K_ALIGN} (its rows are padded "
                              f"to a multiple of {FP4_K_ALIGN}), got {config.block_k}")
         if config.persistent and (
-                quant not in ("none", "fp8") or x.dtype not in (torch.bfloat16, torch.float16)):
-            raise ValueError(f"{name}: persistent=True needs quant 'none' or 'fp8' and bf16/fp16 "
-                             f"activations, got quant={quant!r}, dtype {x.dtype}")
+                quant not in PERSISTENT_QUANTS or x.dtype not in (torch.bfloat16, torch.float16)):
+            raise ValueError(f"{name}: persistent=True needs quant in {PERSISTENT_QUANTS} and "
+                             f"bf16/fp16 activations, got quant={quant!r}, dtype {x.dtype}")
 
     x = x.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()

@@ -33,8 +33,9 @@ per weight element.
 
 Two kernels run these tiles. `_grouped_gemm_kernel` (one program per output tile, loads by
 pointer, so GEMM1 gathers its token rows inside the loads) serves every mode and size.
-`_grouped_gemm_persistent_kernel` (GemmConfig.persistent; prefill, quant none / fp8, sm_90+) runs
-one program per SM over the tiles with both operands read through TMA descriptors: its
+`_grouped_gemm_persistent_kernel` (GemmConfig.persistent; prefill, quant none / fp8 / fp8_block,
+sm_90+) runs one program per SM (two for 4-warp configs) over the tiles with both operands read
+through TMA descriptors: its
 activation rows must be in dispatch order (GEMM1's are copied there first by `gather_rows`), and
 its GEMM2 writes one row per pair (then `combine_pair_rows`), never the fp32 atomics, whose
 conversion through shared memory does not fit beside its pipeline.
@@ -67,6 +68,8 @@ from moe_ops.kernels import INTERPRET
 from moe_ops.quant import FP4_K_ALIGN, fp4_scale_block
 
 FP4_QUANTS = ("nvfp4", "mxfp4")
+# Quant modes the persistent TMA kernel computes (GemmConfig.persistent).
+PERSISTENT_QUANTS = ("none", "fp8", "fp8_block")
 # fp8 (per-tensor weights): columns of K accumulated by the MMA between two promotions of the
 # partial sum into fp32 (see the kernel's K loop). Hopper's fp8 MMA accumulates with too few
 # bits, so the error grows with this length. Measured on one H200 (benchmarks/dev_fp8_promote.py,
@@ -101,9 +104,10 @@ class GemmConfig:
     # partial products atomically into the fp32 output (decode: a long K streamed by few
     # programs, e.g. Mixtral's down projection, 128 tiles of K = 14336 on 132 SMs).
     split_k: int = 1
-    # Prefill: the persistent TMA kernel (_grouped_gemm_persistent_kernel; quant none / fp8,
-    # sm_90+). GEMM1's token rows are then gathered into dispatch order first (gather_rows);
-    # GEMM2 then writes one row per pair and the combine pass sums them (no fp32 atomics).
+    # Prefill: the persistent TMA kernel (_grouped_gemm_persistent_kernel; quant none / fp8 /
+    # fp8_block, sm_90+). GEMM1's token rows are then gathered into dispatch order first
+    # (gather_rows); GEMM2 then writes one row per pair and the combine pass sums them (no fp32
+    # atomics).
     persistent: bool = False
 
 
@@ -162,9 +166,9 @@ def config_problems(problem: GemmProblem, config: GemmConfig) -> List[str]:
             why.append(f"{problem.quant} needs swap_ab=True (the decoded weight tile is the "
                        "MMA's register operand)")
     if config.persistent:
-        if problem.quant not in ("none", "fp8") or problem.dtype not in (torch.bfloat16,
-                                                                        torch.float16):
-            why.append("persistent: quant none or fp8 with bf16/fp16 activations")
+        if problem.quant not in PERSISTENT_QUANTS or problem.dtype not in (torch.bfloat16,
+                                                                          torch.float16):
+            why.append("persistent: quant none, fp8 or fp8_block with bf16/fp16 activations")
         if config.swap_ab or config.split_k > 1:
             why.append("persistent: no swap_ab, no split_k")
         if config.block_m < 64:
@@ -268,15 +272,22 @@ _FP4_LARGE_CANDIDATES = [
     (128, 128, 128, 16, 8, 3, True), (64, 128, 128, 8, 4, 3, True), (128, 256, 64, 16, 8, 3, True),
     (256, 128, 64, 16, 8, 3, True),
 ]
-# Prefill, quant none / fp8 / fp8_block: the tile kernel's tiles, and the persistent TMA kernel's
-# (last field; none and fp8 only, the validity rules drop the rest).
+# Prefill, quant none / fp8 / fp8_block: the tile kernel's tiles, then the persistent TMA
+# kernel's (last field): 128-row tiles at 8 warps for none / fp8; for fp8_block, whose per-step
+# scaling keeps a second fp32 tile live, 64-row tiles at 4 warps (two programs an SM): its
+# 128-row persistent builds spill on sm_90.
 _LARGE_CANDIDATES = [
     (128, 256, 64, 16, 8, 3, False), (128, 128, 64, 8, 8, 4, False), (128, 256, 64, 8, 8, 4, False),
     (128, 128, 128, 16, 8, 3, False), (64, 256, 128, 8, 8, 3, False),
     (64, 128, 128, 8, 4, 3, False), (64, 128, 128, 16, 4, 4, False),
+]
+_PERSISTENT_CANDIDATES = [
     (128, 256, 64, 16, 8, 3, False, 1, True), (128, 128, 256, 8, 8, 3, False, 1, True),
     (128, 128, 128, 8, 8, 4, False, 1, True), (128, 128, 64, 8, 8, 5, False, 1, True),
     (128, 256, 64, 8, 8, 3, False, 1, True),
+]
+_FP8_BLOCK_PERSISTENT_CANDIDATES = [
+    (64, 128, 128, 8, 4, 4, False, 1, True), (64, 128, 128, 16, 4, 3, False, 1, True),
 ]
 
 
@@ -290,7 +301,10 @@ def tuning_candidates(problem: GemmProblem) -> List[GemmConfig]:
     elif m <= 128:
         table = _FP4_MID_CANDIDATES if fp4 else _MID_CANDIDATES
     else:
-        table = _FP4_LARGE_CANDIDATES if fp4 else _LARGE_CANDIDATES + _MID_CANDIDATES[3:5]
+        persistent = (_FP8_BLOCK_PERSISTENT_CANDIDATES if problem.quant == "fp8_block"
+                      else _PERSISTENT_CANDIDATES)
+        table = (_FP4_LARGE_CANDIDATES if fp4
+                 else _LARGE_CANDIDATES + persistent + _MID_CANDIDATES[3:5])
     configs = [default_config(problem)]
     for entry in table:
         config = GemmConfig(*entry)
@@ -820,23 +834,24 @@ def _grouped_gemm_persistent_kernel(
     a_desc, a_scale_ptr, w_desc, w_scale_ptr, bias_ptr, out_ptr,
     sorted_pair_ids_ptr, block_expert_ids_ptr, num_padded_ptr, topk_weights_ptr,
     N, num_pairs, top_k, num_k_steps,
-    stride_wse, stride_be, stride_om,
+    stride_asm, stride_wse, stride_wsn, stride_be, stride_om,
     alpha, limit,
     ALIGN_BLOCK_M: tl.constexpr,
-    QUANT: tl.constexpr,            # "none" | "fp8"
+    QUANT: tl.constexpr,            # "none" | "fp8" | "fp8_block"
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,     # programs launched (one per SM); tiles pid, pid + P, ...
+    NUM_PROGRAMS: tl.constexpr,     # programs (1 an SM, 2 at 4 warps); tiles pid, pid + P, ...
     UPCAST: tl.constexpr,
     PROMOTE_STEPS: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
 ):
-    """Prefill form of _grouped_gemm_kernel (GemmConfig.persistent): one program per SM walks
-    the output tiles in grouped order, both operands through TMA descriptors, the tile loop
-    flattened into the K loop so the next tile's first loads are in flight during an epilogue.
+    """Prefill form of _grouped_gemm_kernel (GemmConfig.persistent): one program per SM (two for
+    4-warp configs) walks the output tiles in grouped order, both operands through TMA
+    descriptors, the tile loop flattened into the K loop so the next tile's first loads are in
+    flight during an epilogue.
 
     The activation rows are in dispatch order already (a_desc over [slots, K]: GEMM2's
     intermediate, or GEMM1's x gathered by gather_rows): TMA cannot gather rows. GEMM2 stores
@@ -857,6 +872,20 @@ def _grouped_gemm_persistent_kernel(
         off_m = pid_m * BLOCK_M
         expert = tl.load(block_expert_ids_ptr + off_m // ALIGN_BLOCK_M).to(tl.int64)
         w_row = (expert * N + pid_n * BLOCK_N).to(tl.int32)
+        slots = off_m + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = offs_n % N
+        if QUANT == "fp8_block":
+            # As the tile kernel: one scale per token per 128 columns (gathered with the rows)
+            # and per 128x128 weight block, gate/up rows interleaved when gated.
+            if ACTIVATION == "none" or ACTIVATION == "relu2":
+                scale_rows = w_rows // 128
+            else:
+                scale_rows = 2 * ((w_rows // 2) // 128) + w_rows % 2
+            # 32-bit offsets (the scale tensors are small): 64-bit pointers per row and column
+            # would be live through the K loop beside two fp32 tiles (sm_90 builds spilled).
+            a_scale_rows = slots * stride_asm
+            w_scale_rows = expert.to(tl.int32) * stride_wse + scale_rows * stride_wsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if QUANT == "fp8" and PROMOTE_STEPS > 1:
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -871,16 +900,21 @@ def _grouped_gemm_persistent_kernel(
                 acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             elif QUANT == "fp8":
                 acc, part = _fp8_dot(a, w, acc, part, kb, PROMOTE_STEPS, BLOCK_K)
+            elif QUANT == "fp8_block":
+                # each partial product scaled before it joins the fp32 accumulator (BLOCK_K
+                # divides 128: one scale group per step)
+                group = (kb * BLOCK_K) // 128
+                a_s = tl.load(a_scale_ptr + (a_scale_rows + group))
+                w_s = tl.load(w_scale_ptr + (w_scale_rows + group))
+                acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
             else:
                 acc = tl.dot(a, w, acc)
         if QUANT == "fp8" and PROMOTE_STEPS > 1:
             acc += part
 
-        slots = off_m + tl.arange(0, BLOCK_M)
         pair_ids = tl.load(sorted_pair_ids_ptr + slots)
         row_ok = pair_ids < num_pairs
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _epilogue(acc, expert, pair_ids, row_ok, slots, slots.to(tl.int64), offs_n, offs_n % N,
+        _epilogue(acc, expert, pair_ids, row_ok, slots, slots.to(tl.int64), offs_n, w_rows,
                   pid_n, True,
                   a_scale_ptr, 1, w_scale_ptr, stride_wse, 1,
                   w_scale_ptr, 0, bias_ptr, stride_be, topk_weights_ptr,
@@ -950,10 +984,12 @@ def use_persistent(config: GemmConfig, routing: "Routing", a: torch.Tensor,
                    w: torch.Tensor, atomic_out: bool = False) -> bool:
     """Whether a launch with `config` runs the persistent TMA kernel: the config asks for it,
     there is a dispatch (the kernel walks its slots), the output is rows (not GEMM2's fp32
-    atomics, see the kernel), the GPU has TMA (sm_90+; the interpreter runs it too), and the
-    operands are TMA-addressable (the weights as one [E * N, K] matrix). Otherwise the tile
-    kernel runs the same tiles."""
+    atomics, see the kernel), the operands are 16-bit or e4m3 alike, the GPU has TMA (sm_90+;
+    the interpreter runs it too), and the operands are TMA-addressable (the weights as one
+    [E * N, K] matrix). Otherwise the tile kernel runs the same tiles."""
     return (config.persistent and not routing.direct and not atomic_out
+            and a.dtype == w.dtype  # not 4-bit weights (no decode in that kernel)
+            and a.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
             and (INTERPRET or capability_at_least(a.device, (9, 0)))
             and _tma_ready(a) and w.is_contiguous() and _tma_ready(w))
 
@@ -968,10 +1004,12 @@ def _programs(device: torch.device) -> int:
 
 @triton.jit
 def _gather_rows_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr, sorted_pair_ids_ptr,
-                        num_padded_ptr, num_pairs, top_k, K, stride_s, stride_d,
-                        HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """dst[slot] = src[pair // top_k] (and its per-row scale) for the live slots; padding slots
-    get zeros, slots past num_padded are left alone (the persistent kernel never reads them)."""
+                        num_padded_ptr, num_pairs, top_k, K, stride_s, stride_d, scale_cols,
+                        stride_ss, HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SCALE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """dst[slot] = src[pair // top_k] (and its row of scale_cols scales: one for fp8, one per 128
+    columns for fp8_block) for the live slots; padding slots get zeros, slots past num_padded are
+    left alone (the persistent kernel never reads them)."""
     pdl_prologue(USE_PDL)
     slot = tl.program_id(0)
     if slot >= tl.load(num_padded_ptr):
@@ -985,23 +1023,34 @@ def _gather_rows_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr, sorted_p
         values = tl.load(src_ptr + row * stride_s + cols, mask=(cols < K) & valid, other=0.0)
         tl.store(dst_ptr + slot.to(tl.int64) * stride_d + cols, values, mask=cols < K)
     if HAS_SCALE:
-        scale = tl.load(src_scale_ptr + row, mask=valid, other=0.0)
-        tl.store(dst_scale_ptr + slot, scale)
+        offs_s = tl.arange(0, SCALE_BLOCK)
+        scale = tl.load(src_scale_ptr + row * stride_ss + offs_s,
+                        mask=(offs_s < scale_cols) & valid, other=0.0)
+        tl.store(dst_scale_ptr + slot.to(tl.int64) * scale_cols + offs_s, scale,
+                 mask=offs_s < scale_cols)
 
 
 def gather_rows(a: torch.Tensor, a_scale: Optional[torch.Tensor], routing: "Routing"):
-    """GEMM1's token rows (and per-row fp8 scales) in dispatch order, [slots, K]: the persistent
-    kernel reads its activation tiles through TMA, which cannot gather. One read and one write of
-    the routed rows (at prefill a few percent of the GEMM's time)."""
+    """GEMM1's token rows (and their fp8 scales: [T] per token, or [T, K/128] per token and
+    128-column group) in dispatch order, [slots, K]: the persistent kernel reads its activation
+    tiles through TMA, which cannot gather. One read and one write of the routed rows (at
+    prefill a few percent of the GEMM's time)."""
     slots = routing.num_slots
     rows = torch.empty((slots, a.shape[1]), dtype=a.dtype, device=a.device)
-    scales = None if a_scale is None else torch.empty(slots, dtype=a_scale.dtype, device=a.device)
+    scales, scale_cols, stride_ss = None, 0, 0
+    if a_scale is not None:
+        scales = torch.empty((slots,) + tuple(a_scale.shape[1:]), dtype=a_scale.dtype,
+                             device=a.device)
+        scale_cols = 1 if a_scale.dim() == 1 else a_scale.shape[1]
+        stride_ss = a_scale.stride(0)
     block_k = min(next_power_of_2(a.shape[1]), 2048)
     _gather_rows_kernel[(slots,)](
         a, a_scale if a_scale is not None else a, rows, scales if scales is not None else rows,
         routing.sorted_pair_ids, routing.num_padded, routing.num_pairs, routing.top_k,
-        a.shape[1], a.stride(0), rows.stride(0), HAS_SCALE=a_scale is not None,
-        BLOCK_K=block_k, USE_PDL=use_pdl(a.device), num_warps=4, **pdl_launch_options(a.device))
+        a.shape[1], a.stride(0), rows.stride(0), scale_cols, stride_ss,
+        HAS_SCALE=a_scale is not None, BLOCK_K=block_k,
+        SCALE_BLOCK=max(1, next_power_of_2(scale_cols)), USE_PDL=use_pdl(a.device),
+        num_warps=4, **pdl_launch_options(a.device))
     return rows, scales
 
 
@@ -1015,14 +1064,19 @@ def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
     a_desc = TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1],
                               [config.block_m, config.block_k])
     w_desc = TensorDescriptor(w, [w.shape[0] * n, k], [k, 1], [config.block_n, config.block_k])
-    programs = _programs(a.device)
+    # One warpgroup a program (64-row tiles, fp8_block's register-hungry scaling): two programs
+    # an SM, so that one's MMAs overlap the other's loads and epilogue (both fit: about 200
+    # registers a thread and half the shared memory each in sm_90 builds).
+    programs = _programs(a.device) * (2 if config.num_warps == 4 else 1)
     dummy = routing.topk_weights
     _launcher((programs,), _grouped_gemm_persistent_kernel)(
         a_desc, a_scale if a_scale is not None else dummy, w_desc,
         w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, out,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
         routing.topk_weights, n, routing.num_pairs, routing.top_k, cdiv(k, config.block_k),
+        a_scale.stride(0) if quant == "fp8_block" else 1,
         w_scale.stride(0) if w_scale is not None else 0,
+        w_scale.stride(1) if quant == "fp8_block" else 1,
         bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
         ALIGN_BLOCK_M=routing.align_block_m, QUANT=quant,
         ACTIVATION=activation if gemm == 1 else "none", HAS_BIAS=bias is not None,
@@ -1050,6 +1104,9 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
     if not routing.direct and routing.align_block_m % config.block_m:
         raise ValueError(f"block_m={config.block_m} must divide the dispatch block_m="
                          f"{routing.align_block_m}")
+    if quant == "fp8_block" and FP8_BLOCK % config.block_k:
+        # the one config error that would not fail to compile but give wrong sums
+        raise ValueError(f"fp8_block needs block_k dividing {FP8_BLOCK}, got {config.block_k}")
     if config.persistent:
         if use_persistent(config, routing, a, w, atomic_out):
             if gemm == 1:
@@ -1063,9 +1120,6 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
         num_m_blocks = routing.num_pairs
     else:
         num_m_blocks = routing.sorted_pair_ids.numel() // config.block_m
-    if quant == "fp8_block" and FP8_BLOCK % config.block_k:
-        # the one config error that would not fail to compile but give wrong sums
-        raise ValueError(f"fp8_block needs block_k dividing {FP8_BLOCK}, got {config.block_k}")
     if quant in FP4_QUANTS and config.block_k < max(32, fp4_scale_block(quant)):
         raise ValueError(f"{quant} needs block_k >= {max(32, fp4_scale_block(quant))}, "
                          f"got {config.block_k}")
