@@ -53,7 +53,9 @@ VARIANTS = {
                "fp8": GemmConfig(128, 128, 128, 8, 8, 4, persistent=True),
                "fp8_block": GemmConfig(64, 128, 128, 16, 4, 3, persistent=True)},
     "pers_c": {"none": GemmConfig(128, 256, 64, 8, 8, 3, persistent=True),
-               "fp8": GemmConfig(128, 128, 64, 8, 8, 5, persistent=True)},
+               "fp8": GemmConfig(128, 128, 64, 8, 8, 5, persistent=True),
+               "fp8_block": GemmConfig(128, 64, 128, 8, 8, 4, persistent=True)},
+    "pers_d": {"fp8_block": GemmConfig(64, 128, 128, 16, 4, 4, persistent=True)},
 }
 
 
@@ -101,15 +103,13 @@ def main() -> int:
             experts_mod.PDL_MAX_PAIRS = pdl_max_pairs
             if variant == "tuned":
                 c1 = c2 = None
-            elif quant in ("none", "fp8"):
-                c1, c2 = default_config(p1), VARIANTS[variant][quant]
-            elif quant in VARIANTS[variant]:
-                # fp8_block: both GEMMs take the variant's config (GEMM1's default is the tile
-                # kernel there)
-                c1 = c2 = VARIANTS[variant][quant]
-            else:
+            elif quant not in VARIANTS[variant]:
                 records.append(dict(case=case, variant=variant, skipped=f"no {quant} variant"))
                 continue
+            elif quant in ("none", "fp8"):
+                c1, c2 = default_config(p1), VARIANTS[variant][quant]
+            else:
+                c1 = c2 = VARIANTS[variant][quant]  # fp8_block: both GEMMs take the variant's
             record = dict(case=case, variant=variant, pdl_max_pairs=pdl_max_pairs,
                           gemm1=str(c1), gemm2=str(c2))
             if c2 is not None and not (is_valid_config(p2, c2)

@@ -226,9 +226,12 @@ def test_dispatch(path, T, k, E, block_m, offset, case, poisoned_empty):
 
 # ---------------------------------------------------------------- activation quant
 
-@pytest.mark.parametrize("quant,K", [("fp8", 40), ("fp8", 3000), ("fp8_block", 192),
-                                     ("fp8_block", 1100)])
+@pytest.mark.parametrize("quant,K", [("fp8", 40), ("fp8", 3000), ("fp8", 17000),
+                                     ("fp8_block", 192), ("fp8_block", 1100),
+                                     ("fp8_block", 16500)])
 def test_act_quant(quant, K):
+    """Short rows share a program, rows up to 16384 values are read once, longer ones in steps
+    (K = 17000 / 16500): every path equals round-to-nearest-even e4m3 of x / s."""
     g = torch.Generator().manual_seed(K)
     x = (torch.randn(5, K, generator=g) * torch.exp(torch.randn(5, 1, generator=g))).to(torch.bfloat16)
     x[2] = 0  # a zero row: scale 0, q 0, never NaN
@@ -251,6 +254,25 @@ def test_act_quant(quant, K):
                     f"elements, first [{r}, {c}]: x={x[r, c].item()!r} q={q[r, c].item()!r} vs "
                     f"{ref_q[r, c].item()!r}, scale={s[col_s].item()!r} vs {ref_s[col_s].item()!r}")
     assert (q[2].float() == 0).all()
+
+
+@pytest.mark.parametrize("quant", ["fp8", "fp8_block"])
+def test_act_quant_skips_padding_rows(quant, poisoned_empty):
+    """With sorted_pair_ids, rows whose pair id is the sentinel (>= num_pairs) are left as they
+    were (GEMM2 masks them), live rows equal the unskipped quantization, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    M, K, num_pairs = 37, 300, 20
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEVICE)
+    ids = torch.randint(0, num_pairs, (M,), generator=g)
+    ids[torch.randperm(M, generator=g)[:15]] = num_pairs  # padding rows
+    ids = ids.to(torch.int32).to(DEVICE)
+    q, s = act_quant(x, quant, ids, num_pairs)
+    q_all, s_all = act_quant(x, quant)
+    live = ids < num_pairs
+    assert torch.equal(q[live].view(torch.uint8), q_all[live].view(torch.uint8))
+    assert torch.equal(s[live], s_all[live])
+    # poisoned (NaN) by poisoned_empty: never written
+    assert torch.isnan(s[~live]).all() and torch.isnan(q[~live].float()).all()
 
 
 # ---------------------------------------------------------------- experts: every mode
@@ -456,6 +478,26 @@ def test_pdl_early_launch_at_decode_sizes_only(tokens, early, monkeypatch, poiso
     check_experts(tensors, kwargs, 1e-2)
     assert seen and all(flag == early for flag in seen), seen
     assert options(torch.device(DEVICE)) == {"launch_pdl": True}
+
+
+def test_pdl_early_launch_scopes_nest(monkeypatch):
+    """An outer pdl_early_launch(False) (a caller that wants no early launch anywhere) holds
+    through an experts call's own pdl_early_launch(True); leaving each scope restores the one
+    outside it."""
+    from moe_ops.kernels import common
+    monkeypatch.setattr(common, "_PDL_DISABLED", False)
+    monkeypatch.setattr(common, "capability_at_least", lambda device, capability: True)
+    device = torch.device("cuda")  # not touched: capability_at_least is replaced
+    assert common.pdl_launch_options(device) == {"launch_pdl": True}
+    with common.pdl_early_launch(False):
+        with common.pdl_early_launch(True):
+            assert common.pdl_launch_options(device) == {}
+        assert common.pdl_launch_options(device) == {}
+    with common.pdl_early_launch(True):
+        assert common.pdl_launch_options(device) == {"launch_pdl": True}
+        with common.pdl_early_launch(False):
+            assert common.pdl_launch_options(device) == {}
+        assert common.pdl_launch_options(device) == {"launch_pdl": True}
 
 
 @pytest.mark.parametrize("quant", ["none", "fp8", "fp8_block"])

@@ -73,8 +73,9 @@ def capability_at_least(device: torch.device, capability: tuple[int, int]) -> bo
 # programs, resident early, take SM slots and shared memory from their still running predecessor:
 # Mixtral T=16384 on one H200, whole experts call, 643 -> 675 TFLOP/s (bf16) and 836 -> 881
 # (fp8) without it (benchmarks/results/h200_pdl_prefill.json). `pdl_early_launch(False)` scopes
-# launches without the attribute; the kernels stay the same (griddepcontrol.wait returns at once
-# in a kernel launched normally), so nothing is compiled twice.
+# launches without the attribute; the kernel source stays the same (griddepcontrol.wait returns
+# at once in a kernel launched normally), but `launch_pdl` is part of Triton's compile key, so a
+# kernel launched on both sides of the scope is compiled (and cached) once for each.
 _PDL_DISABLED = os.environ.get("MOE_OPS_PDL", "1") == "0"
 _PDL_EARLY_LAUNCH = contextvars.ContextVar("moe_ops_pdl_early_launch", default=True)
 
@@ -85,8 +86,9 @@ def use_pdl(device: torch.device) -> bool:
 
 @contextlib.contextmanager
 def pdl_early_launch(enabled: bool) -> Iterator[None]:
-    """Inside: kernels are launched with the PDL attribute only if `enabled`."""
-    token = _PDL_EARLY_LAUNCH.set(enabled)
+    """Inside: kernels are launched with the PDL attribute only if `enabled` and every enclosing
+    scope allows it (an outer pdl_early_launch(False) holds through inner ones)."""
+    token = _PDL_EARLY_LAUNCH.set(enabled and _PDL_EARLY_LAUNCH.get())
     try:
         yield
     finally:

@@ -377,6 +377,12 @@ def default_config(problem: GemmProblem) -> GemmConfig:
         # each, inside the dot): 984 / 997 TFLOP/s for Mixtral's GEMM1 / GEMM2 at T=16384 on
         # sorted rows, against 828 / 878 for the tile kernel (results/h200_prefill_ws.json).
         config = GemmConfig(128, 128, 256, 8, 8, 3, persistent=True)
+    elif problem.quant == "fp8_block" and m >= 128:
+        # The persistent TMA kernel with both scale sets inside its K loop, 64-row tiles (as
+        # above: 128-row builds spill), two programs an SM: DeepSeek-V3's whole experts call,
+        # both GEMMs on it, 523 -> 591 TFLOP/s at T=16384 and 427 -> 473 at T=4096 against the
+        # tile kernel's 64x128x128 (results/h200_fp8_block_persistent.json).
+        config = GemmConfig(64, 128, 128, 16, 4, 3, persistent=True)
     elif fp8:
         config = GemmConfig(64, 128, 128, 8, 4, 3)
     elif m <= 128:
@@ -384,8 +390,9 @@ def default_config(problem: GemmProblem) -> GemmConfig:
     elif fp32:
         config = GemmConfig(128, 128, 32, 8, 8, 3)
     else:
-        # The persistent TMA kernel: 678 / 693 TFLOP/s for GEMM1 / GEMM2 against 566 / 587
-        # (as above).
+        # The persistent TMA kernel: 678 / 693 TFLOP/s for GEMM1 / GEMM2 alone (sorted rows,
+        # as above) against 566 / 587 for the tile kernel; the whole experts call (gather, both
+        # GEMMs, combine) 657 at Mixtral T=16384 (results/h200_pdl_shipped_ab.json).
         config = GemmConfig(128, 256, 64, 16, 8, 3, persistent=True)
     if not is_valid_config(problem, config):
         # fp32 operands at large tiles overflow shared memory: shrink stages, then K.
