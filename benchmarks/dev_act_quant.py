@@ -1,0 +1,101 @@
+"""The activations' fp8 quantization (kernels/act_quant.py) on one GPU, alone: bit-exactness
+against quant.py's reference on the layers' largest inputs (random rows, and rows built to sit on
+e4m3 rounding midpoints, where a wrongly rounded division shows), and its time and bandwidth
+(bytes read + written over the median time).
+
+    python benchmarks/dev_act_quant.py --out benchmarks/results/h200_act_quant.json
+    # A/B against another version of the module (a file with the same act_quant function)
+    python benchmarks/dev_act_quant.py --baseline /path/to/old_act_quant.py
+
+Writes JSON (command, GPU, date, records) and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.util
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402  (puts the repository root on sys.path)
+from moe_ops.kernels.act_quant import act_quant  # noqa: E402
+from moe_ops.quant import quantize_fp8_per_token, quantize_fp8_per_token_group  # noqa: E402
+
+# (name, quant, rows, K): GEMM1's x and GEMM2's intermediate at T = 16384 (rows = T * k).
+CASES = (("mixtral x", "fp8", 16384, 4096), ("mixtral intermediate", "fp8", 32768, 14336),
+         ("qwen3 intermediate", "fp8", 131072, 768),
+         ("deepseek x", "fp8_block", 16384, 7168),
+         ("deepseek intermediate", "fp8_block", 131072, 2048))
+
+
+def inputs(rows: int, k: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    if kind == "random":
+        x = torch.randn(rows, k, generator=gen, device="cuda")
+        return (x * torch.exp(torch.randn(rows, 1, generator=gen, device="cuda"))).bfloat16()
+    # Half-integers up to 448 with 448 in every 128-column group: x * 448 / amax = x, so the
+    # quotients are exact e4m3 midpoints (ties to even) far more often than in real data.
+    x = torch.randint(-896, 897, (rows, k), generator=gen, device="cuda").float() / 2
+    x[:, ::128] = 448.0
+    return x.bfloat16()
+
+
+def mismatches(x: torch.Tensor, quant: str, fn) -> int:
+    q, s = fn(x, quant)
+    ref_q, ref_s = (quantize_fp8_per_token(x) if quant == "fp8"
+                    else quantize_fp8_per_token_group(x))
+    return int((q.view(torch.uint8) != ref_q.view(torch.uint8)).sum()
+               + (s.view(torch.int32) != ref_s.view(torch.int32)).sum())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", type=Path, help="another act_quant module, timed beside")
+    parser.add_argument("--out", type=Path, default=Path("act_quant.json"))
+    args = parser.parse_args()
+    variants = {"act_quant": act_quant}
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("baseline_act_quant", args.baseline)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        variants["baseline"] = module.act_quant
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    records = []
+    for name, quant, rows, k in CASES:
+        for kind in ("random", "midpoints"):
+            x = inputs(rows, k, kind, gen)
+            for variant, fn in variants.items():
+                record = dict(case=name, quant=quant, rows=rows, k=k, inputs=kind,
+                              variant=variant, mismatches=mismatches(x, quant, fn))
+                if kind == "random":
+                    us = triton.testing.do_bench(lambda: fn(x, quant), rep=100,
+                                                 return_mode="median") * 1e3
+                    scale_bytes = rows * 4 * (1 if quant == "fp8" else -(-k // 128))
+                    moved = rows * k * 3 + scale_bytes  # bf16 in, e4m3 out, fp32 scales
+                    record.update(us=us, tb_s=moved / us / 1e6)
+                records.append(record)
+                print(f"{name:22} {kind:9} {variant:9} mismatches {record['mismatches']:>6} "
+                      + (f"{record['us']:8.1f} us {record['tb_s']:5.2f} TB/s" if "us" in record
+                         else ""), flush=True)
+            del x
+    payload = dict(command="python " + " ".join(map(shlex.quote, sys.argv)),
+                   gpu=torch.cuda.get_device_name(), date=_dt.datetime.now(_dt.timezone.utc)
+                   .strftime("%Y-%m-%d %H:%M UTC"), torch=torch.__version__,
+                   git=bench.git_commit(), records=records)
+    bench.write_json(args.out, payload)
+    print(f"\n{'case':22} {'variant':9} {'us':>8} {'TB/s':>5}  mismatches (random / midpoints)")
+    for r in records:
+        if "us" in r:
+            other = next(o for o in records if o["case"] == r["case"]
+                         and o["variant"] == r["variant"] and o["inputs"] == "midpoints")
+            print(f"{r['case']:22} {r['variant']:9} {r['us']:8.1f} {r['tb_s']:5.2f}  "
+                  f"{r['mismatches']} / {other['mismatches']}")
+    return 0 if all(r["mismatches"] == 0 for r in records if r["variant"] == "act_quant") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
