@@ -1,7 +1,8 @@
 """The activations' fp8 quantization (kernels/act_quant.py) on one GPU, alone: bit-exactness
 against quant.py's reference on the layers' largest inputs (random rows, and rows built to sit on
-e4m3 rounding midpoints, where a wrongly rounded division shows), and its time and bandwidth
-(bytes read + written over the median time).
+e4m3 rounding midpoints, where a wrongly rounded division shows): codes by value, scales by
+bits, zeros whose sign alone differs counted apart; and its time and bandwidth (bytes read +
+written over the median time). The exit status is 1 if any value differs.
 
     python benchmarks/dev_act_quant.py --out benchmarks/results/h200_act_quant.json
     # A/B against another version of the module (a file with the same act_quant function)
@@ -44,12 +45,17 @@ def inputs(rows: int, k: int, kind: str, gen: torch.Generator) -> torch.Tensor:
     return x.bfloat16()
 
 
-def mismatches(x: torch.Tensor, quant: str, fn) -> int:
+def mismatches(x: torch.Tensor, quant: str, fn) -> tuple[int, int]:
+    """(values that differ: codes by value and scales by bits, zeros that differ in sign only).
+    The kernel writes +0 where a tiny negative value rounds to zero and torch's cast -0 (on the
+    H200: the same value, so the same GEMM results); counted apart."""
     q, s = fn(x, quant)
     ref_q, ref_s = (quantize_fp8_per_token(x) if quant == "fp8"
                     else quantize_fp8_per_token_group(x))
-    return int((q.view(torch.uint8) != ref_q.view(torch.uint8)).sum()
-               + (s.view(torch.int32) != ref_s.view(torch.int32)).sum())
+    bytes_differ = q.view(torch.uint8) != ref_q.view(torch.uint8)
+    values_differ = q.float() != ref_q.float()
+    return (int(values_differ.sum() + (s.view(torch.int32) != ref_s.view(torch.int32)).sum()),
+            int((bytes_differ & ~values_differ).sum()))
 
 
 def main() -> int:
@@ -69,8 +75,9 @@ def main() -> int:
         for kind in ("random", "midpoints"):
             x = inputs(rows, k, kind, gen)
             for variant, fn in variants.items():
+                values, zero_signs = mismatches(x, quant, fn)
                 record = dict(case=name, quant=quant, rows=rows, k=k, inputs=kind,
-                              variant=variant, mismatches=mismatches(x, quant, fn))
+                              variant=variant, mismatches=values, zero_sign_only=zero_signs)
                 if kind == "random":
                     us = triton.testing.do_bench(lambda: fn(x, quant), rep=100,
                                                  return_mode="median") * 1e3
@@ -78,7 +85,8 @@ def main() -> int:
                     moved = rows * k * 3 + scale_bytes  # bf16 in, e4m3 out, fp32 scales
                     record.update(us=us, tb_s=moved / us / 1e6)
                 records.append(record)
-                print(f"{name:22} {kind:9} {variant:9} mismatches {record['mismatches']:>6} "
+                print(f"{name:22} {kind:9} {variant:9} mismatches {values:>6} "
+                      f"(+{zero_signs} signed zeros) "
                       + (f"{record['us']:8.1f} us {record['tb_s']:5.2f} TB/s" if "us" in record
                          else ""), flush=True)
             del x
@@ -87,7 +95,7 @@ def main() -> int:
                    .strftime("%Y-%m-%d %H:%M UTC"), torch=torch.__version__,
                    git=bench.git_commit(), records=records)
     bench.write_json(args.out, payload)
-    print(f"\n{'case':22} {'variant':9} {'us':>8} {'TB/s':>5}  mismatches (random / midpoints)")
+    print(f"\n{'case':22} {'variant':9} {'us':>8} {'TB/s':>5}  value mismatches (random / midpoints)")
     for r in records:
         if "us" in r:
             other = next(o for o in records if o["case"] == r["case"]

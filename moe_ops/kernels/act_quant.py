@@ -18,49 +18,15 @@ import triton
 import triton.language as tl
 
 from moe_ops.kernels.common import (
-    FP8_BLOCK, INTERPRET, cdiv, fp8_quantize, next_power_of_2, pdl_launch_options, pdl_prologue,
-    round_to_e4m3_grid, use_pdl,
+    FP8_BLOCK, cdiv, fp8_quantize, next_power_of_2, pdl_launch_options, pdl_prologue, use_pdl,
 )
 
 
-# Where one reciprocal of amax serves a whole row (or group), dividing by amax is a multiply and
-# Markstein's correction (q0 = a * y, r = fma(-q0, amax, a), q = fma(r, y, q0) is a / amax
-# correctly rounded when y = RN(1 / amax) and nothing under- or overflows): 3 instructions
-# instead of div.rn's ~12 a value. Kept finite and normal: for amax < 2^-100 both a and amax are
-# first scaled by 2^64 (exact; a quotient that can round to a non-zero e4m3 value, >= 2^-10,
-# then has a >= 2^-110), and a row or group with amax > 2^118 (where v * 448 may overflow, as it
-# does in quant.py's reference) takes common.fp8_quantize's division.
-_RECIP_HI = tl.constexpr(3.3230699894622794e+35)  # 2^118
+# fp8_quantize divides (v * 448) by max(amax, 1e-30): rows (or groups) with a smaller amax are
+# first scaled by 2^64, with their amax (exact, and the quotient is the same); 2^-100 leaves
+# every value that can round to a non-zero e4m3 code (quotient >= 2^-10) normal.
 _TINY_AMAX = tl.constexpr(7.888609052210118e-31)  # 2^-100
 _TINY_SCALE = tl.constexpr(1.8446744073709552e+19)  # 2^64
-# The interpreter's fma rounds the product before the sum; the product of two float32 values
-# is exact in float64, so there the two fmas are formed in float64 (the first is then exact,
-# the second rounds twice, off only when the float64 sum lands on a float32 midpoint).
-_EMULATE_FMA = tl.constexpr(INTERPRET)
-
-
-@triton.jit
-def _amax_reciprocal(amax):
-    """(amax', 1 / amax' correctly rounded, the power of two f with amax' = amax * f) for
-    _fp8_quantize_by_reciprocal; amax = 0 gives an infinite reciprocal (the quotient is 0)."""
-    factor = tl.where(amax < _TINY_AMAX, _TINY_SCALE, 1.0)
-    scaled = amax * factor
-    return scaled, tl.div_rn(scaled * 0.0 + 1.0, scaled), factor
-
-
-@triton.jit
-def _fp8_quantize_by_reciprocal(v, amax, scaled_amax, recip, factor):
-    """common.fp8_quantize's q, bit for bit, for amax <= 2^118 (see _amax_reciprocal)."""
-    a = (v * factor) * 448.0
-    q0 = a * recip
-    if _EMULATE_FMA:
-        r = (a.to(tl.float64) - q0.to(tl.float64) * scaled_amax.to(tl.float64)).to(tl.float32)
-        scaled = (q0.to(tl.float64) + r.to(tl.float64) * recip.to(tl.float64)).to(tl.float32)
-    else:
-        scaled = tl.fma(tl.fma(-q0, scaled_amax, a), recip, q0)
-    scaled = tl.where(amax > 0, scaled, 0.0)
-    scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
-    return round_to_e4m3_grid(scaled).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -90,15 +56,18 @@ def _act_quant_kernel(
             x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         row_amax = tl.max(amax, axis=0)
-        scaled_amax, recip, factor = _amax_reciprocal(row_amax)
-        for k0 in range(0, K, BLOCK_K):
-            mask = k0 + offs < K
-            x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-            if row_amax <= _RECIP_HI:
-                q = _fp8_quantize_by_reciprocal(x, row_amax, scaled_amax, recip, factor)
-            else:
+        if row_amax >= _TINY_AMAX:
+            for k0 in range(0, K, BLOCK_K):
+                mask = k0 + offs < K
+                x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
                 q, scale = fp8_quantize(x, row_amax)
-            tl.store(q_row + k0 + offs, q, mask=mask)
+                tl.store(q_row + k0 + offs, q, mask=mask)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                mask = k0 + offs < K
+                x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+                q, scale = fp8_quantize(x * _TINY_SCALE, row_amax * _TINY_SCALE)
+                tl.store(q_row + k0 + offs, q, mask=mask)
         # correctly rounded, as quant.py divides (Triton's `/` is approximate on the GPU)
         tl.store(s_row, tl.div_rn(row_amax, 448.0))
     else:
@@ -109,14 +78,11 @@ def _act_quant_kernel(
             x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
             x2 = tl.reshape(x, (GROUPS, GROUP_K))
             amax = tl.max(tl.abs(x2), axis=1)
-            if tl.max(amax, axis=0) <= _RECIP_HI:
-                scaled_amax, recip, factor = _amax_reciprocal(amax)
-                q = _fp8_quantize_by_reciprocal(x2, amax[:, None], scaled_amax[:, None],
-                                                recip[:, None], factor[:, None])
-            else:
-                q, scale = fp8_quantize(x2, amax[:, None])
+            factor = tl.where(amax < _TINY_AMAX, _TINY_SCALE, 1.0)[:, None]
+            q, scale = fp8_quantize(x2 * factor, amax[:, None] * factor)
             tl.store(q_row + k0 + offs, tl.reshape(q, (BLOCK_K,)), mask=mask)
             g = k0 // GROUP_K + offs_g
+            # the unscaled amax's scale (the quantized values are the same either way)
             tl.store(s_row + g, tl.div_rn(amax, 448.0), mask=g * GROUP_K < K)
 
 

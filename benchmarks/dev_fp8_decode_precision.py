@@ -1,0 +1,73 @@
+"""fp8 (per-tensor) decode precision on one GPU: the experts call's relative error against the
+reference backend over 24 random routed batches, per decode tile config (swap-AB or not, K step)
+and promotion interval (grouped_gemm.FP8_PROMOTE_K), with the time of one call (CUDA-graph
+replay, median).
+
+    python benchmarks/dev_fp8_decode_precision.py > benchmarks/results/h200_fp8_decode_precision.txt
+
+Why: swap-AB decode tiles (the fp8 MMA with the weight tile on its 64-row side) err about twice
+as much as 16-row tiles that are not swapped, and their worst batch passes the 1e-2 bound.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402  (puts the repository root on sys.path)
+from moe_ops.kernels import experts as experts_mod  # noqa: E402
+from moe_ops.kernels import grouped_gemm as gg  # noqa: E402
+from moe_ops.kernels.grouped_gemm import GemmConfig  # noqa: E402
+
+CASES = ("mixtral_8x7b:fp8:1", "mixtral_8x7b:fp8:7", "qwen3_30b_a3b:fp8:7", "mixtral_8x7b:fp8:64")
+
+
+def swapped(block_k: int, stages: int) -> GemmConfig:
+    return GemmConfig(16, 64, block_k, 8, 4, stages, swap_ab=True)
+
+
+# (name, config of both GEMMs (None: the shipped tables), FP8_PROMOTE_K)
+VARIANTS = (("tuned", None, 256), ("swap k128 p256", swapped(128, 4), 256),
+            ("swap k128 p128", swapped(128, 4), 128), ("swap k64 p64", swapped(64, 6), 64),
+            ("swap k256 p256", swapped(256, 4), 256),
+            ("noswap k128", GemmConfig(16, 64, 128, 8, 4, 4), 256))
+
+
+def main() -> int:
+    shapes = bench.load_shapes()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"git {(bench.git_commit() or {}).get('commit', 'unknown')}")
+    for case in CASES:
+        quant, tokens, layer = bench.case_layer(shapes, case)
+        kw = layer.kernel_weights()
+        batches = [bench.routed_inputs(layer, tokens, torch.Generator(device="cuda").manual_seed(s))
+                   for s in range(24)]
+        refs = [bench.reference_forward(layer, x, topk_ids=ids, topk_weights=w).float()
+                for x, ids, w in batches]
+
+        def call(x, ids, w, config):
+            return experts_mod.triton_experts(
+                x, ids, w, kw["w13"], kw["w2"], kw.get("w13_scale"), kw.get("w2_scale"), None,
+                None, activation=layer.activation, quant=quant, gemm1_config=config,
+                gemm2_config=config)
+
+        for name, config, promote_k in VARIANTS:
+            gg.FP8_PROMOTE_K = promote_k
+            errors = [float((call(x, ids, w, config).float() - ref).norm() / ref.norm())
+                      for (x, ids, w), ref in zip(batches, refs)]
+            x, ids, w = batches[0]
+            us = triton.testing.do_bench_cudagraph(lambda: call(x, ids, w, config), rep=30,
+                                                   return_mode="median") * 1e3
+            print(f"{case:22} {name:16} median {statistics.median(errors):.2e} "
+                  f"max {max(errors):.2e} {us:8.1f} us", flush=True)
+        gg.FP8_PROMOTE_K = 256
+        del layer, kw
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
