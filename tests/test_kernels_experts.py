@@ -485,6 +485,27 @@ def test_pdl_early_launch_at_decode_sizes_only(tokens, early, monkeypatch, poiso
     assert options(torch.device(DEVICE)) == {"launch_pdl": True}
 
 
+@pytest.mark.parametrize("swap_allowed", [False, True])
+def test_fp8_runs_swap_ab_tiles_unswapped(swap_allowed, monkeypatch, poisoned_empty):
+    """fp8 (per tensor): a swap-AB config (explicit here; tuned ones alike) runs as its
+    unswapped twin unless experts.FP8_SWAP_AB (Hopper's fp8 wgmma on the swapped tile loses
+    bits); the result is right either way."""
+    import moe_ops.kernels.grouped_gemm as gg
+    monkeypatch.setattr(experts_mod, "FP8_SWAP_AB", swap_allowed)
+    launched = []
+    launch = gg._launch
+
+    def recording_launch(*args, **kwargs):
+        launched.append(args[7].swap_ab)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(gg, "_launch", recording_launch)
+    tensors, kwargs = make_problem(5, 64, 48, 4, 2, quant="fp8", seed=47)
+    config = GemmConfig(16, 64, 32, 8, 4, 2, swap_ab=True)
+    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
+    assert launched == [swap_allowed, swap_allowed]
+
+
 def test_pdl_early_launch_scopes_nest(monkeypatch):
     """An outer pdl_early_launch(False) (a caller that wants no early launch anywhere) holds
     through an experts call's own pdl_early_launch(True); leaving each scope restores the one

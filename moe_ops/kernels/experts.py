@@ -18,6 +18,7 @@ The caller (the package's op layer) has validated every argument; nothing is re-
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -52,13 +53,23 @@ DIRECT_MAX_PAIRS_PER_EXPERT = 0.125
 COMBINE = "auto"
 ATOMIC_COMBINE_MIN_BYTES = 64 << 20
 # Programmatic dependent launch (common.pdl_early_launch) for calls of at most this many routed
-# pairs: it takes about 2 us off each decode call (results/h200_pdl_on.json); at prefill,
-# Mixtral T=16384 ran 5% faster with PDL off altogether (MOE_OPS_PDL=0, which also drops the
-# kernels' prologue: results/h200_pdl_prefill.json). This scope keeps the prologue and drops
-# only the launch attribute; an A/B of exactly that, per model and mode, is still to be run
-# (against the sweep with PDL on every launch, other tables, bf16 prefill got faster and some
-# fp8 points slower, within +-5%).
+# pairs: it takes about 2 us off each decode call (results/h200_pdl_on.json); at prefill the
+# next kernel's early-resident programs hold SM slots their predecessor still needs. This scope
+# keeps the prologue and drops only the launch attribute. Measured as it ships, same tables,
+# against the attribute on every launch (results/h200_pdl_shipped_ab.json): Mixtral bf16
+# T=16384 631 -> 657 TFLOP/s, T=4096 590 -> 613, fp8 and Llama 4 1-2% faster, Qwen3 and
+# DeepSeek unchanged.
 PDL_MAX_PAIRS = 512
+# fp8 (per tensor) runs swap-AB tiles unswapped. Swap-AB puts the weight tile on the 64-row
+# side of Hopper's fp8 wgmma, whose accumulation loses bits: over 24 random batches the experts
+# call erred up to 1.37e-2 against the reference (Mixtral T=7; SPEC's bound is 1e-2) whatever
+# the K step (64-256) and the promotion interval, while the same tile unswapped (fewer than 64
+# rows: mma.sync) and the swapped one with exact fp32 dots both erred 2.8e-3 median, 2.9e-3 at
+# most, at 4-14% more decode time (results/h200_fp8_decode_precision.txt). The tables of
+# kernel hash f81cb2107c06ef24 still name swap-AB configs for fp8 decode; each runs as its
+# unswapped twin (the tuner, which profiles through this call, measures the twins). True
+# restores the swap-AB tiles (for measurements).
+FP8_SWAP_AB = False
 
 
 def use_direct_dispatch(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -152,6 +163,10 @@ def triton_experts(
                 quant not in PERSISTENT_QUANTS or x.dtype not in (torch.bfloat16, torch.float16)):
             raise ValueError(f"{name}: persistent=True needs quant in {PERSISTENT_QUANTS} and "
                              f"bf16/fp16 activations, got quant={quant!r}, dtype {x.dtype}")
+
+    if quant == "fp8" and not FP8_SWAP_AB:
+        config1, config2 = (dataclasses.replace(c, swap_ab=False) if c.swap_ab else c
+                            for c in (config1, config2))
 
     x = x.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()
