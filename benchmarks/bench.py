@@ -921,6 +921,15 @@ def write_json(path: Path | str, payload: dict[str, Any]) -> Path:
     return path
 
 
+def write_records(path: Path | str, records: list[dict[str, Any]]) -> Path:
+    """A developer script's records with the command line, GPU, date, torch and commit."""
+    return write_json(path, dict(
+        command="python " + " ".join(map(shlex.quote, sys.argv)),
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        torch=torch.__version__, git=git_commit(), records=records))
+
+
 def git_commit() -> Optional[dict[str, Any]]:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,

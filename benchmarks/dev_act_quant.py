@@ -13,9 +13,7 @@ Writes JSON (command, GPU, date, records) and prints a table last.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import importlib.util
-import shlex
 import sys
 from pathlib import Path
 
@@ -90,11 +88,7 @@ def main() -> int:
                       + (f"{record['us']:8.1f} us {record['tb_s']:5.2f} TB/s" if "us" in record
                          else ""), flush=True)
             del x
-    payload = dict(command="python " + " ".join(map(shlex.quote, sys.argv)),
-                   gpu=torch.cuda.get_device_name(), date=_dt.datetime.now(_dt.timezone.utc)
-                   .strftime("%Y-%m-%d %H:%M UTC"), torch=torch.__version__,
-                   git=bench.git_commit(), records=records)
-    bench.write_json(args.out, payload)
+    bench.write_records(args.out, records)
     print(f"\n{'case':22} {'variant':9} {'us':>8} {'TB/s':>5}  value mismatches (random / midpoints)")
     for r in records:
         if "us" in r:

@@ -21,11 +21,8 @@ Writes JSON (command, GPU, date, records) and prints a table last.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import itertools
-import shlex
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -149,11 +146,7 @@ def main() -> int:
                 print(f"      {kus:9.1f} us  {kname[:90]}", flush=True)
         del layer, kw
         torch.cuda.empty_cache()
-    payload = dict(command="python " + " ".join(map(shlex.quote, sys.argv)),
-                   gpu=torch.cuda.get_device_name(), date=_dt.datetime.now(_dt.timezone.utc)
-                   .strftime("%Y-%m-%d %H:%M UTC"), torch=torch.__version__,
-                   git=bench.git_commit(), records=records)
-    bench.write_json(args.out, payload)
+    bench.write_records(args.out, records)
     print(f"\n{'case':28} {'variant':7} {'pdl<=':>10} {'us':>9} {'TFLOP/s':>8}  gemm2")
     for r in rows:
         if "us" in r:
