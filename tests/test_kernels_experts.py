@@ -230,15 +230,17 @@ def test_dispatch(path, T, k, E, block_m, offset, case, poisoned_empty):
                                      ("fp8_block", 192), ("fp8_block", 1100),
                                      ("fp8_block", 16500)])
 def test_act_quant(quant, K):
-    """Short rows share a program, rows up to 16384 values are read once, longer ones in steps
-    (K = 17000 / 16500): every path equals round-to-nearest-even e4m3 of x / s."""
+    """Rows of any length (one step, several, K = 17000 / 16500 in steps of 2048 / 1024) equal
+    round-to-nearest-even e4m3 of x / s, including rows far from 1 in size."""
     g = torch.Generator().manual_seed(K)
     x = (torch.randn(5, K, generator=g) * torch.exp(torch.randn(5, 1, generator=g))).to(torch.bfloat16)
     x[2] = 0  # a zero row: scale 0, q 0, never NaN
-    # act_quant's reciprocal division holds for amax in [2^-100, 2^118], the exact division
-    # outside: a row at the top of the range, one past it, one below it
+    # Rows far from 1: large ones (v * 448 overflows past 2^119, as in quant.py), tiny ones
+    # (act_quant scales rows with amax < 2^-96 by 2^64: fp8_quantize clamps amax at 1e-30),
+    # one just under 1e-30 and one far below it
     x[0] *= 2.0 ** 110 / x[0].abs().max()
-    x[1] *= 2.0 ** -105
+    x[1] *= 9e-31 / x[1].abs().max()
+    x[3] *= 2.0 ** -105
     x[4] *= 2.0 ** 119 / x[4].abs().max()
     if quant == "fp8_block":
         x[3, 128:256] = 0
@@ -419,7 +421,7 @@ def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, mon
     into dispatch order first: K not a multiple of block_k (TMA's zero fill), N not a multiple
     of block_n (tiles straddling two experts' weights), more tiles than programs, expert-
     parallel ids and ids of no local expert; fp8 with the partial sum promoted every 8 K steps
-    and (promote_k = block_k) inside each dot. GEMM2 on it writes rows: "auto" picks them even
+    and (promote_k = block_k) inside each dot; fp8_block over several scale groups. GEMM2 on it writes rows: "auto" picks them even
     where it would pick atomics for the tile kernel (threshold 0 here), and a forced "atomic"
     runs GEMM2 on the tile kernel."""
     import moe_ops.kernels.grouped_gemm as gg
@@ -434,7 +436,10 @@ def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, mon
         return launch(*args, gemm=gemm, **kwargs)
 
     monkeypatch.setattr(gg, "_launch_persistent", counting_launch)
-    tensors, kwargs = make_problem(40, 80, 48, 4, 2, activation=activation, quant=quant,
+    # fp8_block: several 128-column scale groups along both K (H = 272, I = 160) and weight
+    # blocks along N, so a wrong scale index shows
+    H, I = (272, 160) if quant == "fp8_block" else (80, 48)
+    tensors, kwargs = make_problem(40, H, I, 4, 2, activation=activation, quant=quant,
                                    bias=bias, local_expert_offset=2, num_global_experts=8,
                                    invalid_ids=True, seed=23)
     config = GemmConfig(64, 64, 32, 2, 4, 2, persistent=True)
@@ -448,9 +453,9 @@ def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, mon
 
 @pytest.mark.parametrize("quant,dtype", [("nvfp4", torch.bfloat16), ("none", torch.float32)])
 def test_explicit_persistent_config_is_refused_where_it_cannot_compute(quant, dtype):
-    """The persistent kernel computes none / fp8 / fp8_block with 16-bit activations only: an explicit
-    persistent config for another mode or dtype is refused, naming the argument, before any
-    launch (its launcher checks only what TMA needs)."""
+    """The persistent kernel computes none / fp8 / fp8_block with 16-bit activations only: an
+    explicit persistent config for another mode or dtype is refused, naming the argument, before any
+    launch (use_persistent would quietly run it on the tile kernel)."""
     tensors, kwargs = make_problem(40, 128, 128, 4, 2, quant=quant, dtype=dtype, seed=43)
     config = GemmConfig(64, 64, 64, 2, 4, 2, persistent=True)
     with pytest.raises(ValueError, match="gemm2_config: persistent"):

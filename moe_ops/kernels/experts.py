@@ -150,10 +150,10 @@ def triton_experts(
         config1, config2 = config1 or tuned1, config2 or tuned2
     for name, config in (("gemm1_config", gemm1_config), ("gemm2_config", gemm2_config)):
         # Explicit configs skip config_problems (tuned and default ones pass it). The rules whose
-        # break would not fail a launch but read out of bounds or sum wrongly are checked here,
-        # before any launch: 4-bit weight rows are padded to FP4_K_ALIGN columns (the K step
-        # must not pass it), and the persistent kernel has no 4-bit decode or fp32 dots (its
-        # launcher only checks what TMA needs).
+        # break would not fail a launch but read out of bounds, sum wrongly or silently run
+        # another kernel are checked here, before any launch: 4-bit weight rows are padded to
+        # FP4_K_ALIGN columns (the K step must not pass it), and the persistent kernel has no
+        # 4-bit decode or fp32 dots (use_persistent would run such a config on the tile kernel).
         if config is None:
             continue
         if fp4 and config.block_k > FP4_K_ALIGN:
