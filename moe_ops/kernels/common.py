@@ -157,7 +157,7 @@ def fp8_quantize(v, amax):
     # does in SPEC; a rounded reciprocal would break such ties (about one element in a
     # thousand of bf16 activations) the wrong way. The scale divides correctly rounded too
     # (Triton's `/` is an approximate division on the GPU), as quant.py's does.
-    scaled = tl.where(amax > 0, tl.div_rn(v * 448.0, tl.maximum(amax, 1e-30)), 0.0)
+    scaled = tl.where(amax > 0, tl.div_rn(v * 448.0, tl.where(amax > 0, amax, 1.0)), 0.0)
     scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
     q = round_to_e4m3_grid(scaled).to(tl.float8e4nv)
     return q, tl.div_rn(amax, 448.0)

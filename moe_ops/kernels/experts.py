@@ -65,9 +65,8 @@ PDL_MAX_PAIRS = 512
 # call erred up to 1.37e-2 against the reference (Mixtral T=7; SPEC's bound is 1e-2) whatever
 # the K step (64-256) and the promotion interval, while the same tile unswapped (fewer than 64
 # rows: mma.sync) and the swapped one with exact fp32 dots both erred 2.8e-3 median, 2.9e-3 at
-# most, at 4-14% more decode time (results/h200_fp8_decode_precision.txt). The tables of
-# kernel hash f81cb2107c06ef24 still name swap-AB configs for fp8 decode; each runs as its
-# unswapped twin (the tuner, which profiles through this call, measures the twins). True
+# most, at 4-14% more decode time (results/h200_fp8_decode_precision.txt). grouped_gemm's fp8
+# defaults and tuning candidates are unswapped; this holds for explicit configs too. True
 # restores the swap-AB tiles (for measurements).
 FP8_SWAP_AB = False
 

@@ -298,7 +298,8 @@ def tuning_candidates(problem: GemmProblem) -> List[GemmConfig]:
     fp4 = problem.quant in FP4_QUANTS
     if m <= 16:
         table = _DECODE_CANDIDATES + _SPLIT_K_CANDIDATES
-    elif m <= 128:
+    elif m < 128 or (m == 128 and problem.quant != "fp8_block"):
+        # (fp8_block's persistent default starts at 128 rows: its neighbours come with it)
         table = _FP4_MID_CANDIDATES if fp4 else _MID_CANDIDATES
     else:
         persistent = (_FP8_BLOCK_PERSISTENT_CANDIDATES if problem.quant == "fp8_block"
@@ -308,6 +309,8 @@ def tuning_candidates(problem: GemmProblem) -> List[GemmConfig]:
     configs = [default_config(problem)]
     for entry in table:
         config = GemmConfig(*entry)
+        if problem.quant == "fp8" and config.swap_ab:
+            config = dataclasses.replace(config, swap_ab=False)  # see default_config's decode
         if config not in configs and is_valid_config(problem, config):
             configs.append(config)
     return configs
@@ -362,14 +365,19 @@ def default_config(problem: GemmProblem) -> GemmConfig:
         # Decode: a stream of the hit experts' weights; narrow N tiles give enough programs to
         # keep every SM's loads in flight, deep pipelining hides the latency. Swap-AB puts the
         # weight tile on the MMA's 64-row side (wgmma instead of mma.sync at 16 rows).
-        config = GemmConfig(16, 64, wide_k, 8, 4, 4, swap_ab=True)
+        # fp8 (per tensor) unswapped: swapped, the weight tile sits on the 64-row side of the
+        # fp8 wgmma, whose accumulation lost enough bits to pass the 1e-2 bound (Mixtral T=7:
+        # 1.37e-2 over 24 batches; the 16-row tile unswapped builds with mma.sync: 2.9e-3 at
+        # most, results/h200_fp8_decode_precision.txt).
+        swap = problem.quant != "fp8"
+        config = GemmConfig(16, 64, wide_k, 8, 4, 4, swap_ab=swap)
         if problem.quant == "fp8" and problem.k >= LONG_K_DECODE:
             # A long reduction streamed by few programs (Mixtral's down projection: K = 14336,
             # 64 N-tiles an expert) needs more bytes in flight per program: 256-wide K steps,
             # 5 deep. Mixtral fp8 T=1 on the H200, the experts call: 112 -> 100 us
             # (benchmarks/results/h200_sweep_configs.json). fp8_block keeps K steps within
             # one 128-wide scale block.
-            config = GemmConfig(16, 64, 256, 8, 4, 5, swap_ab=True)
+            config = GemmConfig(16, 64, 256, 8, 4, 5, swap_ab=swap)
     elif problem.quant == "fp8" and m >= 512:
         # with promotions every 512 columns: Mixtral T=16384 868 TFLOP/s against 737 at
         # 64x128x128 (Qwen3 at m=256 kept 64x128x128: 441 against 381); every 256 (now):
@@ -392,7 +400,8 @@ def default_config(problem: GemmProblem) -> GemmConfig:
     else:
         # The persistent TMA kernel: 678 / 693 TFLOP/s for GEMM1 / GEMM2 alone (sorted rows,
         # as above) against 566 / 587 for the tile kernel; the whole experts call (gather, both
-        # GEMMs, combine) 657 at Mixtral T=16384 (results/h200_pdl_shipped_ab.json).
+        # GEMMs, combine) with the tuned tables of kernel hash 16a23bbda81f0be3 (their GEMM1 at
+        # group_m 8) 657 at Mixtral T=16384 (results/h200_pdl_shipped_ab.json).
         config = GemmConfig(128, 256, 64, 16, 8, 3, persistent=True)
     if not is_valid_config(problem, config):
         # fp32 operands at large tiles overflow shared memory: shrink stages, then K.
@@ -903,17 +912,21 @@ def _grouped_gemm_persistent_kernel(
             # [BN, BK], K contiguous: its transpose is the K-major B operand (fp8's wgmma needs
             # it; nothing moves, the MMA reads shared memory transposed)
             w = w_desc.load([w_row, kb * BLOCK_K]).T
-            if UPCAST:
-                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            elif QUANT == "fp8":
-                acc, part = _fp8_dot(a, w, acc, part, kb, PROMOTE_STEPS, BLOCK_K)
-            elif QUANT == "fp8_block":
+            if QUANT == "fp8_block":
                 # each partial product scaled before it joins the fp32 accumulator (BLOCK_K
                 # divides 128: one scale group per step)
                 group = (kb * BLOCK_K) // 128
                 a_s = tl.load(a_scale_ptr + (a_scale_rows + group))
                 w_s = tl.load(w_scale_ptr + (w_scale_rows + group))
-                acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+                if UPCAST:
+                    step = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+                else:
+                    step = tl.dot(a, w)
+                acc += step * a_s[:, None] * w_s[None, :]
+            elif UPCAST:
+                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            elif QUANT == "fp8":
+                acc, part = _fp8_dot(a, w, acc, part, kb, PROMOTE_STEPS, BLOCK_K)
             else:
                 acc = tl.dot(a, w, acc)
         if QUANT == "fp8" and PROMOTE_STEPS > 1:
@@ -1071,9 +1084,10 @@ def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
     a_desc = TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1],
                               [config.block_m, config.block_k])
     w_desc = TensorDescriptor(w, [w.shape[0] * n, k], [k, 1], [config.block_n, config.block_k])
-    # One warpgroup a program (64-row tiles, fp8_block's register-hungry scaling): two programs
-    # an SM, so that one's MMAs overlap the other's loads and epilogue (both fit: about 200
-    # registers a thread and half the shared memory each in sm_90 builds).
+    # A 4-warp config (one warpgroup a program, any quant mode; fp8_block's 64-row tiles are
+    # the ones tuned) runs two programs an SM, so that one's MMAs overlap the other's loads and
+    # epilogue (fp8_block's fit: about 200 registers a thread and half the shared memory each
+    # in sm_90 builds).
     programs = _programs(a.device) * (2 if config.num_warps == 4 else 1)
     dummy = routing.topk_weights
     _launcher((programs,), _grouped_gemm_persistent_kernel)(
