@@ -94,17 +94,13 @@ import triton.language as tl  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-try:  # only the "ours" baseline needs the package
-    from moe_ops.kernels import grouped_gemm as gg  # noqa: E402
-    MOE_OPS_ERROR = None
-except Exception as exc:  # noqa: BLE001
-    gg = None
-    MOE_OPS_ERROR = f"{type(exc).__name__}: {exc}"
+from moe_ops.kernels import grouped_gemm as gg  # noqa: E402
+from moe_ops.kernels.grouped_gemm import _tile_coords  # noqa: E402  (the shipped tile order)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Columns of K between two promotions of the fp8 partial sum (moe_ops' FP8_PROMOTE_K: 256 keeps
 # the whole layer under 1e-2 with margin, see grouped_gemm.py).
-FP8_PROMOTE_K = gg.FP8_PROMOTE_K if gg is not None else 256
+FP8_PROMOTE_K = gg.FP8_PROMOTE_K
 # Shared memory a block may use on sm_90 (227 KiB opt-in); configs above it are not tried.
 SMEM_LIMIT = 227 * 1024
 START = time.time()
@@ -116,18 +112,6 @@ def log(*args):
 
 
 # ============================================================================ kernels
-
-@triton.jit
-def _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
-    """Grouped order: GROUP_M consecutive row blocks walk the N tiles together, so the tiles in
-    flight at one time share their A row blocks and W column tiles in L2."""
-    per_group = GROUP_M * num_n_blocks
-    first_m = (tile // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % group_rows
-    pid_n = (tile % per_group) // group_rows
-    return pid_m, pid_n
-
 
 @triton.jit
 def _dot(a, w, acc, PROMOTE_IN_DOT: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
@@ -579,8 +563,6 @@ def make_runner(variant: str, prob: Problem, cfg: Cfg):
     upcast = INTERPRET and dtype == "bf16"
 
     if variant == "ours":
-        if gg is None:
-            raise RuntimeError(f"moe_ops not importable: {MOE_OPS_ERROR}")
         # GEMM2 form of our kernel: A read in slot order, out[pair] = 1.0 * (A @ W[e]^T).
         expert_of_pair = prob.block_expert_ids.long().repeat_interleave(ALIGN_M)[prob.real_slots]
         routing = gg.Routing(
@@ -877,10 +859,6 @@ def aot(args) -> int:
                               BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.group_m,
                               PROMOTE_STEPS=promote_steps(dtype, cfg), UPCAST=False)
                 if variant == "ours":
-                    if gg is None:
-                        row.update(ok=False, error=f"moe_ops not importable: {MOE_OPS_ERROR}")
-                        RESULTS.append(row)
-                        continue
                     fn, sig, constexprs = _ours_aot_args(dtype, cfg)
                 elif variant == "ptr":
                     fn = _ptr_gemm_kernel
@@ -952,7 +930,7 @@ def save(out_dir: str, name: str) -> str:
     path = os.path.join(out_dir, name)
     meta = dict(torch=torch.__version__, triton=triton.__version__, argv=sys.argv,
                 elapsed_s=round(time.time() - START, 1), fp8_promote_k=FP8_PROMOTE_K,
-                interpret=INTERPRET, moe_ops_error=MOE_OPS_ERROR,
+                interpret=INTERPRET,
                 gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                 shapes=SHAPES, targets_tflops=dict(bf16=650, fp8=1100))
     with open(path, "w") as f:
