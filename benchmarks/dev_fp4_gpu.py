@@ -53,6 +53,7 @@ TOKENS = (1, 16, 64, 1024, 4096, 16384)
 CHECK_TOKENS = (7, 300)
 INPUT_SETS = 4
 TINY = "--tiny" in sys.argv
+LABELS = None  # --labels: the candidates timed (None: all)
 DEVICE = "cpu" if TINY else "cuda"
 if TINY:
     MODELS = {
@@ -78,14 +79,17 @@ DECODE = [
     ("16x256x128w8s3", C(16, 256, 128, 8, 8, 3, True), False),
     ("16x32x256s4", C(16, 32, 256, 8, 4, 4, True), False),
     ("dflt-portable", None, True),
+    ("dflt-scaleasm", None, "scale_asm"),
 ]
 MID = [
     ("dflt", None, False),
+    ("dflt-scaleasm", None, "scale_asm"),
     ("32x64x128s4", C(32, 64, 128, 8, 4, 4, True), False),
     ("64x128x64s4", C(64, 128, 64, 8, 4, 4, True), False),
 ]
 PREFILL = [
     ("dflt", None, False),
+    ("dflt-scaleasm", None, "scale_asm"),
     ("128x256x64w8", C(128, 256, 64, 16, 8, 3, True), False),
     ("256x128x64w8", C(256, 128, 64, 16, 8, 3, True), False),
     ("128x128x128w8", C(128, 128, 128, 16, 8, 3, True), False),
@@ -104,7 +108,8 @@ def log(*args):
 def candidates(model: str, T: int):
     m = MODELS[model]
     rows = T * m["k"] / m["E"]
-    return DECODE if rows <= 16 else MID if rows <= 128 else PREFILL
+    table = DECODE if rows <= 16 else MID if rows <= 128 else PREFILL
+    return [c for c in table if LABELS is None or c[0] in LABELS]
 
 
 # ------------------------------------------------------------------ weights and inputs
@@ -148,13 +153,16 @@ def make_inputs(model: str, T: int, seed: int):
 
 
 @contextlib.contextmanager
-def portable_decode(on: bool):
-    saved = gg.FP4_FAST_DEQUANT
-    gg.FP4_FAST_DEQUANT = not on
+def portable_decode(on):
+    """on: True forces the portable decode; "scale_asm" the fast decode with nvfp4's scales
+    converted by bit moves (grouped_gemm.NVFP4_SCALE_ASM)."""
+    saved = gg.FP4_FAST_DEQUANT, gg.NVFP4_SCALE_ASM
+    gg.FP4_FAST_DEQUANT = on is not True
+    gg.NVFP4_SCALE_ASM = on == "scale_asm"
     try:
         yield
     finally:
-        gg.FP4_FAST_DEQUANT = saved
+        gg.FP4_FAST_DEQUANT, gg.NVFP4_SCALE_ASM = saved
 
 
 def call(model: str, weights: dict, x, ids, w, config=None, portable=False):
@@ -238,13 +246,21 @@ def check(model: str, weights: dict, deadline: float) -> None:
         swap = C(16, 64, 128, 8, 4, 3, True) if rows <= 16 else C(64, 128, 64, 8, 4, 3, True)
         # (4-bit configs without swap-AB are interpreter-only: grouped_gemm.config_problems)
         for label, config, portable in (("dflt", None, False), ("dflt-portable", None, True),
+                                        ("dflt-scaleasm", None, "scale_asm"),
                                         ("swap", swap, False)):
             if time.time() > deadline:
                 return
             row = dict(kind="check", model=model, quant=m["quant"], T=T, config=label)
             try:
-                err = rel_err(call(model, weights, x, ids, w, config, portable), ref)
+                out = call(model, weights, x, ids, w, config, portable)
+                err = rel_err(out, ref)
                 row.update(err=err, ok=err <= 1e-2)
+                if label == "dflt":
+                    fast_out = out
+                elif label == "dflt-scaleasm":
+                    # the same dequantized weights, so the same bits
+                    row.update(identical_to_dflt=bool(torch.equal(out, fast_out)))
+                    row["ok"] = row["ok"] and row["identical_to_dflt"]
             except Exception as exc:  # noqa: BLE001
                 row.update(err=None, ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
                 traceback.print_exc()
@@ -334,9 +350,12 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=165.0,
                     help="skip the measurements left after this many seconds (default 165)")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--labels", nargs="+", help="time only these candidates (e.g. dflt)")
     ap.add_argument("--out", default=os.environ.get("MOE_OPS_RESULTS_DIR") or "out")
     ap.add_argument("--tiny", action="store_true", help="interpreter smoke test (CPU)")
     args = ap.parse_args()
+    global LABELS
+    LABELS = set(args.labels) if args.labels else None
     deadline = START + args.deadline_s
     if not TINY and not torch.cuda.is_available():
         print("dev_fp4_gpu: no CUDA device (--tiny runs the script on the CPU interpreter)")
