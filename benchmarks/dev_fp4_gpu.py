@@ -79,17 +79,14 @@ DECODE = [
     ("16x256x128w8s3", C(16, 256, 128, 8, 8, 3, True), False),
     ("16x32x256s4", C(16, 32, 256, 8, 4, 4, True), False),
     ("dflt-portable", None, True),
-    ("dflt-scaleasm", None, "scale_asm"),
 ]
 MID = [
     ("dflt", None, False),
-    ("dflt-scaleasm", None, "scale_asm"),
     ("32x64x128s4", C(32, 64, 128, 8, 4, 4, True), False),
     ("64x128x64s4", C(64, 128, 64, 8, 4, 4, True), False),
 ]
 PREFILL = [
     ("dflt", None, False),
-    ("dflt-scaleasm", None, "scale_asm"),
     ("128x256x64w8", C(128, 256, 64, 16, 8, 3, True), False),
     ("256x128x64w8", C(256, 128, 64, 16, 8, 3, True), False),
     ("128x128x128w8", C(128, 128, 128, 16, 8, 3, True), False),
@@ -153,16 +150,13 @@ def make_inputs(model: str, T: int, seed: int):
 
 
 @contextlib.contextmanager
-def portable_decode(on):
-    """on: True forces the portable decode; "scale_asm" the fast decode with nvfp4's scales
-    converted by bit moves (grouped_gemm.NVFP4_SCALE_ASM)."""
-    saved = gg.FP4_FAST_DEQUANT, gg.NVFP4_SCALE_ASM
-    gg.FP4_FAST_DEQUANT = on is not True
-    gg.NVFP4_SCALE_ASM = on == "scale_asm"
+def portable_decode(on: bool):
+    saved = gg.FP4_FAST_DEQUANT
+    gg.FP4_FAST_DEQUANT = not on
     try:
         yield
     finally:
-        gg.FP4_FAST_DEQUANT, gg.NVFP4_SCALE_ASM = saved
+        gg.FP4_FAST_DEQUANT = saved
 
 
 def call(model: str, weights: dict, x, ids, w, config=None, portable=False):
@@ -246,21 +240,13 @@ def check(model: str, weights: dict, deadline: float) -> None:
         swap = C(16, 64, 128, 8, 4, 3, True) if rows <= 16 else C(64, 128, 64, 8, 4, 3, True)
         # (4-bit configs without swap-AB are interpreter-only: grouped_gemm.config_problems)
         for label, config, portable in (("dflt", None, False), ("dflt-portable", None, True),
-                                        ("dflt-scaleasm", None, "scale_asm"),
                                         ("swap", swap, False)):
             if time.time() > deadline:
                 return
             row = dict(kind="check", model=model, quant=m["quant"], T=T, config=label)
             try:
-                out = call(model, weights, x, ids, w, config, portable)
-                err = rel_err(out, ref)
+                err = rel_err(call(model, weights, x, ids, w, config, portable), ref)
                 row.update(err=err, ok=err <= 1e-2)
-                if label == "dflt":
-                    fast_out = out
-                elif label == "dflt-scaleasm":
-                    # the same dequantized weights, so the same bits
-                    row.update(identical_to_dflt=bool(torch.equal(out, fast_out)))
-                    row["ok"] = row["ok"] and row["identical_to_dflt"]
             except Exception as exc:  # noqa: BLE001
                 row.update(err=None, ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
                 traceback.print_exc()

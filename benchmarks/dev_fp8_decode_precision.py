@@ -35,8 +35,7 @@ def swapped(block_k: int, stages: int) -> GemmConfig:
 
 
 # (name, config of both GEMMs (None: the shipped tables), FP8_PROMOTE_K, exact dots,
-# experts.FP8_SWAP_AB: whether swap-AB configs run swapped[, grouped_gemm.FP8_BF16_DOT: bf16
-# MMAs on the converted operands]). "shipped" is what a call runs.
+# experts.FP8_SWAP_AB: whether swap-AB configs run swapped). "shipped" is what a call runs.
 VARIANTS = (("shipped", None, 256, False, False), ("tuned", None, 256, False, True),
             ("swap k128 p256", swapped(128, 4), 256, False, True),
             ("swap k128 p128", swapped(128, 4), 128, False, True),
@@ -44,14 +43,7 @@ VARIANTS = (("shipped", None, 256, False, False), ("tuned", None, 256, False, Tr
             ("swap k256 p256", swapped(256, 4), 256, False, True),
             ("noswap k128", GemmConfig(16, 64, 128, 8, 4, 4), 256, False, True),
             ("swap k128 exact", swapped(128, 4), 256, True, True),
-            ("noswap k128 exact", GemmConfig(16, 64, 128, 8, 4, 4), 256, True, True),
-            ("swap k128 bf16", swapped(128, 4), 256, False, True, True),
-            ("swap k256 s5 bf16", swapped(256, 5), 256, False, True, True),
-            ("noswap k256 s5", GemmConfig(16, 64, 256, 8, 4, 5), 256, False, True))
-
-# python benchmarks/dev_fp8_decode_precision.py [variant names...]: only those variants
-ONLY = set(sys.argv[1:])
-
+            ("noswap k128 exact", GemmConfig(16, 64, 128, 8, 4, 4), 256, True, True))
 
 def exact_dots(gemm):
     """gemm1 / gemm2 with fp32 operands and FMA dots (the interpreter's upcast path)."""
@@ -79,10 +71,7 @@ def main() -> int:
                 None, activation=layer.activation, quant=quant, gemm1_config=config,
                 gemm2_config=config)
 
-        for name, config, promote_k, exact, swap_ab, *bf16 in VARIANTS:
-            if ONLY and name not in ONLY:
-                continue
-            gg.FP8_BF16_DOT = bool(bf16 and bf16[0])
+        for name, config, promote_k, exact, swap_ab in VARIANTS:
             gg.FP8_PROMOTE_K = promote_k
             experts_mod.FP8_SWAP_AB = swap_ab
             experts_mod.gemm1 = exact_dots(gg.gemm1) if exact else gg.gemm1
@@ -95,7 +84,6 @@ def main() -> int:
             print(f"{case:22} {name:16} median {statistics.median(errors):.2e} "
                   f"max {max(errors):.2e} {us:8.1f} us", flush=True)
         gg.FP8_PROMOTE_K = 256
-        gg.FP8_BF16_DOT = False
         experts_mod.FP8_SWAP_AB = False
         experts_mod.gemm1, experts_mod.gemm2 = gg.gemm1, gg.gemm2
         del layer, kw

@@ -82,12 +82,6 @@ FP8_PROMOTE_K = 256
 # bf16 4-bit weights decode with inline PTX on the GPU (_dequant_fp4_tile_bf16_asm); False
 # forces the portable bit arithmetic everywhere (the interpreter and fp16 always use it).
 FP4_FAST_DEQUANT = True
-# Experiments (off): fp8 swap-AB tiles as bf16 MMAs on the exactly converted operands (the fp8
-# wgmma's accumulation is what fails the bound, see experts.FP8_SWAP_AB); nvfp4's block scales
-# converted to their bf16 multipliers with integer bit moves in inline PTX (_E4M3_TO_BF16_P117)
-# instead of the e4m3 -> f16 -> f32 -> bf16 conversion chain.
-FP8_BF16_DOT = False
-NVFP4_SCALE_ASM = False
 
 # Shared memory per block on sm_90 (227 KiB opt-in), less a margin for the epilogue's
 # layout conversions (the gate/up split goes through shared memory).
@@ -544,7 +538,11 @@ mul.rn.bf16x2 $3, hi1, $6;
 # e4m3 block scales (4 a register) -> bf16 scale * 2^117 (two bf16x2): each byte to the high
 # byte of a 16-bit half, its sign kept at bit 15 and its 7 magnitude bits moved to bits 10-4:
 # the bf16 bits of scale * 2^-120, exactly (an e4m3 subnormal becomes a bf16 subnormal); then
-# * 2^127 * 2^110 (two steps: 2^237 is no bf16). e4m3's NaN (0x7f) comes out finite.
+# * 2^127 * 2^110 (two steps: 2^237 is no bf16). e4m3's NaN (0x7f) comes out finite (no valid
+# checkpoint has one; the portable decode keeps it NaN). The conversion chain it replaced
+# (e4m3 -> f16 -> f32, * 2^117, -> bf16) took about 4.5 instructions a scale against 3: the
+# DeepSeek-V3 decode loop 702 -> 650 instructions a K step of a thread, the experts call 4-6%
+# faster at T = 1-64 (results/h200_fp4_scale_asm.log).
 _E4M3_TO_BF16_P117 = tl.constexpr("""
 {
 .reg .b32 t0, t1, m, z;
@@ -574,7 +572,7 @@ NVFP4_FAST_EPILOGUE = 512.0
 
 @triton.jit
 def _dequant_fp4_tile_bf16_asm(packed, scale, QUANT: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, SCALE_ASM: tl.constexpr = False):
+                               BLOCK_K: tl.constexpr):
     """_dequant_fp4_tile for bf16 on the GPU (inline PTX; see _E2M1_BF16_ASM_HEAD). nvfp4's
     result is the dequantized weight / 512 (NVFP4_FAST_EPILOGUE), exactly.
 
@@ -583,12 +581,10 @@ def _dequant_fp4_tile_bf16_asm(packed, scale, QUANT: tl.constexpr, BLOCK_N: tl.c
     already the bf16 pairs the MMA's register fragment holds: no byte shuffles."""
     byte = tl.reshape(packed, (BLOCK_N, 4, BLOCK_K // 16, 2))
     if QUANT == "nvfp4":
-        if SCALE_ASM:
-            factor = tl.inline_asm_elementwise(_E4M3_TO_BF16_P117, "=r,=r,r", [scale],
-                                               dtype=tl.bfloat16, is_pure=True, pack=4)
-        else:
-            factor = (scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                      * 1.661534994731145e+35).to(tl.bfloat16)                # * 2^117
+        # scale * 2^117 by bit moves (_E4M3_TO_BF16_P117): bit for bit what the conversion
+        # chain e4m3 -> f16 -> f32, * 2^117, -> bf16 gives, in two thirds of its instructions
+        factor = tl.inline_asm_elementwise(_E4M3_TO_BF16_P117, "=r,=r,r", [scale],
+                                           dtype=tl.bfloat16, is_pure=True, pack=4)
         low, high = tl.inline_asm_elementwise(
             _E2M1_BF16_ASM_NVFP4, "=r,=r,=r,=r,r,r,r",
             [byte, _fp4_scale_per_code(factor, BLOCK_N, BLOCK_K, 16)],
@@ -715,8 +711,6 @@ def _grouped_gemm_kernel(
     SPLIT_K: tl.constexpr = 1,      # programs sharing one output tile's reduction (ATOMIC_OUT)
     PROMOTE_STEPS: tl.constexpr = 1,  # fp8: K steps between promotions of the partial sum
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (common.pdl_prologue)
-    FP8_BF16: tl.constexpr = False,  # fp8: bf16 MMAs on the converted operands (experiment)
-    SCALE_ASM: tl.constexpr = False,  # nvfp4 fast path: scales by bit moves (experiment)
 ):
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
@@ -821,7 +815,7 @@ def _grouped_gemm_kernel(
             packed = tl.load(w_ptrs)
             w_s = tl.load(w_scale_ptrs)
             if FAST_FP4:
-                w = _dequant_fp4_tile_bf16_asm(packed, w_s, QUANT, BLOCK_N, BLOCK_K, SCALE_ASM)
+                w = _dequant_fp4_tile_bf16_asm(packed, w_s, QUANT, BLOCK_N, BLOCK_K)
             else:
                 w = _dequant_fp4_tile(packed, w_s, QUANT, BLOCK_N, BLOCK_K, a_ptr.dtype.element_ty)
             if not SWAP_AB:
@@ -853,11 +847,6 @@ def _grouped_gemm_kernel(
                 acc += tl.dot(w, a) * w_s[:, None] * a_s[None, :]
             else:
                 acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-        elif QUANT == "fp8" and FP8_BF16:
-            if SWAP_AB:
-                acc = tl.dot(w.to(tl.bfloat16), a.to(tl.bfloat16), acc)
-            else:
-                acc = tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16), acc)
         elif QUANT == "fp8":
             if SWAP_AB:
                 acc, part = _fp8_dot(w, a, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K)
@@ -1226,10 +1215,7 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
         EVEN_K=k % config.block_k == 0,
         FAST_FP4=use_fast_fp4(quant, a.dtype, config),
         SPLIT_K=config.split_k, USE_PDL=use_pdl(a.device),
-        PROMOTE_STEPS=(max(1, FP8_PROMOTE_K // config.block_k)
-                       if quant == "fp8" and not FP8_BF16_DOT else 1),
-        FP8_BF16=quant == "fp8" and FP8_BF16_DOT and not operands_fp32,
-        SCALE_ASM=NVFP4_SCALE_ASM,
+        PROMOTE_STEPS=max(1, FP8_PROMOTE_K // config.block_k) if quant == "fp8" else 1,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(a.device),
     )
 
