@@ -1,20 +1,31 @@
 """Compile the tile GEMM kernel for sm_90 without a GPU: every tile-kernel config of the shipped
-tables (moe_ops/tuned/) for the given modes, with the constexprs the launcher passes (fp8 per
-tensor: swap-AB configs unswapped, as experts.FP8_SWAP_AB = False runs them). Prints, per config,
-the MMA the build uses (wgmma / mma.sync) and its shared memory; a config that fails to compile
-(ptxas included) is listed as FAIL and the exit status is 1. A check to run before a GPU session
-after editing the kernel or the config rules; it proves nothing about speed or results.
+tables (moe_ops/tuned/) for the given modes, or the configs given, with the constexprs the
+launcher passes (fp8 per tensor: swap-AB configs unswapped, as experts.FP8_SWAP_AB = False runs
+them; bf16 4-bit weights: the inline-PTX decode) and the argument specializations Triton's
+launcher makes at run time (pointers and the strides, N and K as multiples of 16: without them
+the build is another program, e.g. byte loads and twice the instructions for the nvfp4 decode
+loop). Prints, per build, the MMA it uses (wgmma / mma.sync) and its shared memory; a build that
+fails (ptxas included) is listed as FAIL and the exit status is 1. With --loop, also the main
+K loop's SASS (nvdisasm, shipped with Triton): its instructions a K step of one thread, per
+weight value, and the most frequent opcodes, the measure of the decode cost of quantized
+weights when the loop is bound by instruction issue (the 4-bit decode is: NOTES.md). It proves
+nothing about speed or results by itself.
 
     python benchmarks/aot_sm90.py --quant fp8
     python benchmarks/aot_sm90.py --quant none fp8 fp8_block --direct both
+    python benchmarks/aot_sm90.py --quant nvfp4 --configs 16x64x256:4:3:swap --loop
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import inspect
 import json
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,9 +39,12 @@ from moe_ops.kernels import experts as experts_mod  # noqa: E402
 from moe_ops.kernels import grouped_gemm as gg  # noqa: E402
 from moe_ops.kernels.grouped_gemm import GemmConfig  # noqa: E402
 
+QUANTS = ("none", "fp8", "fp8_block", "nvfp4", "mxfp4")
 POINTER_TYPES = dict(a_scale_ptr="*fp32", w_scale_ptr="*fp32", bias_ptr="*fp32",
                      w_global_scale_ptr="*fp32", sorted_pair_ids_ptr="*i32",
                      block_expert_ids_ptr="*i32", topk_ids_ptr="*i32", topk_weights_ptr="*fp32")
+# K of the GEMMs a --configs build assumes (DeepSeek-V3's GEMM1 / gpt-oss' padded one: EVEN_K)
+DEFAULT_K = {"none": 4096, "fp8": 4096, "fp8_block": 7168, "nvfp4": 7168, "mxfp4": 3072}
 
 
 def table_configs(quants: list[str]) -> list[tuple[str, int, int, GemmConfig]]:
@@ -45,24 +59,38 @@ def table_configs(quants: list[str]) -> list[tuple[str, int, int, GemmConfig]]:
     return found
 
 
+def parse_config(text: str) -> GemmConfig:
+    """BMxBNxBK:warps:stages[:swap][:splitN], e.g. 16x64x256:4:3:swap."""
+    tiles, warps, stages, *flags = text.split(":")
+    bm, bn, bk = (int(v) for v in tiles.split("x"))
+    split = next((int(f[5:]) for f in flags if f.startswith("split")), 1)
+    return GemmConfig(bm, bn, bk, 8, int(warps), int(stages), "swap" in flags, split)
+
+
 def compile_config(quant: str, gemm: int, k: int, config: GemmConfig, direct: bool):
     atomic = config.split_k > 1
-    operand = "*bf16" if quant == "none" else "*fp8e4nv"
+    fp4 = quant in gg.FP4_QUANTS
     consts = dict(
         ALIGN_BLOCK_M=config.block_m, DIRECT=direct, GATHER_A=gemm == 1, ATOMIC_OUT=atomic,
         QUANT=quant, ACTIVATION="swiglu" if gemm == 1 else "none", HAS_BIAS=False,
         MUL_ROUTED_WEIGHT=gemm == 2, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, SWAP_AB=config.swap_ab, UPCAST=False,
-        DOT_PRECISION="tf32", EVEN_K=k % config.block_k == 0, FAST_FP4=False,
+        DOT_PRECISION="tf32", EVEN_K=k % config.block_k == 0,
+        FAST_FP4=fp4 and config.swap_ab and gg.FP4_FAST_DEQUANT,
         SPLIT_K=config.split_k,
         PROMOTE_STEPS=max(1, gg.FP8_PROMOTE_K // config.block_k) if quant == "fp8" else 1,
         USE_PDL=True)
+    operand = "*bf16" if quant == "none" or fp4 else "*fp8e4nv"
     signature = {}
     for name in inspect.signature(gg._grouped_gemm_kernel.fn).parameters:
         if name in consts:
             signature[name] = "constexpr"
-        elif name in ("a_ptr", "w_ptr"):
+        elif name == "a_ptr":
             signature[name] = operand
+        elif name == "w_ptr":
+            signature[name] = "*u8" if fp4 else operand
+        elif name == "w_scale_ptr" and fp4:
+            signature[name] = "*u8"
         elif name == "out_ptr":
             signature[name] = "*fp32" if atomic else "*bf16"
         elif name.endswith("_ptr"):
@@ -71,21 +99,73 @@ def compile_config(quant: str, gemm: int, k: int, config: GemmConfig, direct: bo
             signature[name] = "fp32"
         else:
             signature[name] = "i64" if name == "stride_we" else "i32"
+    # the launcher's specialization: 16-byte aligned pointers, strides and sizes that are
+    # multiples of 16 (true of every layer of shapes.json and of the 4-bit kernel layout)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+             if signature[name] != "constexpr"
+             and (name.endswith("_ptr") or name.startswith("stride") or name in ("N", "K"))}
     return triton.compile(ASTSource(fn=gg._grouped_gemm_kernel, signature=signature,
-                                    constexprs=consts),
+                                    constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 128),
                           options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
 
 
+def main_loop(kernel) -> list[str]:
+    """The SASS instructions of the kernel's longest loop (the K loop), from nvdisasm."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        text = subprocess.run([str(tool), "-c", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+    instructions, labels = [], {}
+    for line in text.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+            continue
+        found = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if found:
+            instructions.append(found.group(1).strip())
+    best = (0, -1)
+    for end, instruction in enumerate(instructions):
+        branch = re.search(r"BRA\s+(?:`\()?(\.L_x_\d+)", instruction)
+        if branch and labels.get(branch.group(1), end + 1) <= end:
+            start = labels[branch.group(1)]
+            if end - start > best[1] - best[0]:
+                best = (start, end)
+    return instructions[best[0]:best[1] + 1]
+
+
+def loop_summary(kernel, config: GemmConfig) -> str:
+    loop = main_loop(kernel)
+    opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0]
+                                  for i in loop)
+    values = config.block_n * config.block_k / (config.num_warps * 32)
+    top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(8))
+    return (f"    K loop: {len(loop)} instructions a step of one thread, "
+            f"{len(loop) / values:.2f} a weight value; {top}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quant", nargs="+", default=["fp8"], choices=["none", "fp8", "fp8_block"])
+    parser.add_argument("--quant", nargs="+", default=["fp8"], choices=QUANTS)
     parser.add_argument("--direct", choices=["no", "yes", "both"], default="both",
                         help="build the direct-dispatch (tiny batch) form, the sorted one, or both")
+    parser.add_argument("--configs", nargs="+", type=parse_config,
+                        help="build these (BMxBNxBK:warps:stages[:swap][:splitN]) for GEMM1 "
+                             "instead of the tables' entries")
+    parser.add_argument("--loop", action="store_true",
+                        help="print the K loop's SASS instruction counts (nvdisasm)")
     args = parser.parse_args()
     directs = {"no": (False,), "yes": (True,), "both": (False, True)}[args.direct]
+    if args.configs:
+        builds = [(quant, 1, DEFAULT_K[quant], config) for quant in args.quant
+                  for config in args.configs]
+    else:
+        builds = table_configs(args.quant)
     seen, failures = set(), 0
-    for quant, gemm, k, config in table_configs(args.quant):
+    for quant, gemm, k, config in builds:
         if quant == "fp8" and config.swap_ab and not experts_mod.FP8_SWAP_AB:
             config = dataclasses.replace(config, swap_ab=False)
         for direct in directs:
@@ -105,6 +185,8 @@ def main() -> int:
             mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
             print(f"ok   {name}: {mma}, shared {kernel.metadata.shared} B "
                   f"({time.time() - start:.1f} s)", flush=True)
+            if args.loop:
+                print(loop_summary(kernel, config), flush=True)
     print(f"{len(seen) - failures} built, {failures} failed")
     return 1 if failures else 0
 
