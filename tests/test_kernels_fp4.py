@@ -20,7 +20,8 @@ from float64_moe import moe64, rel_frobenius
 from moe_ops.kernels import experts as experts_mod
 from moe_ops.kernels.experts import triton_experts
 from moe_ops.kernels.grouped_gemm import (
-    GemmConfig, GemmProblem, _dequant_fp4_tile, config_problems, config_space, default_config,
+    NVFP4_FAST_EPILOGUE, GemmConfig, GemmProblem, _dequant_fp4_tile, _dequant_fp4_tile_bf16_asm,
+    config_problems, config_space, default_config,
 )
 from moe_ops.reference import fused_experts_reference
 
@@ -177,14 +178,18 @@ def test_fp4_through_the_public_op(poisoned_empty):
 
 @triton.jit
 def _dequant_kernel(packed_ptr, scale_ptr, out_ptr, QUANT: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, G: tl.constexpr, DTYPE: tl.constexpr):
+                    BK: tl.constexpr, G: tl.constexpr, DTYPE: tl.constexpr,
+                    FAST: tl.constexpr = False):
     # one K step of kernel-order rows (K = BK): thread group t's run is bytes t*BK/8 ...
     rows = tl.arange(0, BN)
     runs = tl.arange(0, 4)[:, None] * (BK // 8) + tl.arange(0, BK // 8)[None, :]
     packed = tl.load(packed_ptr + rows[:, None, None] * (BK // 2) + runs[None, :, :])
     groups = tl.arange(0, BK // G)
     scale = tl.load(scale_ptr + rows[:, None] * (BK // G) + groups[None, :])
-    w = _dequant_fp4_tile(packed, scale, QUANT, BN, BK, DTYPE)
+    if FAST:
+        w = _dequant_fp4_tile_bf16_asm(packed, scale, QUANT, BN, BK)
+    else:
+        w = _dequant_fp4_tile(packed, scale, QUANT, BN, BK, DTYPE)
     tl.store(out_ptr + rows[:, None] * BK + tl.arange(0, BK)[None, :], w)
 
 
@@ -208,6 +213,33 @@ def test_dequant_tile_exact(dtype):
                               scale.view(torch.uint8).to(DEVICE), out, quant,
                               bn, bk, group, tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
         expected = q.dequantize_fp4(natural, scale, quant)
+        assert torch.equal(out.cpu().float(), expected), quant
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the inline-PTX decode runs on the GPU only")
+def test_fast_dequant_tile_exact_for_every_scale():
+    """The GPU's bf16 decode (_dequant_fp4_tile_bf16_asm: e2m1 codes and nvfp4's e4m3 scales
+    by bit moves) gives its (code, scale) products exactly (nvfp4: / NVFP4_FAST_EPILOGUE) for
+    every code byte and every finite e4m3 scale byte (both signs, the subnormals), and for
+    mxfp4's exponents over the range whose products bf16 holds."""
+    gen = torch.Generator().manual_seed(1)
+    for quant, group in (("nvfp4", 16), ("mxfp4", 32)):
+        bn, bk = 16 * 16, 256
+        natural = torch.arange(256, dtype=torch.uint8).repeat(bn * bk // 2 // 256).view(bn, bk // 2)
+        natural = natural[torch.randperm(bn, generator=gen)]
+        if quant == "nvfp4":
+            scale = torch.arange(256, dtype=torch.uint8)
+            scale[0x7F], scale[0xFF] = 0x7E, 0xFE  # e4m3's NaNs: no checkpoint holds one
+            scale = scale.repeat(bn * bk // group // 256).view(bn, bk // group)
+        else:
+            scale = torch.randint(2, 254, (bn, bk // group), dtype=torch.uint8, generator=gen)
+        out = torch.empty(bn, bk, dtype=torch.bfloat16, device=DEVICE)
+        _dequant_kernel[(1,)](q.fp4_to_kernel_order(natural).to(DEVICE), scale.to(DEVICE), out,
+                              quant, bn, bk, group, tl.bfloat16, FAST=True)
+        expected = q.dequantize_fp4(natural, scale.view(torch.float8_e4m3fn)
+                                    if quant == "nvfp4" else scale, quant)
+        if quant == "nvfp4":
+            expected = expected / NVFP4_FAST_EPILOGUE
         assert torch.equal(out.cpu().float(), expected), quant
 
 
