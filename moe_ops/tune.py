@@ -15,7 +15,10 @@ match the default config's; timing replays CUDA graphs with L2 flushed before ev
 interleaved, and kept only if it is faster: a shipped table never makes a bucket slower.
 
 All candidate kernels of a bucket are compiled in parallel first (Triton's AsyncCompileMode on a
-thread pool), which is most of the wall time of a cold run.
+thread pool), which is most of the wall time of a cold run. The whole run has a time budget
+(--budget-s, 55 s by default: PERFORMANCE.md allows 60 s of GPU time a pair), shared out among
+the buckets as they come; candidates a bucket has no time left for are skipped and counted in
+the report, the defaults always being timed.
 """
 from __future__ import annotations
 
@@ -43,6 +46,9 @@ from moe_ops.tuning import (
 )
 
 DEFAULT_CACHE = "tuning.json"
+# PERFORMANCE.md allows 60 s of GPU time to tune a (model, quant) pair; the budget leaves room
+# for the last bucket's head to head and the process around it.
+DEFAULT_BUDGET_S = 55.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +189,7 @@ class BucketResult:
     rejected: int
     compile_s: float
     seconds: float
+    skipped: int = 0      # candidates left unprofiled when the bucket's time ran out
 
     @property
     def speedup(self) -> float:
@@ -192,7 +199,12 @@ class BucketResult:
 def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *,
                 timer: Timer, seed: int = 0, compile_workers: Optional[int] = None,
                 max_candidates: Optional[int] = None,
-                progress: Optional[Callable[[str], None]] = None) -> BucketResult:
+                progress: Optional[Callable[[str], None]] = None,
+                deadline: Optional[float] = None) -> BucketResult:
+    """Tune one bucket (see the module docstring). deadline (time.perf_counter()): when the
+    bucket should be done; GEMM1's candidates get the first 40% of the time left after
+    compiling, GEMM2's up to 80%, the head to head the rest. Candidates a GEMM's share leaves
+    unprofiled are skipped (its default is always timed)."""
     from moe_ops.kernels.grouped_gemm import default_config
     from moe_ops import tuning
 
@@ -231,10 +243,17 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
             return None
         return lambda done, total: progress(f"{stage} {done}/{total}")
 
+    def share(fraction: float) -> Optional[float]:
+        if deadline is None:
+            return None
+        now = time.perf_counter()
+        return now + fraction * max(0.0, deadline - now)
+
     runner1 = LayerRunner(layer, inputs, tuner, 1, default2, experts_candidates, default_config)
-    best1 = tuner.tune(key1, runner1, timer, progress=report("gemm1"))
+    best1 = tuner.tune(key1, runner1, timer, progress=report("gemm1"), deadline=share(0.4))
     runner2 = LayerRunner(layer, inputs, tuner, 2, best1, experts_candidates, default_config)
-    best2 = tuner.tune(key2, runner2, timer, progress=report("gemm2"))
+    best2 = tuner.tune(key2, runner2, timer, progress=report("gemm2"),
+                       deadline=share(2 / 3))  # to 80% of the bucket's time if GEMM1 took 40%
     record1, record2 = tuner.records[key1], tuner.records[key2]
 
     default_s, tuned_s = head_to_head(
@@ -262,7 +281,7 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
                         dataclasses.asdict(best2), kept,
                         record1["candidates"] + record2["candidates"],
                         record1["rejected"] + record2["rejected"], compile_s,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, record1["skipped"] + record2["skipped"])
 
 
 class Progress:
@@ -296,10 +315,16 @@ def tune_model(shape: MoEShape, quant: str, *, buckets: Optional[Sequence[int]] 
                tuner: Optional[Tuner] = None, dtype: torch.dtype = torch.bfloat16,
                device: Optional[torch.device] = None, timer: Optional[Timer] = None,
                seed: int = 0, compile_workers: Optional[int] = None,
-               max_candidates: Optional[int] = None, show_progress: bool = True) -> Dict[str, Any]:
+               max_candidates: Optional[int] = None, show_progress: bool = True,
+               budget_s: Optional[float] = None) -> Dict[str, Any]:
     """Tune every bucket of one (layer shape, quant); the tuned entries stay in tuner.memory /
     tuner.records (save them with tuner.save or write_cache_file). Returns a report. The tuner
-    must be the one the layer's calls consult (the process-wide get_tuner(), the default)."""
+    must be the one the layer's calls consult (the process-wide get_tuner(), the default).
+
+    budget_s: the tuning time allowed after the layer is built (PERFORMANCE.md: 60 s of GPU time
+    a pair). Each bucket gets an equal share of what is left when it starts, so time a bucket
+    does not use goes to the next; within it the candidates past its share are skipped (the
+    report counts them). None: no limit."""
     tuner = get_tuner() if tuner is None else tuner
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
@@ -310,14 +335,20 @@ def tune_model(shape: MoEShape, quant: str, *, buckets: Optional[Sequence[int]] 
     setup_s = time.perf_counter() - start
     bar = Progress(len(buckets), f"{shape.name} {quant}") if show_progress else None
     results: List[BucketResult] = []
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
     with autotune(tuner=tuner):
-        for bucket in buckets:
+        for index, bucket in enumerate(buckets):
             if bar is not None:
                 bar.update(f"bucket {bucket}")
             show = (lambda detail, b=bucket: bar.update(f"bucket {b} {detail}")) if bar else None
+            bucket_deadline = None
+            if deadline is not None:
+                now = time.perf_counter()
+                bucket_deadline = now + max(0.0, deadline - now) / (len(buckets) - index)
             results.append(tune_bucket(layer, shape, quant, bucket, tuner, timer=timer,
                                        seed=seed, compile_workers=compile_workers,
-                                       max_candidates=max_candidates, progress=show))
+                                       max_candidates=max_candidates, progress=show,
+                                       deadline=bucket_deadline))
             if bar is not None:
                 r = results[-1]
                 bar.update(f"bucket {bucket}: {r.default_us:.1f} -> {r.tuned_us:.1f} us", advance=1)
@@ -328,7 +359,8 @@ def tune_model(shape: MoEShape, quant: str, *, buckets: Optional[Sequence[int]] 
         "model": shape.name, "quant": quant, "dtype": str(dtype).replace("torch.", ""),
         "gpu": gpu_name(device), "setup_s": setup_s,
         "tuning_s": time.perf_counter() - start - setup_s,
-        "compile_s": sum(r.compile_s for r in results),
+        "compile_s": sum(r.compile_s for r in results), "budget_s": budget_s,
+        "skipped": sum(r.skipped for r in results),
         "buckets": [dict(dataclasses.asdict(r), speedup=r.speedup) for r in results],
     }
 
@@ -373,6 +405,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-candidates", type=int, default=None,
                    help="profile at most this many configs per GEMM (default: the whole short "
                         "list, 3 to 13)")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help="tuning time allowed per quant mode after the layer is built: the "
+                        "candidates a bucket's share leaves are skipped (default "
+                        f"{DEFAULT_BUDGET_S:g}; 0 = no limit)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     custom = (args.experts, args.hidden, args.intermediate, args.top_k)
@@ -425,7 +461,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tuner.memory.clear()
         report = tune_model(shape, quant, buckets=buckets, tuner=tuner, dtype=dtype,
                             seed=args.seed, compile_workers=args.compile_workers,
-                            max_candidates=args.max_candidates, show_progress=not args.quiet)
+                            max_candidates=args.max_candidates, show_progress=not args.quiet,
+                            budget_s=args.budget_s or None)
         if args.ship:
             path = shipped_path(report["gpu"], shape.name, quant)
             if path.exists():
@@ -456,7 +493,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def format_report(report: Dict[str, Any]) -> str:
     lines = [f"{report['model']} {report['quant']} on {report['gpu']}: tuned "
              f"{len(report['buckets'])} buckets in {report['tuning_s']:.1f} s "
-             f"(compiling {report['compile_s']:.1f} s, setup {report['setup_s']:.1f} s) "
+             f"(compiling {report['compile_s']:.1f} s, setup {report['setup_s']:.1f} s"
+             f"{', %d candidates skipped for the budget' % report['skipped'] if report.get('skipped') else ''}) "
              f"-> {report.get('written_to', '')}",
              f"{'bucket':>7} {'default us':>11} {'tuned us':>10} {'speedup':>8}  gemm1 / gemm2"]
     for b in report["buckets"]:

@@ -642,21 +642,27 @@ class Tuner:
         return self.tuning and not is_capturing() and not is_compiling()
 
     def tune(self, key: ProblemKey, runner: Runner, timer: Optional[Timer] = None,
-             progress: Optional[Callable[[int, int], None]] = None) -> Optional[GemmConfig]:
+             progress: Optional[Callable[[int, int], None]] = None,
+             deadline: Optional[float] = None) -> Optional[GemmConfig]:
         """Profile the runner's candidates for key; store and return the fastest whose output
         matches the default config's. None (nothing stored) when profiling is not allowed now.
-        progress(done, total) is called after each candidate."""
+        progress(done, total) is called after each candidate. deadline (time.perf_counter()):
+        candidates left when it passes are not profiled (the default always is; the record
+        counts them as "skipped")."""
         if not self.may_profile():
             return None
         timer = default_timer() if timer is None else timer
         default = runner.default(key)
         reference = runner.run(key, default)
         best, best_time = default, timer(lambda: runner.run(key, default))
-        default_time, tried, rejected = best_time, 0, 0
+        default_time, tried, rejected, skipped = best_time, 0, 0, 0
         candidates = [c for c in runner.candidates(key) if c != default]
         for done, config in enumerate(candidates):
             if progress is not None and done:
                 progress(done, len(candidates))
+            if deadline is not None and time.perf_counter() >= deadline:
+                skipped = len(candidates) - done
+                break
             tried += 1
             try:
                 if not outputs_match(runner.run(key, config), reference):
@@ -675,7 +681,7 @@ class Tuner:
             self.memory[key] = best
             self.records[key] = {"config": _config_to_json(best), "us": best_time * 1e6,
                                  "default_us": default_time * 1e6, "candidates": tried,
-                                 "rejected": rejected}
+                                 "rejected": rejected, "skipped": skipped}
             self._resolved.pop(key, None)
         return best
 

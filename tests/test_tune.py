@@ -122,6 +122,28 @@ def test_tune_model_writes_entries_the_layer_looks_up(tuner, tmp_path):
     assert set(looked_up) == set(tuner.memory)
 
 
+def test_budget_shares_time_out_and_skips_what_it_cannot_fit(tuner):
+    """With no time at all every bucket keeps its defaults and the report counts the skipped
+    candidates; with a budget, no bucket's share ends before the defaults are timed."""
+    def timer(fn):
+        fn()
+        return 1.0
+
+    report = tune.tune_model(TINY, "none", buckets=[1, 2], tuner=tuner, timer=timer,
+                             max_candidates=2, show_progress=False, device=DEVICE, budget_s=0.0)
+    assert report["budget_s"] == 0.0 and report["skipped"] == 4
+    assert [b["skipped"] for b in report["buckets"]] == [2, 2]
+    for key, record in tuner.records.items():
+        assert record["candidates"] == 0
+        assert tuner.memory[key] == default_config(key.problem())
+    assert "4 candidates skipped for the budget" in tune.format_report(report)
+    tuner.records.clear()
+    tuner.memory.clear()
+    report = tune.tune_model(TINY, "none", buckets=[1], tuner=tuner, timer=timer,
+                             max_candidates=2, show_progress=False, device=DEVICE, budget_s=3600)
+    assert report["skipped"] == 0 and report["buckets"][0]["candidates"] == 2
+
+
 def test_head_to_head_keeps_defaults_when_tuned_is_slower(tuner):
     calls = {"n": 0}
 

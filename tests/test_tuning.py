@@ -5,6 +5,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import time
 import warnings
 
 import pytest
@@ -298,6 +299,24 @@ def test_fastest_correct_candidate_wins(tuner):
     with autotune(tuner=tuner):       # tuned: no second profiling
         assert tuner.config_for(key.problem(), key, runner, timer) == FAST
     assert runner.runs == runs and tuner.profile_count == 1
+
+
+def test_deadline_skips_the_candidates_left(tuner):
+    """Past the deadline only the default is profiled; the record counts the rest as skipped."""
+    runner = FakeRunner(candidates=(SLOW, FAST))
+    key = key_at()
+    with autotune(tuner=tuner):
+        best = tuner.tune(key, runner, fake_timer(runner, {FAST: 0.1, SLOW: 0.5}),
+                          deadline=time.perf_counter() - 1.0)
+    assert best == default_config(key.problem())
+    record = tuner.records[key]
+    assert record["candidates"] == 0 and record["skipped"] == 2
+    with autotune(tuner=tuner):        # a deadline far ahead changes nothing
+        tuner.memory.clear()
+        tuner.records.clear()
+        assert tuner.tune(key, runner, fake_timer(runner, {FAST: 0.1, SLOW: 0.5}),
+                          deadline=time.perf_counter() + 3600) == FAST
+    assert tuner.records[key]["skipped"] == 0
 
 
 def test_default_kept_when_nothing_beats_it(tuner):
