@@ -1,10 +1,10 @@
 """Compile the tile GEMM kernel for sm_90 without a GPU: every tile-kernel config of the shipped
 tables (moe_ops/tuned/) for the given modes, or the configs given, with the constexprs the
 launcher passes (fp8 per tensor: swap-AB configs unswapped, as experts.FP8_SWAP_AB = False runs
-them; bf16 4-bit weights: the inline-PTX decode) and the argument specializations Triton's
-launcher makes at run time (pointers and the strides, N and K as multiples of 16: without them
-the build is another program, e.g. byte loads and twice the instructions for the nvfp4 decode
-loop). Prints, per build, the MMA it uses (wgmma / mma.sync) and its shared memory; a build that
+them; bf16 4-bit weights: the inline-PTX decode) and, approximately, the argument
+specializations Triton's launcher makes at run time (pointers, strides, N and K taken as
+multiples of 16; without them the build can be another program: byte loads and twice the
+instructions for the nvfp4 decode loop; see compile_config for what is not modelled). Prints, per build, the MMA it uses (wgmma / mma.sync) and its shared memory; a build that
 fails (ptxas included) is listed as FAIL and the exit status is 1. With --loop, also the main
 K loop's SASS (nvdisasm, shipped with Triton): its instructions a K step of one thread, per
 weight value, and the most frequent opcodes, the measure of the decode cost of quantized
@@ -99,8 +99,11 @@ def compile_config(quant: str, gemm: int, k: int, config: GemmConfig, direct: bo
             signature[name] = "fp32"
         else:
             signature[name] = "i64" if name == "stride_we" else "i32"
-    # the launcher's specialization: 16-byte aligned pointers, strides and sizes that are
-    # multiples of 16 (true of every layer of shapes.json and of the 4-bit kernel layout)
+    # The launcher's specialization, approximately: 16-byte aligned pointers, and strides, N
+    # and K as multiples of 16 (the 4-bit layout's and bf16 rows' are). Not modelled: strides
+    # of 1 (fp8 per tensor's scale strides) become constants, some scale strides are not
+    # multiples of 16 (fp8_block's K/128), and counts such as num_experts get the same hint
+    # when they are multiples of 16; none of these changed the K loop of the builds compared.
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if signature[name] != "constexpr"
              and (name.endswith("_ptr") or name.startswith("stride") or name in ("N", "K"))}
@@ -134,6 +137,8 @@ def main_loop(kernel) -> list[str]:
             start = labels[branch.group(1)]
             if end - start > best[1] - best[0]:
                 best = (start, end)
+    if best[1] < 0:
+        raise RuntimeError("no loop (backward branch) found in the kernel's SASS")
     return instructions[best[0]:best[1] + 1]
 
 
@@ -153,15 +158,16 @@ def main() -> int:
     parser.add_argument("--direct", choices=["no", "yes", "both"], default="both",
                         help="build the direct-dispatch (tiny batch) form, the sorted one, or both")
     parser.add_argument("--configs", nargs="+", type=parse_config,
-                        help="build these (BMxBNxBK:warps:stages[:swap][:splitN]) for GEMM1 "
-                             "instead of the tables' entries")
+                        help="build these (BMxBNxBK:warps:stages[:swap][:splitN]) instead of "
+                             "the tables' entries: for GEMM1, or GEMM2 with split-K (its "
+                             "atomic output)")
     parser.add_argument("--loop", action="store_true",
                         help="print the K loop's SASS instruction counts (nvdisasm)")
     args = parser.parse_args()
     directs = {"no": (False,), "yes": (True,), "both": (False, True)}[args.direct]
     if args.configs:
-        builds = [(quant, 1, DEFAULT_K[quant], config) for quant in args.quant
-                  for config in args.configs]
+        builds = [(quant, 2 if config.split_k > 1 else 1, DEFAULT_K[quant], config)
+                  for quant in args.quant for config in args.configs]
     else:
         builds = table_configs(args.quant)
     seen, failures = set(), 0

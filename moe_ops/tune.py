@@ -236,7 +236,9 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
     # block_m changes the dispatch tile, and those few variants compile when first profiled.
     jobs = [lambda c=c: run_layer(layer, inputs[:1], tuner, c, default2) for c in cands1]
     jobs += [lambda c=c: run_layer(layer, inputs[:1], tuner, default1, c) for c in cands2]
-    compile_s = precompile(jobs, compile_workers) if layer.w13.is_cuda else 0.0
+    if deadline is not None and time.perf_counter() >= deadline:
+        jobs = []  # no time to profile candidates: only the defaults run (compiled when first run)
+    compile_s = precompile(jobs, compile_workers) if layer.w13.is_cuda and jobs else 0.0
 
     def report(stage: str):
         if progress is None:
@@ -324,7 +326,8 @@ def tune_model(shape: MoEShape, quant: str, *, buckets: Optional[Sequence[int]] 
     budget_s: the tuning time allowed after the layer is built (PERFORMANCE.md: 60 s of GPU time
     a pair). Each bucket gets an equal share of what is left when it starts, so time a bucket
     does not use goes to the next; within it the candidates past its share are skipped (the
-    report counts them). None: no limit."""
+    report counts them). A bucket's compile runs before its share is checked, so a cold
+    compile cache spends budget the profiling then lacks. None or <= 0: no limit."""
     tuner = get_tuner() if tuner is None else tuner
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
@@ -335,7 +338,7 @@ def tune_model(shape: MoEShape, quant: str, *, buckets: Optional[Sequence[int]] 
     setup_s = time.perf_counter() - start
     bar = Progress(len(buckets), f"{shape.name} {quant}") if show_progress else None
     results: List[BucketResult] = []
-    deadline = None if budget_s is None else time.perf_counter() + budget_s
+    deadline = None if budget_s is None or budget_s <= 0 else time.perf_counter() + budget_s
     with autotune(tuner=tuner):
         for index, bucket in enumerate(buckets):
             if bar is not None:
@@ -462,7 +465,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         report = tune_model(shape, quant, buckets=buckets, tuner=tuner, dtype=dtype,
                             seed=args.seed, compile_workers=args.compile_workers,
                             max_candidates=args.max_candidates, show_progress=not args.quiet,
-                            budget_s=args.budget_s or None)
+                            budget_s=args.budget_s)
         if args.ship:
             path = shipped_path(report["gpu"], shape.name, quant)
             if path.exists():

@@ -4,6 +4,7 @@ and that the layer's own calls look those entries up; the candidate short lists;
 Timings on CPU mean nothing: fake timers decide where the test needs a winner."""
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -123,15 +124,15 @@ def test_tune_model_writes_entries_the_layer_looks_up(tuner, tmp_path):
 
 
 def test_budget_shares_time_out_and_skips_what_it_cannot_fit(tuner):
-    """With no time at all every bucket keeps its defaults and the report counts the skipped
-    candidates; with a budget, no bucket's share ends before the defaults are timed."""
+    """With (next to) no time every bucket keeps its defaults and the report counts the skipped
+    candidates; with a budget it does not need, nothing is skipped."""
     def timer(fn):
         fn()
         return 1.0
 
     report = tune.tune_model(TINY, "none", buckets=[1, 2], tuner=tuner, timer=timer,
-                             max_candidates=2, show_progress=False, device=DEVICE, budget_s=0.0)
-    assert report["budget_s"] == 0.0 and report["skipped"] == 4
+                             max_candidates=2, show_progress=False, device=DEVICE, budget_s=1e-9)
+    assert report["budget_s"] == 1e-9 and report["skipped"] == 4
     assert [b["skipped"] for b in report["buckets"]] == [2, 2]
     for key, record in tuner.records.items():
         assert record["candidates"] == 0
@@ -142,6 +143,37 @@ def test_budget_shares_time_out_and_skips_what_it_cannot_fit(tuner):
     report = tune.tune_model(TINY, "none", buckets=[1], tuner=tuner, timer=timer,
                              max_candidates=2, show_progress=False, device=DEVICE, budget_s=3600)
     assert report["skipped"] == 0 and report["buckets"][0]["candidates"] == 2
+
+
+def test_bucket_deadline_gives_gemm1_40_and_gemm2_80_percent(tuner, monkeypatch):
+    """On a fake clock where each timing takes 1 s and the bucket has 10 s: GEMM1 profiles
+    until 4 s (its default and 3 candidates), GEMM2 until 8 s (the same), the rest skipped."""
+    clock = [100.0]
+
+    class FakeTime:
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+    monkeypatch.setattr(tune, "time", FakeTime())
+    monkeypatch.setattr(tuning, "time", FakeTime())
+
+    def timer(fn):
+        fn()
+        clock[0] += 1.0
+        return 1.0
+
+    layer = tune.build_layer(TINY, "none", dtype=torch.bfloat16, device=DEVICE)
+    with tuning.autotune(tuner=tuner):
+        result = tune.tune_bucket(layer, TINY, "none", 1, tuner, timer=timer, max_candidates=6,
+                                  deadline=clock[0] + 10.0)
+    records = list(tuner.records.values())
+    assert all(len(tuning.experts_candidates(k.problem())[:6]) >= 5 for k in tuner.records)
+    assert [r["candidates"] for r in records] == [3, 3]
+    assert result.skipped == sum(r["skipped"] for r in records) > 0
 
 
 def test_head_to_head_keeps_defaults_when_tuned_is_slower(tuner):

@@ -65,9 +65,10 @@ PDL_MAX_PAIRS = 512
 # call erred up to 1.37e-2 against the reference (Mixtral T=7; SPEC's bound is 1e-2) whatever
 # the K step (64-256) and the promotion interval, while the same tile unswapped (fewer than 64
 # rows: mma.sync) and the swapped one with exact fp32 dots both erred 2.8e-3 median, 2.9e-3 at
-# most, at 4-14% more decode time (results/h200_fp8_decode_precision.txt). grouped_gemm's fp8
-# defaults and tuning candidates are unswapped; this holds for explicit configs too. True
-# restores the swap-AB tiles (for measurements).
+# most, at 4-14% more decode time for the tiles measured (results/h200_fp8_decode_precision.txt;
+# 3-15% in the sweep with re-tuned tables, results/h200.json). grouped_gemm's fp8 defaults and
+# tuning candidates are unswapped themselves, so this guards explicit configs (gemm1_config /
+# gemm2_config, a user's tuning cache); True lets them run swapped (for measurements).
 FP8_SWAP_AB = False
 
 
