@@ -342,6 +342,9 @@ def main() -> int:
     args = ap.parse_args()
     global LABELS
     LABELS = set(args.labels) if args.labels else None
+    known = {label for table in (DECODE, MID, PREFILL) for label, _, _ in table}
+    if LABELS is not None and LABELS - known:
+        ap.error(f"--labels: unknown {sorted(LABELS - known)}; known: {sorted(known)}")
     deadline = START + args.deadline_s
     if not TINY and not torch.cuda.is_available():
         print("dev_fp4_gpu: no CUDA device (--tiny runs the script on the CPU interpreter)")

@@ -540,7 +540,7 @@ mul.rn.bf16x2 $3, hi1, $6;
 # the bf16 bits of scale * 2^-120, exactly (an e4m3 subnormal becomes a bf16 subnormal); then
 # * 2^127 * 2^110 (two steps: 2^237 is no bf16). e4m3's NaN (0x7f) comes out finite (no valid
 # checkpoint has one; the portable decode keeps it NaN). The conversion chain it replaced
-# (e4m3 -> f16 -> f32, * 2^117, -> bf16) took about 4.5 instructions a scale against 3: the
+# (e4m3 -> f16 -> f32, * 2^117, -> bf16) took about 4 instructions a scale against 2.5: the
 # DeepSeek-V3 decode loop 702 -> 650 instructions a K step of a thread, the experts call 4-6%
 # faster at T = 1-64 (results/h200_fp4_scale_asm.log).
 _E4M3_TO_BF16_P117 = tl.constexpr("""
@@ -582,7 +582,8 @@ def _dequant_fp4_tile_bf16_asm(packed, scale, QUANT: tl.constexpr, BLOCK_N: tl.c
     byte = tl.reshape(packed, (BLOCK_N, 4, BLOCK_K // 16, 2))
     if QUANT == "nvfp4":
         # scale * 2^117 by bit moves (_E4M3_TO_BF16_P117): bit for bit what the conversion
-        # chain e4m3 -> f16 -> f32, * 2^117, -> bf16 gives, in two thirds of its instructions
+        # chain e4m3 -> f16 -> f32, * 2^117, -> bf16 gives (NaN bytes aside), in fewer
+        # instructions
         factor = tl.inline_asm_elementwise(_E4M3_TO_BF16_P117, "=r,=r,r", [scale],
                                            dtype=tl.bfloat16, is_pure=True, pack=4)
         low, high = tl.inline_asm_elementwise(
