@@ -271,6 +271,10 @@ _FP4_LARGE_CANDIDATES = [
     (128, 128, 64, 16, 8, 3, True), (128, 64, 128, 16, 8, 3, True), (64, 256, 64, 8, 8, 3, True),
     (128, 128, 128, 16, 8, 3, True), (64, 128, 128, 8, 4, 3, True), (128, 256, 64, 16, 8, 3, True),
     (256, 128, 64, 16, 8, 3, True),
+    # fewer decode instructions a flop (sm_90 builds, benchmarks/aot_sm90.py --loop: 7.2 a
+    # weight value for 256 rows, 5.3 for 128; neither spills) at 2 stages
+    (256, 128, 128, 16, 8, 2, True), (128, 256, 128, 16, 8, 2, True),
+    (128, 128, 128, 16, 8, 4, True),
 ]
 # Prefill, quant none / fp8 / fp8_block: the tile kernel's tiles, then the persistent TMA
 # kernel's (last field): 128-row tiles at 8 warps for none / fp8; for fp8_block, whose per-step
@@ -333,7 +337,13 @@ def _default_fp4_config(problem: GemmProblem) -> GemmConfig:
     elif m <= 128:
         config = GemmConfig(64, 128, 128, 8, 4, 3, swap_ab=True)
     else:
-        config = GemmConfig(128, 128, 64, 16, 8, 3, swap_ab=True)
+        # Prefill: the decode cost is shared by the tile's rows, so 128-row tiles at 8 warps
+        # (two warpgroups of 64 weight rows each) and 128-wide K steps: both GEMMs at 128x128x128
+        # ran the experts call at 314 (DeepSeek-V3 nvfp4) / 307 (gpt-oss mxfp4) TFLOP/s at
+        # T=16384, against 240-247 for 256x128x64 and 170-185 for 128x256x64
+        # (results/h200_fp4_dev.log); the tuner's default pair of then, 128x128x64, was 1.57x
+        # slower than its pick at bucket 8192 (results/h200_tune_deepseek_v3_nvfp4.json).
+        config = GemmConfig(128, 128, 128, 16, 8, 3, swap_ab=True)
     if not is_valid_config(problem, config):
         config = GemmConfig(config.block_m, min(config.block_n, 128), 64, config.group_m,
                             config.num_warps, 2, config.swap_ab)
