@@ -501,39 +501,32 @@ def _dequant_fp4_tile(packed, scale, QUANT: tl.constexpr, BLOCK_N: tl.constexpr,
 # scale: nvfp4 folds it into one multiply (scale * 2^117, the last 2^9 is applied to the
 # accumulator with the global scale, so no bf16 ever overflows); mxfp4's 2^(s-127) can be up
 # to 2^127, so it takes 2^126 first (exact: a normal e2m1 value) and the scale second.
-_E2M1_BF16_ASM_HEAD = """
-{
-.reg .b32 t0, t1, lo0, lo1, hi0, hi1, m, z;
-mov.b32 z, 0;
-prmt.b32 t0, $4, z, 0x1404;
-prmt.b32 t1, $4, z, 0x3424;
-shl.b32 lo0, t0, 4;
-shr.b32 m, t0, 2;
-and.b32 lo0, lo0, 0x80008000;
-and.b32 m, m, 0x01C001C0;
-or.b32 lo0, lo0, m;
-shl.b32 lo1, t1, 4;
-shr.b32 m, t1, 2;
-and.b32 lo1, lo1, 0x80008000;
-and.b32 m, m, 0x01C001C0;
-or.b32 lo1, lo1, m;
-shr.b32 m, t0, 6;
-and.b32 hi0, t0, 0x80008000;
-and.b32 m, m, 0x01C001C0;
-or.b32 hi0, hi0, m;
-shr.b32 m, t1, 6;
-and.b32 hi1, t1, 0x80008000;
-and.b32 m, m, 0x01C001C0;
-or.b32 hi1, hi1, m;
-"""
-_E2M1_BF16_ASM_NVFP4 = tl.constexpr(_E2M1_BF16_ASM_HEAD + """
+def _ptx_sign_and_field(dst: str, src: str, sign_shift: int, field_shift: int,
+                        field_mask: str) -> str:
+    """PTX lines for dst = ((src << sign_shift) & 0x80008000) | ((src >> field_shift) &
+    field_mask), m being scratch (dst may be src): in each 16-bit half, a sign bit moved to
+    bit 15 and a magnitude field moved into place, the rest cleared."""
+    sign = (f"shl.b32 {dst}, {src}, {sign_shift};\nand.b32 {dst}, {dst}, 0x80008000;\n"
+            if sign_shift else f"and.b32 {dst}, {src}, 0x80008000;\n")
+    return (f"shr.b32 m, {src}, {field_shift};\nand.b32 m, m, {field_mask};\n" + sign
+            + f"or.b32 {dst}, {dst}, m;\n")
+
+
+_E2M1_BF16_ASM_HEAD = (
+    ".reg .b32 t0, t1, lo0, lo1, hi0, hi1, m, z;\nmov.b32 z, 0;\n"
+    "prmt.b32 t0, $4, z, 0x1404;\nprmt.b32 t1, $4, z, 0x3424;\n"
+    + _ptx_sign_and_field("lo0", "t0", 4, 2, "0x01C001C0")
+    + _ptx_sign_and_field("lo1", "t1", 4, 2, "0x01C001C0")
+    + _ptx_sign_and_field("hi0", "t0", 0, 6, "0x01C001C0")
+    + _ptx_sign_and_field("hi1", "t1", 0, 6, "0x01C001C0"))
+_E2M1_BF16_ASM_NVFP4 = tl.constexpr("{\n" + _E2M1_BF16_ASM_HEAD + """
 mul.rn.bf16x2 $0, lo0, $5;
 mul.rn.bf16x2 $1, lo1, $6;
 mul.rn.bf16x2 $2, hi0, $5;
 mul.rn.bf16x2 $3, hi1, $6;
 }
 """)
-_E2M1_BF16_ASM_MXFP4 = tl.constexpr(_E2M1_BF16_ASM_HEAD + """
+_E2M1_BF16_ASM_MXFP4 = tl.constexpr("{\n" + _E2M1_BF16_ASM_HEAD + """
 mov.b32 m, 0x7E807E80;
 mul.rn.bf16x2 lo0, lo0, m;
 mul.rn.bf16x2 lo1, lo1, m;
@@ -553,28 +546,13 @@ mul.rn.bf16x2 $3, hi1, $6;
 # (e4m3 -> f16 -> f32, * 2^117, -> bf16) took about 4 instructions a scale against 2.5: the
 # DeepSeek-V3 decode loop 702 -> 650 instructions a K step of a thread, the experts call 4-6%
 # faster at T = 1-64 (results/h200_fp4_scale_asm.log).
-_E4M3_TO_BF16_P117 = tl.constexpr("""
-{
-.reg .b32 t0, t1, m, z;
-mov.b32 z, 0;
-prmt.b32 t0, $2, z, 0x1404;
-prmt.b32 t1, $2, z, 0x3424;
-shr.b32 m, t0, 4;
-and.b32 m, m, 0x07F007F0;
-and.b32 t0, t0, 0x80008000;
-or.b32 t0, t0, m;
-shr.b32 m, t1, 4;
-and.b32 m, m, 0x07F007F0;
-and.b32 t1, t1, 0x80008000;
-or.b32 t1, t1, m;
-mov.b32 m, 0x7F007F00;
-mul.rn.bf16x2 t0, t0, m;
-mul.rn.bf16x2 t1, t1, m;
-mov.b32 m, 0x76807680;
-mul.rn.bf16x2 $0, t0, m;
-mul.rn.bf16x2 $1, t1, m;
-}
-""")
+_E4M3_TO_BF16_P117 = tl.constexpr(
+    "{\n.reg .b32 t0, t1, m, z;\nmov.b32 z, 0;\n"
+    "prmt.b32 t0, $2, z, 0x1404;\nprmt.b32 t1, $2, z, 0x3424;\n"
+    + _ptx_sign_and_field("t0", "t0", 0, 4, "0x07F007F0")
+    + _ptx_sign_and_field("t1", "t1", 0, 4, "0x07F007F0")
+    + "mov.b32 m, 0x7F007F00;\nmul.rn.bf16x2 t0, t0, m;\nmul.rn.bf16x2 t1, t1, m;\n"
+    "mov.b32 m, 0x76807680;\nmul.rn.bf16x2 $0, t0, m;\nmul.rn.bf16x2 $1, t1, m;\n}")
 # nvfp4's block-scale multiplier in the bf16 fast path is scale * 2^117 (not 2^126: 448 * 2^126
 # overflows bf16); the accumulator takes the remaining 2^9.
 NVFP4_FAST_EPILOGUE = 512.0
