@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from moe_ops.kernels.grouped_gemm import _E2M1_BF16_ASM_MXFP4, _E2M1_BF16_ASM_NVFP4
+from moe_ops.kernels.grouped_gemm import (
+    _E2M1_BF16_ASM_MXFP4, _E2M1_BF16_ASM_NVFP4, _E4M3_TO_BF16_P117,
+)
 from ptx_emu import run
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
@@ -63,6 +65,22 @@ def test_fast_decode_ptx_exact(quant):
     low, high = decode(asm, codes, factors)
     assert np.array_equal(low, bf16_bits(E2M1[codes & 15] * factors * unit))
     assert np.array_equal(high, bf16_bits(E2M1[codes >> 4] * factors * unit))
+
+
+def test_nvfp4_scale_multiplier_ptx_exact():
+    """_E4M3_TO_BF16_P117 (pack=4: $2 the 4 scale bytes, $0 / $1 the bf16 multipliers of
+    elements 0-1 / 2-3) gives bf16(scale * 2^117) for every e4m3 byte but the two NaNs."""
+    gen = np.random.default_rng(1)
+    scales = gen.integers(0, 256, size=(N, 4), dtype=np.uint32)
+    scales[:256, 0] = np.arange(256)
+    scales[256:512, 2] = np.arange(256)
+    scales[(scales & 0x7F) == 0x7F] = 0x38  # NaN bytes: no checkpoint holds one
+    out = run(_E4M3_TO_BF16_P117.value,
+              {2: scales[:, 0] | scales[:, 1] << 8 | scales[:, 2] << 16 | scales[:, 3] << 24},
+              [0, 1])
+    got = np.stack([out[0] & 0xFFFF, out[0] >> 16, out[1] & 0xFFFF, out[1] >> 16], axis=1)
+    values = torch.from_numpy(scales.astype(np.uint8)).view(torch.float8_e4m3fn).double()
+    assert np.array_equal(got, bf16_bits(values.numpy() * 2.0 ** 117))
 
 
 def test_emulator_rejects_what_it_does_not_know():
