@@ -145,6 +145,16 @@ def test_budget_shares_time_out_and_skips_what_it_cannot_fit(tuner):
     assert report["skipped"] == 0 and report["buckets"][0]["candidates"] == 2
 
 
+def test_bucket_share_lets_a_bucket_run_long_only_while_the_rest_fit():
+    # plenty left: twice an equal share
+    assert tune.bucket_share(0.0, 55.0, 14) == pytest.approx(2 * 55.0 / 14)
+    # little left: what keeps BUCKET_RESERVE_S for each later bucket
+    assert tune.bucket_share(0.0, 15.0, 6) == pytest.approx(15.0 - 5 * tune.BUCKET_RESERVE_S)
+    # the last bucket takes what is left; past the deadline, nothing
+    assert tune.bucket_share(50.0, 55.0, 1) == pytest.approx(5.0)
+    assert tune.bucket_share(60.0, 55.0, 3) == 0.0
+
+
 def test_bucket_deadline_gives_gemm1_40_and_gemm2_80_percent(tuner, monkeypatch):
     """On a fake clock where each timing takes 1 s and the bucket has 10 s: GEMM1 profiles
     until 4 s (its default and 3 candidates), GEMM2 until 8 s (the same), the rest skipped."""
