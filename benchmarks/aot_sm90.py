@@ -4,8 +4,9 @@ launcher passes (fp8 per tensor: swap-AB configs unswapped, as experts.FP8_SWAP_
 them; bf16 4-bit weights: the inline-PTX decode) and, approximately, the argument
 specializations Triton's launcher makes at run time (pointers, strides, N and K taken as
 multiples of 16; without them the build can be another program: byte loads and twice the
-instructions for the nvfp4 decode loop; see compile_config for what is not modelled). Prints, per build, the MMA it uses (wgmma / mma.sync) and its shared memory; a build that
-fails (ptxas included) is listed as FAIL and the exit status is 1. With --loop, also the main
+instructions for the nvfp4 decode loop; see compile_config for what is not modelled). Prints,
+per build, the MMA it uses (wgmma / mma.sync) and its shared memory; a build that fails (ptxas
+included) is listed as FAIL and the exit status is 1. With --loop, also the main
 K loop's SASS (nvdisasm, shipped with Triton): its instructions a K step of one thread, per
 weight value, and the most frequent opcodes, the measure of the decode cost of quantized
 weights when the loop is bound by instruction issue (the 4-bit decode is: NOTES.md). It proves

@@ -236,7 +236,7 @@ def test_act_quant(quant, K):
     x = (torch.randn(5, K, generator=g) * torch.exp(torch.randn(5, 1, generator=g))).to(torch.bfloat16)
     x[2] = 0  # a zero row: scale 0, q 0, never NaN
     # Rows far from 1: large ones (v * 448 overflows past 2^119, as in quant.py), tiny ones
-    # (act_quant scales rows with amax < 2^-96 by 2^64: fp8_quantize clamps amax at 1e-30),
+    # (act_quant scales rows with amax < 2^-96 by 2^64, keeping v * 448 a float32 normal),
     # one just under 1e-30 and one far below it
     x[0] *= 2.0 ** 110 / x[0].abs().max()
     x[1] *= 9e-31 / x[1].abs().max()

@@ -22,10 +22,11 @@ from moe_ops.kernels.common import (
 )
 
 
-# fp8_quantize divides (v * 448) by max(amax, 1e-30): rows (or groups) with an amax below 2^-96
-# (1.3e-29, above that clamp) are first scaled by 2^64, with their amax (exact, and the quotient
-# is the same). Unscaled, amax >= 2^-96 keeps every value that can round to a non-zero e4m3 code
-# (quotient >= 2^-10, so v * 448 >= 2^-106) normal; scaled, so does amax < 2^-96.
+# fp8_quantize divides (v * 448) by amax: rows (or groups) with an amax below 2^-96 are first
+# scaled by 2^64, with their amax (exact, and the quotient is the same), so that v * 448 is
+# never a rounded float32 subnormal. Unscaled, amax >= 2^-96 keeps every value that can round to
+# a non-zero e4m3 code (quotient >= 2^-10, so v * 448 >= 2^-106) normal; scaled, so does
+# amax < 2^-96.
 _TINY_AMAX = tl.constexpr(1.262177448353619e-29)  # 2^-96
 _TINY_SCALE = tl.constexpr(1.8446744073709552e+19)  # 2^64
 
