@@ -14,11 +14,13 @@ match the default config's; timing replays CUDA graphs with L2 flushed before ev
 (tuning.graph_timer). Last, the tuned pair is timed head to head with the default pair,
 interleaved, and kept only if it is faster: a shipped table never makes a bucket slower.
 
-All candidate kernels of a bucket are compiled in parallel first (Triton's AsyncCompileMode on a
-thread pool), which is most of the wall time of a cold run. The whole run has a time budget
-(--budget-s, 55 s by default: PERFORMANCE.md allows 60 s of GPU time a pair), shared out among
-the buckets as they come (bucket_share); candidates a bucket has no time left for are skipped
-and counted in the report, the defaults always being timed.
+The candidate kernels of every bucket are compiled first, all in one parallel batch (Triton's
+AsyncCompileMode on a thread pool), which is most of the wall time of a cold run. The whole run
+has a time budget (--budget-s, 55 s by default: PERFORMANCE.md allows 60 s of GPU time a pair):
+what the compile leaves is shared out among the buckets as they come (bucket_share); candidates
+a bucket has no time left for are skipped and counted in the report, the defaults always being
+timed. (Compiling bucket by bucket let the early buckets' compiles and profiling take the time
+the last ones needed: Llama 4 bf16's four largest buckets once ran their defaults only.)
 """
 from __future__ import annotations
 
@@ -49,11 +51,10 @@ DEFAULT_CACHE = "tuning.json"
 # PERFORMANCE.md allows 60 s of GPU time to tune a (model, quant) pair; the budget leaves room
 # for the last bucket's head to head and the process around it.
 DEFAULT_BUDGET_S = 55.0
-# How a run's budget is shared out (bucket_share): a bucket may take up to this many times an
-# equal share of the time left, as long as that leaves BUCKET_RESERVE_S for each bucket after
-# it (about a bucket's cold compile and its defaults' timing). Replayed on the per-bucket times
-# of the 2026-12-01 tuning reports: the pairs under 55 s lose nothing (an equal share cut
-# DeepSeek fp8_block's 49 s run by 2.5 s), Llama 4 bf16's 60.9 s comes to about 56.
+# How the profiling time is shared out (bucket_share): a bucket may take up to this many times
+# an equal share of the time left, as long as that leaves BUCKET_RESERVE_S for each bucket after
+# it (its defaults' timing and the head to head, compiled before). An equal share cut runs that
+# fit (DeepSeek fp8_block's 49 s by 2.5 s, replayed on the 2026-12-01 tuning reports).
 BUCKET_SHARE_FACTOR = 2.0
 BUCKET_RESERVE_S = 2.5
 
@@ -176,6 +177,11 @@ def precompile(jobs: Sequence[Callable[[], Any]], workers: Optional[int] = None)
     return time.perf_counter() - start
 
 
+def compiles(layer) -> bool:
+    """Whether the layer's kernels are compiled (on a GPU) rather than interpreted."""
+    return layer.w13.is_cuda
+
+
 def _per_call(timer: Timer, calls: int) -> Timer:
     return lambda fn: timer(fn) / calls
 
@@ -211,15 +217,61 @@ class BucketResult:
         return self.default_us / self.tuned_us if self.tuned_us > 0 else float("nan")
 
 
+@dataclass
+class BucketPlan:
+    """What tuning one bucket runs: its inputs, the two GEMMs' keys, defaults and candidates."""
+    bucket: int
+    inputs: List[InputSet]
+    key1: ProblemKey
+    key2: ProblemKey
+    default1: Any
+    default2: Any
+    cands1: List[Any]
+    cands2: List[Any]
+
+    def compile_jobs(self, layer, tuner: Tuner) -> List[Callable[[], Any]]:
+        """One layer call per candidate, for precompile: GEMM2's candidates are compiled beside
+        GEMM1's default; a GEMM1 winner with a larger block_m changes the dispatch tile, and
+        those few variants compile when first profiled."""
+        inputs = self.inputs[:1]
+        jobs = [lambda c=c: run_layer(layer, inputs, tuner, c, self.default2)
+                for c in self.cands1]
+        jobs += [lambda c=c: run_layer(layer, inputs, tuner, self.default1, c)
+                 for c in self.cands2]
+        return jobs
+
+
+def plan_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *,
+                seed: int = 0, max_candidates: Optional[int] = None) -> BucketPlan:
+    """The bucket's inputs, keys, defaults and candidates; forgets what this process had tuned
+    for its keys (a re-tune)."""
+    from moe_ops.kernels.grouped_gemm import default_config
+    from moe_ops import tuning
+
+    inputs = make_inputs(layer, shape, bucket, seed=seed + bucket)
+    (key1, _), (key2, _) = bucket_keys(layer, shape, quant, inputs, bucket, tuner)
+    for key in (key1, key2):
+        tuner.memory.pop(key, None)
+        tuner.records.pop(key, None)
+        tuner._resolved.pop(key, None)
+    return BucketPlan(bucket, inputs, key1, key2, default_config(key1.problem()),
+                      default_config(key2.problem()),
+                      tuning.experts_candidates(key1.problem())[:max_candidates],
+                      tuning.experts_candidates(key2.problem())[:max_candidates])
+
+
 def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *,
                 timer: Timer, seed: int = 0, compile_workers: Optional[int] = None,
                 max_candidates: Optional[int] = None,
                 progress: Optional[Callable[[str], None]] = None,
-                deadline: Optional[float] = None) -> BucketResult:
+                deadline: Optional[float] = None,
+                plan: Optional[BucketPlan] = None) -> BucketResult:
     """Tune one bucket (see the module docstring). deadline (time.perf_counter()): when the
     bucket should be done; GEMM1's candidates get the first 40% of the time left after
     compiling, GEMM2's up to 80%, the head to head the rest. Candidates a GEMM's share leaves
-    unprofiled are skipped (its default is always timed)."""
+    unprofiled are skipped (its default is always timed). plan: from plan_bucket, its
+    candidates already compiled (tune_model compiles every bucket's in one batch); without it
+    the bucket plans and compiles its own."""
     from moe_ops.kernels.grouped_gemm import default_config
     from moe_ops import tuning
 
@@ -232,28 +284,23 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
         raise RuntimeError("tune_bucket runs inside moe_ops.tuning.autotune(tuner=...), not "
                            "while capturing or compiling")
 
-    def experts_candidates(problem):
-        return tuning.experts_candidates(problem)[:max_candidates]
-
     start = time.perf_counter()
-    inputs = make_inputs(layer, shape, bucket, seed=seed + bucket)
+    compile_s = 0.0
+    if plan is None:
+        plan = plan_bucket(layer, shape, quant, bucket, tuner, seed=seed,
+                           max_candidates=max_candidates)
+        if deadline is None or time.perf_counter() < deadline:  # else only the defaults run
+            jobs = plan.compile_jobs(layer, tuner)
+            compile_s = precompile(jobs, compile_workers) if jobs and compiles(layer) else 0.0
+    elif plan.bucket != bucket:
+        raise ValueError(f"plan: made for bucket {plan.bucket}, not {bucket}")
+    inputs, key1, key2 = plan.inputs, plan.key1, plan.key2
+    default1, default2 = plan.default1, plan.default2
     # the runs time every input set: report (and store) the time of one layer call
     timer = _per_call(timer, len(inputs))
-    (key1, problem1), (key2, problem2) = bucket_keys(layer, shape, quant, inputs, bucket, tuner)
-    default1, default2 = default_config(key1.problem()), default_config(key2.problem())
-    cands1, cands2 = experts_candidates(key1.problem()), experts_candidates(key2.problem())
-    for key in (key1, key2):  # re-tune: forget what this process had
-        tuner.memory.pop(key, None)
-        tuner.records.pop(key, None)
-        tuner._resolved.pop(key, None)
 
-    # GEMM2's candidates are compiled beside GEMM1's default; a GEMM1 winner with a larger
-    # block_m changes the dispatch tile, and those few variants compile when first profiled.
-    jobs = [lambda c=c: run_layer(layer, inputs[:1], tuner, c, default2) for c in cands1]
-    jobs += [lambda c=c: run_layer(layer, inputs[:1], tuner, default1, c) for c in cands2]
-    if deadline is not None and time.perf_counter() >= deadline:
-        jobs = []  # no time to profile candidates: only the defaults run (compiled when first run)
-    compile_s = precompile(jobs, compile_workers) if layer.w13.is_cuda and jobs else 0.0
+    def experts_candidates(problem):
+        return tuning.experts_candidates(problem)[:max_candidates]
 
     def report(stage: str):
         if progress is None:
@@ -339,10 +386,10 @@ def tune_model(shape: MoEShape, quant: str, *, buckets: Optional[Sequence[int]] 
     must be the one the layer's calls consult (the process-wide get_tuner(), the default).
 
     budget_s: the tuning time allowed after the layer is built (PERFORMANCE.md: 60 s of GPU time
-    a pair). Each bucket gets a share of what is left when it starts (bucket_share), so time a
-    bucket does not use goes to the next; within it the candidates past its share are skipped
-    (the report counts them). A bucket's compile runs before its share is checked, so a cold
-    compile cache spends budget the profiling then lacks. None or <= 0: no limit."""
+    a pair). Every bucket's candidates are compiled first, in one batch; then each bucket gets a
+    share of what is left when it starts (bucket_share), so time a bucket does not use goes to
+    the next; within it the candidates past its share are skipped (the report counts them).
+    None or <= 0: no limit."""
     tuner = get_tuner() if tuner is None else tuner
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
@@ -355,18 +402,27 @@ def tune_model(shape: MoEShape, quant: str, *, buckets: Optional[Sequence[int]] 
     results: List[BucketResult] = []
     deadline = None if budget_s is None or budget_s <= 0 else time.perf_counter() + budget_s
     with autotune(tuner=tuner):
-        for index, bucket in enumerate(buckets):
+        plans: List[Optional[BucketPlan]] = [
+            plan_bucket(layer, shape, quant, bucket, tuner, seed=seed,
+                        max_candidates=max_candidates) for bucket in buckets]
+        if bar is not None:
+            bar.update(f"compiling the candidates of {len(buckets)} buckets")
+        jobs = [job for plan in plans for job in plan.compile_jobs(layer, tuner)]
+        compile_s = precompile(jobs, compile_workers) if jobs and compiles(layer) else 0.0
+        for index, plan in enumerate(plans):
+            bucket = plan.bucket
             if bar is not None:
                 bar.update(f"bucket {bucket}")
             show = (lambda detail, b=bucket: bar.update(f"bucket {b} {detail}")) if bar else None
             bucket_deadline = None
             if deadline is not None:
                 now = time.perf_counter()
-                bucket_deadline = now + bucket_share(now, deadline, len(buckets) - index)
+                bucket_deadline = now + bucket_share(now, deadline, len(plans) - index)
             results.append(tune_bucket(layer, shape, quant, bucket, tuner, timer=timer,
                                        seed=seed, compile_workers=compile_workers,
                                        max_candidates=max_candidates, progress=show,
-                                       deadline=bucket_deadline))
+                                       deadline=bucket_deadline, plan=plan))
+            plans[index] = None  # its inputs are no longer needed
             if bar is not None:
                 r = results[-1]
                 bar.update(f"bucket {bucket}: {r.default_us:.1f} -> {r.tuned_us:.1f} us", advance=1)
@@ -377,7 +433,7 @@ def tune_model(shape: MoEShape, quant: str, *, buckets: Optional[Sequence[int]] 
         "model": shape.name, "quant": quant, "dtype": str(dtype).replace("torch.", ""),
         "gpu": gpu_name(device), "setup_s": setup_s,
         "tuning_s": time.perf_counter() - start - setup_s,
-        "compile_s": sum(r.compile_s for r in results), "budget_s": budget_s,
+        "compile_s": compile_s + sum(r.compile_s for r in results), "budget_s": budget_s,
         "skipped": sum(r.skipped for r in results),
         "buckets": [dict(dataclasses.asdict(r), speedup=r.speedup) for r in results],
     }

@@ -186,6 +186,48 @@ def test_bucket_deadline_gives_gemm1_40_and_gemm2_80_percent(tuner, monkeypatch)
     assert result.skipped == sum(r["skipped"] for r in records) > 0
 
 
+def test_tune_model_compiles_every_bucket_first_then_shares_the_rest(tuner, monkeypatch):
+    """One compile batch holds every bucket's candidates and runs before any profiling; its
+    time counts against the budget, and the buckets share what it leaves (fake clock: the
+    compile takes 30 s of a 42 s budget, each timing 1 s)."""
+    clock = [100.0]
+
+    class FakeTime:
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+    monkeypatch.setattr(tune, "time", FakeTime())
+    monkeypatch.setattr(tuning, "time", FakeTime())
+    batches = []
+
+    def fake_precompile(jobs, workers=None):
+        batches.append((len(jobs), len(tuner.records)))
+        clock[0] += 30.0
+        return 30.0
+
+    monkeypatch.setattr(tune, "precompile", fake_precompile)
+    monkeypatch.setattr(tune, "compiles", lambda layer: True)
+
+    def timer(fn):
+        fn()
+        clock[0] += 1.0
+        return 1.0
+
+    report = tune.tune_model(TINY, "none", buckets=[1, 2, 4], tuner=tuner, timer=timer,
+                             max_candidates=3, show_progress=False, device=DEVICE, budget_s=42.0)
+    per_bucket = sum(len(tuning.experts_candidates(k.problem())[:3]) for k in tuner.records) // 3
+    assert batches == [(3 * per_bucket, 0)]  # every bucket's jobs, before anything was profiled
+    assert report["compile_s"] == 30.0 and all(b["compile_s"] == 0.0 for b in report["buckets"])
+    # the 12 s left: each bucket timed its defaults (and the head to head), the first one
+    # candidates as well, and the rest were skipped
+    assert report["buckets"][0]["candidates"] > 0
+    assert report["skipped"] > 0
+
+
 def test_head_to_head_keeps_defaults_when_tuned_is_slower(tuner):
     calls = {"n": 0}
 
