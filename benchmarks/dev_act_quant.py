@@ -7,6 +7,9 @@ written over the median time). The exit status is 1 if any value differs.
     python benchmarks/dev_act_quant.py --out benchmarks/results/h200_act_quant.json
     # A/B against another version of the module (a file with the same act_quant function)
     python benchmarks/dev_act_quant.py --baseline /path/to/old_act_quant.py
+    # decode sizes (rows = T * k at T = 1 ... 256), the kernel's two forms (split_k off / on),
+    # timed as CUDA-graph replays with L2 flushed (launch overhead out, as served)
+    python benchmarks/dev_act_quant.py --decode
 
 Writes JSON (command, GPU, date, records) and prints a table last.
 """
@@ -30,6 +33,17 @@ CASES = (("mixtral x", "fp8", 16384, 4096), ("mixtral intermediate", "fp8", 3276
          ("qwen3 intermediate", "fp8", 131072, 768),
          ("deepseek x", "fp8_block", 16384, 7168),
          ("deepseek intermediate", "fp8_block", 131072, 2048))
+# --decode: GEMM1's x (rows = T) and GEMM2's intermediate (rows = T * k) at decode sizes
+DECODE_CASES = tuple(
+    (f"{model} {what} T={t}", quant, t * (k if what == "intermediate" else 1), width)
+    for model, quant, k, h, i in (("mixtral", "fp8", 2, 4096, 14336), ("llama4", "fp8", 1, 5120, 8192),
+                                  ("qwen3", "fp8", 8, 2048, 768),
+                                  ("deepseek", "fp8_block", 8, 7168, 2048))
+    for t in (1, 16, 64) for what, width in (("x", h), ("intermediate", i)))
+DECODE_CASES += (("mixtral intermediate T=128", "fp8", 256, 14336),
+                 ("mixtral intermediate T=256", "fp8", 512, 14336),
+                 ("deepseek x T=256", "fp8_block", 256, 7168),
+                 ("deepseek x T=512", "fp8_block", 512, 7168))
 
 
 def inputs(rows: int, k: int, kind: str, gen: torch.Generator) -> torch.Tensor:
@@ -60,8 +74,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", type=Path, help="another act_quant module, timed beside")
     parser.add_argument("--out", type=Path, default=Path("act_quant.json"))
+    parser.add_argument("--decode", action="store_true",
+                        help="decode sizes, split_k off and on, as CUDA-graph replays")
     args = parser.parse_args()
     variants = {"act_quant": act_quant}
+    cases = CASES
+    time_one = lambda fn: triton.testing.do_bench(fn, rep=100, return_mode="median") * 1e3
+    if args.decode:
+        from moe_ops.tuning import graph_timer
+        cases = DECODE_CASES
+        variants = {"act_quant": lambda x, quant: act_quant(x, quant, split_k=True),
+                    "looped": lambda x, quant: act_quant(x, quant, split_k=False)}
+        time_one = lambda fn: graph_timer(fn) * 1e6
     if args.baseline:
         spec = importlib.util.spec_from_file_location("baseline_act_quant", args.baseline)
         module = importlib.util.module_from_spec(spec)
@@ -69,7 +93,7 @@ def main() -> int:
         variants["baseline"] = module.act_quant
     gen = torch.Generator(device="cuda").manual_seed(0)
     records = []
-    for name, quant, rows, k in CASES:
+    for name, quant, rows, k in cases:
         for kind in ("random", "midpoints"):
             x = inputs(rows, k, kind, gen)
             for variant, fn in variants.items():
@@ -77,8 +101,7 @@ def main() -> int:
                 record = dict(case=name, quant=quant, rows=rows, k=k, inputs=kind,
                               variant=variant, mismatches=values, zero_sign_only=zero_signs)
                 if kind == "random":
-                    us = triton.testing.do_bench(lambda: fn(x, quant), rep=100,
-                                                 return_mode="median") * 1e3
+                    us = time_one(lambda: fn(x, quant))
                     scale_bytes = rows * 4 * (1 if quant == "fp8" else -(-k // 128))
                     moved = rows * k * 3 + scale_bytes  # bf16 in, e4m3 out, fp32 scales
                     record.update(us=us, tb_s=moved / us / 1e6)

@@ -226,12 +226,15 @@ def test_dispatch(path, T, k, E, block_m, offset, case, poisoned_empty):
 
 # ---------------------------------------------------------------- activation quant
 
+@pytest.mark.parametrize("split_k", [False, True])
 @pytest.mark.parametrize("quant,K", [("fp8", 40), ("fp8", 3000), ("fp8", 17000),
                                      ("fp8_block", 192), ("fp8_block", 1100),
                                      ("fp8_block", 16500)])
-def test_act_quant(quant, K):
+def test_act_quant(quant, K, split_k):
     """Rows of any length (one step, several, K = 17000 / 16500 in steps of 2048 / 1024) equal
-    round-to-nearest-even e4m3 of x / s, including rows far from 1 in size."""
+    round-to-nearest-even e4m3 of x / s, including rows far from 1 in size; in both of the
+    kernel's forms (split_k: the columns over the grid, fp8's row read whole up to 16384
+    columns; 17000 falls back to the looped form)."""
     g = torch.Generator().manual_seed(K)
     x = (torch.randn(5, K, generator=g) * torch.exp(torch.randn(5, 1, generator=g))).to(torch.bfloat16)
     x[2] = 0  # a zero row: scale 0, q 0, never NaN
@@ -245,7 +248,7 @@ def test_act_quant(quant, K):
     if quant == "fp8_block":
         x[3, 128:256] = 0
     x = x.to(DEVICE)
-    q, s = act_quant(x, quant)
+    q, s = act_quant(x, quant, split_k=split_k)
     group = 128 if quant == "fp8_block" else 0
     assert torch.isfinite(q.float()).all() and torch.isfinite(s).all()
     deq = q.double() * (s.double()[:, None] if not group
@@ -263,8 +266,9 @@ def test_act_quant(quant, K):
     assert (q[2].float() == 0).all()
 
 
+@pytest.mark.parametrize("split_k", [False, True])
 @pytest.mark.parametrize("quant", ["fp8", "fp8_block"])
-def test_act_quant_skips_padding_rows(quant, poisoned_empty):
+def test_act_quant_skips_padding_rows(quant, split_k, poisoned_empty):
     """With sorted_pair_ids, rows whose pair id is the sentinel (>= num_pairs) are left as they
     were (GEMM2 masks them), live rows equal the unskipped quantization, bit for bit."""
     g = torch.Generator().manual_seed(7)
@@ -273,8 +277,8 @@ def test_act_quant_skips_padding_rows(quant, poisoned_empty):
     ids = torch.randint(0, num_pairs, (M,), generator=g)
     ids[torch.randperm(M, generator=g)[:15]] = num_pairs  # padding rows
     ids = ids.to(torch.int32).to(DEVICE)
-    q, s = act_quant(x, quant, ids, num_pairs)
-    q_all, s_all = act_quant(x, quant)
+    q, s = act_quant(x, quant, ids, num_pairs, split_k=split_k)
+    q_all, s_all = act_quant(x, quant, split_k=not split_k)
     live = ids < num_pairs
     assert torch.equal(q[live].view(torch.uint8), q_all[live].view(torch.uint8))
     assert torch.equal(s[live], s_all[live])

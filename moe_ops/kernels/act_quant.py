@@ -32,15 +32,37 @@ _TINY_SCALE = tl.constexpr(1.8446744073709552e+19)  # 2^64
 
 
 @triton.jit
+def _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp8_block: columns [k0, k0 + BLOCK_K) of a row, one scale per GROUP_K of them."""
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+    offs = tl.arange(0, BLOCK_K)
+    mask = k0 + offs < K
+    x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.reshape(x, (GROUPS, GROUP_K))
+    amax = tl.max(tl.abs(x2), axis=1)
+    factor = tl.where(amax < _TINY_AMAX, _TINY_SCALE, 1.0)[:, None]
+    q, scale = fp8_quantize(x2 * factor, amax[:, None] * factor)
+    tl.store(q_row + k0 + offs, tl.reshape(q, (BLOCK_K,)), mask=mask)
+    g = k0 // GROUP_K + tl.arange(0, GROUPS)
+    # the unscaled amax's scale (the quantized values are the same either way)
+    tl.store(s_row + g, tl.div_rn(amax, 448.0), mask=g * GROUP_K < K)
+
+
+@triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr,
     num_pairs, K,
     stride_xm, stride_qm, stride_sm,
     GROUP_K: tl.constexpr,      # 0: one scale per row; 128: one per 128 columns
     BLOCK_K: tl.constexpr,      # columns per step; a multiple of GROUP_K when grouped
+    SPLIT_K: tl.constexpr,      # the columns spread over the grid's 2nd axis, one step each
     SKIP_PAD_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """One row a program (grid (M,)), stepping over its columns; with SPLIT_K (few rows: the
+    steps' load latencies add up, 1 us or so each) one step a program (grid (M, K / BLOCK_K)):
+    fp8_block's groups are independent, and fp8's row takes BLOCK_K >= K (the whole row read
+    once, its amax from registers)."""
     pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     if SKIP_PAD_ROWS:
@@ -53,40 +75,48 @@ def _act_quant_kernel(
     s_row = scale_ptr + row64 * stride_sm
     offs = tl.arange(0, BLOCK_K)
     if GROUP_K == 0:
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        row_amax = tl.max(amax, axis=0)
-        # two loops, so the common one carries no scaling multiply (the form measured)
-        if row_amax >= _TINY_AMAX:
-            for k0 in range(0, K, BLOCK_K):
-                mask = k0 + offs < K
-                x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-                q, scale = fp8_quantize(x, row_amax)
-                tl.store(q_row + k0 + offs, q, mask=mask)
+        if SPLIT_K:
+            mask = offs < K
+            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            row_amax = tl.max(tl.abs(x), axis=0)
+            factor = tl.where(row_amax < _TINY_AMAX, _TINY_SCALE, 1.0)
+            q, scale = fp8_quantize(x * factor, row_amax * factor)
+            tl.store(q_row + offs, q, mask=mask)
         else:
+            amax = tl.zeros([BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                mask = k0 + offs < K
-                x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-                q, scale = fp8_quantize(x * _TINY_SCALE, row_amax * _TINY_SCALE)
-                tl.store(q_row + k0 + offs, q, mask=mask)
+                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            row_amax = tl.max(amax, axis=0)
+            # two loops, so the common one carries no scaling multiply (the form measured)
+            if row_amax >= _TINY_AMAX:
+                for k0 in range(0, K, BLOCK_K):
+                    mask = k0 + offs < K
+                    x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+                    q, scale = fp8_quantize(x, row_amax)
+                    tl.store(q_row + k0 + offs, q, mask=mask)
+            else:
+                for k0 in range(0, K, BLOCK_K):
+                    mask = k0 + offs < K
+                    x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+                    q, scale = fp8_quantize(x * _TINY_SCALE, row_amax * _TINY_SCALE)
+                    tl.store(q_row + k0 + offs, q, mask=mask)
         # correctly rounded, as quant.py divides (Triton's `/` is approximate on the GPU)
         tl.store(s_row, tl.div_rn(row_amax, 448.0))
     else:
-        GROUPS: tl.constexpr = BLOCK_K // GROUP_K
-        offs_g = tl.arange(0, GROUPS)
-        for k0 in range(0, K, BLOCK_K):
-            mask = k0 + offs < K
-            x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.reshape(x, (GROUPS, GROUP_K))
-            amax = tl.max(tl.abs(x2), axis=1)
-            factor = tl.where(amax < _TINY_AMAX, _TINY_SCALE, 1.0)[:, None]
-            q, scale = fp8_quantize(x2 * factor, amax[:, None] * factor)
-            tl.store(q_row + k0 + offs, tl.reshape(q, (BLOCK_K,)), mask=mask)
-            g = k0 // GROUP_K + offs_g
-            # the unscaled amax's scale (the quantized values are the same either way)
-            tl.store(s_row + g, tl.div_rn(amax, 448.0), mask=g * GROUP_K < K)
+        if SPLIT_K:
+            _quant_groups(x_row, q_row, s_row, tl.program_id(1) * BLOCK_K, K, GROUP_K, BLOCK_K)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K, BLOCK_K)
+
+
+# Rows at or below which the columns are spread over programs (SPLIT_K): the looped form's
+# load latencies, a microsecond or so per step, add up where too few rows fill the GPU (Mixtral's
+# 2-row decode intermediate, 14336 wide: 8.3 us, in results/h200_profile_layer.json).
+SPLIT_K_MAX_ROWS = 256
+# fp8 (one scale per row) reads a split row whole: at most this many columns.
+WHOLE_ROW_MAX_K = 16384
 
 
 def act_quant(
@@ -94,31 +124,43 @@ def act_quant(
     quant: str,
     sorted_pair_ids: Optional[torch.Tensor] = None,
     num_pairs: int = 0,
+    split_k: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize the rows of x [M, K] to (q float8_e4m3fn [M, K], scales float32).
 
     scales: [M] for quant="fp8", [M, ceil(K/128)] for "fp8_block". With sorted_pair_ids given,
-    rows whose pair id is the sentinel (>= num_pairs) are skipped and left unwritten.
+    rows whose pair id is the sentinel (>= num_pairs) are skipped and left unwritten. split_k:
+    the kernel's form (None: SPLIT_K for at most SPLIT_K_MAX_ROWS rows); the same bytes either
+    way.
     """
     M, K = x.shape
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    if split_k is None:
+        split_k = M <= SPLIT_K_MAX_ROWS
     if quant == "fp8":
         scales = torch.empty((M,), dtype=torch.float32, device=x.device)
-        group_k, block_k, stride_sm = 0, min(next_power_of_2(K), 2048), 1
+        split_k = split_k and K <= WHOLE_ROW_MAX_K
+        group_k, stride_sm = 0, 1
+        block_k = next_power_of_2(K) if split_k else min(next_power_of_2(K), 2048)
+        # the whole row: about 32 values a thread
+        num_warps = (min(16, max(4, block_k // 1024)) if split_k
+                     else 4 if block_k >= 512 else 1)
     else:
         scales = torch.empty((M, cdiv(K, FP8_BLOCK)), dtype=torch.float32, device=x.device)
         group_k = FP8_BLOCK
         block_k = FP8_BLOCK * min(next_power_of_2(cdiv(K, FP8_BLOCK)), 8)
         stride_sm = scales.stride(0)
+        num_warps = 4 if block_k >= 512 else 1
     if M == 0:
         return q, scales
     skip = sorted_pair_ids is not None
-    _act_quant_kernel[(M,)](
+    grid = (M, cdiv(K, block_k)) if split_k else (M,)
+    _act_quant_kernel[grid](
         x, q, scales, sorted_pair_ids if skip else x,
         num_pairs, K,
         x.stride(0), q.stride(0), stride_sm,
-        GROUP_K=group_k, BLOCK_K=block_k, SKIP_PAD_ROWS=skip,
-        num_warps=4 if block_k >= 512 else 1,
+        GROUP_K=group_k, BLOCK_K=block_k, SPLIT_K=split_k, SKIP_PAD_ROWS=skip,
+        num_warps=num_warps,
         USE_PDL=use_pdl(x.device), **pdl_launch_options(x.device),
     )
     return q, scales
