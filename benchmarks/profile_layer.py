@@ -9,9 +9,11 @@ timed as CUDA-graph replays with L2 flushed before each (moe_ops.tuning.graph_ti
 tuner and the sweep's "graph us" time it); then --calls eager calls under torch.profiler, each
 after an L2 flush, and the call's kernels in launch order with their GPU time (the median over
 the calls). "gap" = graph time - the sum of the kernels: the launch latency and ramp between
-dependent kernels, which decides the small-T points (with PDL on, a kernel's launch overlaps the
-previous one's tail, so the gap can come out below zero). Prints a table last (progress on
-stderr) and writes JSON to --out (default $MOE_OPS_RESULTS_DIR or benchmarks/results/).
+dependent kernels, which decides the small-T points. With PDL on (calls of few routed pairs) a
+kernel starts before its predecessor ends and waits inside it, so its time includes that wait
+and the gap can come out below zero: MOE_OPS_PDL=0 gives each kernel's own time. Prints a table
+last (progress on stderr) and writes JSON to --out (default $MOE_OPS_RESULTS_DIR or
+benchmarks/results/).
 """
 from __future__ import annotations
 

@@ -53,10 +53,13 @@ DEFAULT_CACHE = "tuning.json"
 DEFAULT_BUDGET_S = 55.0
 # How the profiling time is shared out (bucket_share): a bucket may take up to this many times
 # an equal share of the time left, as long as that leaves BUCKET_RESERVE_S for each bucket after
-# it (its defaults' timing and the head to head, compiled before). An equal share cut runs that
-# fit (DeepSeek fp8_block's 49 s by 2.5 s, replayed on the 2026-12-01 tuning reports).
+# it (its defaults' timing and the head to head: 0.1-0.7 s on the H200, the kernels compiled
+# before). An equal share cut runs that fit (DeepSeek fp8_block's 49 s by 2.5 s, replayed on the
+# 2026-12-01 tuning reports). The reserve was 2.5 s while each bucket compiled its own
+# candidates; with the compile up front that starved the first buckets (Llama 4 bf16's buckets 1
+# and 2 profiled nothing: 28 s left for 14 buckets, less than 13 reserves).
 BUCKET_SHARE_FACTOR = 2.0
-BUCKET_RESERVE_S = 2.5
+BUCKET_RESERVE_S = 1.0
 
 
 def bucket_share(now: float, deadline: float, buckets_left: int) -> float:

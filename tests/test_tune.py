@@ -149,7 +149,9 @@ def test_bucket_share_lets_a_bucket_run_long_only_while_the_rest_fit():
     # plenty left: twice an equal share
     assert tune.bucket_share(0.0, 55.0, 14) == pytest.approx(2 * 55.0 / 14)
     # little left: what keeps BUCKET_RESERVE_S for each later bucket
-    assert tune.bucket_share(0.0, 15.0, 6) == pytest.approx(15.0 - 5 * tune.BUCKET_RESERVE_S)
+    assert tune.bucket_share(0.0, 6.0, 5) == pytest.approx(6.0 - 4 * tune.BUCKET_RESERVE_S)
+    # after an up-front compile that left 28 s for 14 buckets, the first ones still profile
+    assert tune.bucket_share(0.0, 28.0, 14) == pytest.approx(4.0)
     # the last bucket takes what is left; past the deadline, nothing
     assert tune.bucket_share(50.0, 55.0, 1) == pytest.approx(5.0)
     assert tune.bucket_share(60.0, 55.0, 3) == 0.0

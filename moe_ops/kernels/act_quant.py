@@ -111,10 +111,14 @@ def _act_quant_kernel(
                 _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K, BLOCK_K)
 
 
-# Rows at or below which the columns are spread over programs (SPLIT_K): the looped form's
-# load latencies, a microsecond or so per step, add up where too few rows fill the GPU (Mixtral's
-# 2-row decode intermediate, 14336 wide: 8.3 us, in results/h200_profile_layer.json).
-SPLIT_K_MAX_ROWS = 256
+# Rows at or below which the columns are spread over programs (SPLIT_K), per quant mode: the
+# looped form's load latencies, a microsecond or so per step, add up where too few rows fill the
+# GPU (Mixtral's 2-row decode intermediate, 14336 wide: 8.3 us in
+# results/h200_profile_layer.json). Measured (results/h200_act_quant_decode.json, CUDA-graph
+# replays): fp8_block faster split up to the 512 rows tried (DeepSeek's x 7.4 -> 2.2 us at 1
+# row, 10.9 -> 7.3 at 512); fp8 faster split up to 256 rows of 14336 (11.9 -> 10.3 us), slower
+# at 512 (15.8 -> 17.9: one program a row then runs the whole row's divisions on one SM).
+SPLIT_K_MAX_ROWS = {"fp8": 256, "fp8_block": 512}
 # fp8 (one scale per row) reads a split row whole: at most this many columns.
 WHOLE_ROW_MAX_K = 16384
 
@@ -130,13 +134,13 @@ def act_quant(
 
     scales: [M] for quant="fp8", [M, ceil(K/128)] for "fp8_block". With sorted_pair_ids given,
     rows whose pair id is the sentinel (>= num_pairs) are skipped and left unwritten. split_k:
-    the kernel's form (None: SPLIT_K for at most SPLIT_K_MAX_ROWS rows); the same bytes either
-    way.
+    the kernel's form (None: SPLIT_K for at most SPLIT_K_MAX_ROWS[quant] rows); the same bytes
+    either way.
     """
     M, K = x.shape
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     if split_k is None:
-        split_k = M <= SPLIT_K_MAX_ROWS
+        split_k = M <= SPLIT_K_MAX_ROWS.get(quant, 0)
     if quant == "fp8":
         scales = torch.empty((M,), dtype=torch.float32, device=x.device)
         split_k = split_k and K <= WHOLE_ROW_MAX_K
