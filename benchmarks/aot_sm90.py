@@ -5,7 +5,8 @@ them; bf16 4-bit weights: the inline-PTX decode) and, approximately, the argumen
 specializations Triton's launcher makes at run time (pointers, strides, N and K taken as
 multiples of 16; without them the build can be another program: byte loads and twice the
 instructions for the nvfp4 decode loop; see compile_config for what is not modelled). Prints,
-per build, the MMA it uses (wgmma / mma.sync) and its shared memory; a build that fails (ptxas
+per build, the MMA it uses (wgmma / mma.sync), its shared memory, registers a thread and stack
+(spills; cuobjdump, shipped with Triton); a build that fails (ptxas
 included) is listed as FAIL and the exit status is 1. With --loop, also the main
 K loop's SASS (nvdisasm, shipped with Triton): its instructions a K step of one thread, per
 weight value, and the most frequent opcodes, the measure of the decode cost of quantized
@@ -143,6 +144,18 @@ def main_loop(kernel) -> list[str]:
     return instructions[best[0]:best[1] + 1]
 
 
+def resource_usage(kernel) -> str:
+    """Registers a thread and stack bytes (spills live there) of the build, from cuobjdump."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", cubin.name],
+                              capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+)\s+STACK:(\d+)", text)
+    return f"{found.group(1)} registers, stack {found.group(2)} B" if found else "registers ?"
+
+
 def loop_summary(kernel, config: GemmConfig) -> str:
     loop = main_loop(kernel)
     opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0]
@@ -190,8 +203,8 @@ def main() -> int:
                 continue
             ptx = kernel.asm["ptx"]
             mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
-            print(f"ok   {name}: {mma}, shared {kernel.metadata.shared} B "
-                  f"({time.time() - start:.1f} s)", flush=True)
+            print(f"ok   {name}: {mma}, shared {kernel.metadata.shared} B, "
+                  f"{resource_usage(kernel)} ({time.time() - start:.1f} s)", flush=True)
             if args.loop:
                 print(loop_summary(kernel, config), flush=True)
     print(f"{len(seen) - failures} built, {failures} failed")

@@ -159,10 +159,12 @@ def bucket_keys(layer, shape: MoEShape, quant: str, inputs: Sequence[InputSet], 
     return (key1, problem1), (key2, problem2)
 
 
-def precompile(jobs: Sequence[Callable[[], Any]], workers: Optional[int] = None) -> float:
+def precompile(jobs: Sequence[Callable[[], Any]], workers: Optional[int] = None,
+               stats: Optional[Dict[str, int]] = None) -> float:
     """Compile the grouped-GEMM kernels that `jobs` would launch, in parallel, without running
-    them. Returns the seconds spent. A job that fails here fails again (and is rejected) when
-    profiled."""
+    them. Returns the seconds spent; stats (if given) gets "kernels": the compiles submitted
+    (kernels already compiled in this process and duplicates are not). A job that fails here
+    fails again (and is rejected) when profiled."""
     from moe_ops.kernels.grouped_gemm import compile_only
 
     start = time.perf_counter()
@@ -172,10 +174,12 @@ def precompile(jobs: Sequence[Callable[[], Any]], workers: Optional[int] = None)
         return 0.0
     workers = workers or min(32, os.cpu_count() or 4)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        with AsyncCompileMode(pool, ignore_errors=True), compile_only():
+        with AsyncCompileMode(pool, ignore_errors=True) as mode, compile_only():
             for job in jobs:
                 with contextlib.suppress(Exception):
                     job()
+            if stats is not None:
+                stats["kernels"] = stats.get("kernels", 0) + len(mode.future_kernels)
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -411,7 +415,8 @@ def tune_model(shape: MoEShape, quant: str, *, buckets: Optional[Sequence[int]] 
         if bar is not None:
             bar.update(f"compiling the candidates of {len(buckets)} buckets")
         jobs = [job for plan in plans for job in plan.compile_jobs(layer, tuner)]
-        compile_s = precompile(jobs, compile_workers) if jobs and compiles(layer) else 0.0
+        stats: Dict[str, int] = {}
+        compile_s = precompile(jobs, compile_workers, stats) if jobs and compiles(layer) else 0.0
         for index, plan in enumerate(plans):
             bucket = plan.bucket
             if bar is not None:
@@ -437,6 +442,7 @@ def tune_model(shape: MoEShape, quant: str, *, buckets: Optional[Sequence[int]] 
         "gpu": gpu_name(device), "setup_s": setup_s,
         "tuning_s": time.perf_counter() - start - setup_s,
         "compile_s": compile_s + sum(r.compile_s for r in results), "budget_s": budget_s,
+        "compiled_kernels": stats.get("kernels"),
         "skipped": sum(r.skipped for r in results),
         "buckets": [dict(dataclasses.asdict(r), speedup=r.speedup) for r in results],
     }
@@ -570,7 +576,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def format_report(report: Dict[str, Any]) -> str:
     lines = [f"{report['model']} {report['quant']} on {report['gpu']}: tuned "
              f"{len(report['buckets'])} buckets in {report['tuning_s']:.1f} s "
-             f"(compiling {report['compile_s']:.1f} s, setup {report['setup_s']:.1f} s"
+             f"(compiling {report['compile_s']:.1f} s"
+             f"{' (%d kernels)' % report['compiled_kernels'] if report.get('compiled_kernels') else ''}"
+             f", setup {report['setup_s']:.1f} s"
              f"{', %d candidates skipped for the budget' % report['skipped'] if report.get('skipped') else ''}) "
              f"-> {report.get('written_to', '')}",
              f"{'bucket':>7} {'default us':>11} {'tuned us':>10} {'speedup':>8}  gemm1 / gemm2"]

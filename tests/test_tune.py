@@ -33,6 +33,24 @@ def tuner(monkeypatch):
     return fresh
 
 
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """time.perf_counter() of tune and tuning reads clock[0] (starts at 100 s); advance it."""
+    clock = [100.0]
+
+    class FakeTime:
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+    monkeypatch.setattr(tune, "time", FakeTime())
+    monkeypatch.setattr(tuning, "time", FakeTime())
+    return clock
+
+
 def test_models_match_benchmark_shapes():
     shapes = json.loads((ROOT / "benchmarks" / "shapes.json").read_text())["models"]
     assert set(shapes) == set(MODELS)
@@ -157,21 +175,10 @@ def test_bucket_share_lets_a_bucket_run_long_only_while_the_rest_fit():
     assert tune.bucket_share(60.0, 55.0, 3) == 0.0
 
 
-def test_bucket_deadline_gives_gemm1_40_and_gemm2_80_percent(tuner, monkeypatch):
+def test_bucket_deadline_gives_gemm1_40_and_gemm2_80_percent(tuner, fake_clock):
     """On a fake clock where each timing takes 1 s and the bucket has 10 s: GEMM1 profiles
     until 4 s (its default and 3 candidates), GEMM2 until 8 s (the same), the rest skipped."""
-    clock = [100.0]
-
-    class FakeTime:
-        def __getattr__(self, name):
-            return getattr(time, name)
-
-        @staticmethod
-        def perf_counter():
-            return clock[0]
-
-    monkeypatch.setattr(tune, "time", FakeTime())
-    monkeypatch.setattr(tuning, "time", FakeTime())
+    clock = fake_clock
 
     def timer(fn):
         fn()
@@ -188,27 +195,19 @@ def test_bucket_deadline_gives_gemm1_40_and_gemm2_80_percent(tuner, monkeypatch)
     assert result.skipped == sum(r["skipped"] for r in records) > 0
 
 
-def test_tune_model_compiles_every_bucket_first_then_shares_the_rest(tuner, monkeypatch):
+def test_tune_model_compiles_every_bucket_first_then_shares_the_rest(tuner, fake_clock,
+                                                                   monkeypatch):
     """One compile batch holds every bucket's candidates and runs before any profiling; its
     time counts against the budget, and the buckets share what it leaves (fake clock: the
     compile takes 30 s of a 42 s budget, each timing 1 s)."""
-    clock = [100.0]
-
-    class FakeTime:
-        def __getattr__(self, name):
-            return getattr(time, name)
-
-        @staticmethod
-        def perf_counter():
-            return clock[0]
-
-    monkeypatch.setattr(tune, "time", FakeTime())
-    monkeypatch.setattr(tuning, "time", FakeTime())
+    clock = fake_clock
     batches = []
 
-    def fake_precompile(jobs, workers=None):
+    def fake_precompile(jobs, workers=None, stats=None):
         batches.append((len(jobs), len(tuner.records)))
         clock[0] += 30.0
+        if stats is not None:
+            stats["kernels"] = 7
         return 30.0
 
     monkeypatch.setattr(tune, "precompile", fake_precompile)
@@ -224,6 +223,7 @@ def test_tune_model_compiles_every_bucket_first_then_shares_the_rest(tuner, monk
     per_bucket = sum(len(tuning.experts_candidates(k.problem())[:3]) for k in tuner.records) // 3
     assert batches == [(3 * per_bucket, 0)]  # every bucket's jobs, before anything was profiled
     assert report["compile_s"] == 30.0 and all(b["compile_s"] == 0.0 for b in report["buckets"])
+    assert report["compiled_kernels"] == 7 and "(7 kernels)" in tune.format_report(report)
     # the 12 s left: each bucket timed its defaults (and the head to head), the first one
     # candidates as well, and the rest were skipped
     assert report["buckets"][0]["candidates"] > 0
