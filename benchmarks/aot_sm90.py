@@ -6,7 +6,8 @@ specializations Triton's launcher makes at run time (pointers, strides, N and K 
 multiples of 16; without them the build can be another program: byte loads and twice the
 instructions for the nvfp4 decode loop; see compile_config for what is not modelled). Prints,
 per build, the MMA it uses (wgmma / mma.sync), its shared memory, registers a thread and stack
-(spills; cuobjdump, shipped with Triton); a build that fails (ptxas
+(spills; cuobjdump, shipped with Triton) and ptxas' performance advisories (C7515: the wgmma
+instructions serialized); a build that fails (ptxas
 included) is listed as FAIL and the exit status is 1. With --loop, also the main
 K loop's SASS (nvdisasm, shipped with Triton): its instructions a K step of one thread, per
 weight value, and the most frequent opcodes, the measure of the decode cost of quantized
@@ -156,6 +157,22 @@ def resource_usage(kernel) -> str:
     return f"{found.group(1)} registers, stack {found.group(2)} B" if found else "registers ?"
 
 
+def ptxas_advisories(kernel) -> list[str]:
+    """ptxas' performance advisories for the build's PTX (e.g. C7515: wgmma instructions
+    serialized, each waited for before the next issues), from the ptxas shipped with Triton.
+    Triton's own compile does not show them."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = Path(folder) / "kernel.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        result = subprocess.run([str(tool), "-arch=sm_90a", "-v", str(ptx), "-o",
+                                 str(Path(folder) / "kernel.cubin")], capture_output=True,
+                                text=True)
+    return [re.sub(r"^ptxas info\s*:\s*", "", line).split(" in the function")[0]
+            for line in (result.stdout + result.stderr).splitlines()
+            if "Performance Loss" in line]
+
+
 def loop_summary(kernel, config: GemmConfig) -> str:
     loop = main_loop(kernel)
     opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0]
@@ -205,6 +222,8 @@ def main() -> int:
             mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
             print(f"ok   {name}: {mma}, shared {kernel.metadata.shared} B, "
                   f"{resource_usage(kernel)} ({time.time() - start:.1f} s)", flush=True)
+            for advisory in ptxas_advisories(kernel):
+                print(f"    ptxas: {advisory}", flush=True)
             if args.loop:
                 print(loop_summary(kernel, config), flush=True)
     print(f"{len(seen) - failures} built, {failures} failed")
