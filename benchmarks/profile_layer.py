@@ -55,7 +55,7 @@ def kernels_per_call(fn, flush, calls: int):
                     key=lambda e: e.time_range.start)
     runs, current = [], None
     for e in events:
-        if "bitwise_not" in e.name:  # the flush: a call starts after it
+        if "bitwise_xor" in e.name:  # the flush (no layer kernel is one): a call starts after it
             current = []
             runs.append(current)
         elif current is not None:
@@ -81,7 +81,7 @@ def profile_case(layer, model: str, quant: str, tokens: int, calls: int) -> dict
 
     graph_us = tuning.graph_timer(call) * 1e6
     scratch = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    kernels = kernels_per_call(call, lambda: scratch.bitwise_not_(), calls)
+    kernels = kernels_per_call(call, lambda: scratch.bitwise_xor_(0x5A), calls)
     kernel_us = sum(us for _, us in kernels)
     return dict(model=model, quant=quant, tokens=tokens, graph_us=graph_us,
                 kernel_sum_us=kernel_us, gap_us=graph_us - kernel_us,
@@ -99,6 +99,10 @@ def main(argv=None) -> int:
                    help="start no case after this many seconds (0: no limit)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    listed = {q for m in args.models for q in SHAPES[m]["quant"]}
+    if args.quant and set(args.quant) - listed:
+        p.error(f"--quant: {sorted(set(args.quant) - listed)} not listed for these models "
+                f"in shapes.json ({sorted(listed)})")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     start = time.time()

@@ -240,11 +240,9 @@ class BucketPlan:
         """One layer call per candidate, for precompile: GEMM2's candidates are compiled beside
         GEMM1's default; a GEMM1 winner with a larger block_m changes the dispatch tile, and
         those few variants compile when first profiled."""
-        inputs = self.inputs[:1]
-        jobs = [lambda c=c: run_layer(layer, inputs, tuner, c, self.default2)
-                for c in self.cands1]
-        jobs += [lambda c=c: run_layer(layer, inputs, tuner, self.default1, c)
-                 for c in self.cands2]
+        inputs, default1, default2 = self.inputs[:1], self.default1, self.default2
+        jobs = [lambda c=c: run_layer(layer, inputs, tuner, c, default2) for c in self.cands1]
+        jobs += [lambda c=c: run_layer(layer, inputs, tuner, default1, c) for c in self.cands2]
         return jobs
 
 
@@ -306,8 +304,12 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
     # the runs time every input set: report (and store) the time of one layer call
     timer = _per_call(timer, len(inputs))
 
+    # the plan's lists: what was compiled is what is profiled
+    planned = {key1.problem(): plan.cands1, key2.problem(): plan.cands2}
+
     def experts_candidates(problem):
-        return tuning.experts_candidates(problem)[:max_candidates]
+        listed = planned.get(problem)
+        return listed if listed is not None else tuning.experts_candidates(problem)[:max_candidates]
 
     def report(stage: str):
         if progress is None:
@@ -417,6 +419,7 @@ def tune_model(shape: MoEShape, quant: str, *, buckets: Optional[Sequence[int]] 
         jobs = [job for plan in plans for job in plan.compile_jobs(layer, tuner)]
         stats: Dict[str, int] = {}
         compile_s = precompile(jobs, compile_workers, stats) if jobs and compiles(layer) else 0.0
+        del jobs  # they hold every bucket's inputs
         for index, plan in enumerate(plans):
             bucket = plan.bucket
             if bar is not None:

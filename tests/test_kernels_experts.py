@@ -227,14 +227,15 @@ def test_dispatch(path, T, k, E, block_m, offset, case, poisoned_empty):
 # ---------------------------------------------------------------- activation quant
 
 @pytest.mark.parametrize("split_k", [False, True])
-@pytest.mark.parametrize("quant,K", [("fp8", 40), ("fp8", 3000), ("fp8", 17000),
+@pytest.mark.parametrize("quant,K", [("fp8", 40), ("fp8", 3000), ("fp8", 14336), ("fp8", 17000),
                                      ("fp8_block", 192), ("fp8_block", 1100),
                                      ("fp8_block", 16500)])
 def test_act_quant(quant, K, split_k):
     """Rows of any length (one step, several, K = 17000 / 16500 in steps of 2048 / 1024) equal
     round-to-nearest-even e4m3 of x / s, including rows far from 1 in size; in both of the
     kernel's forms (split_k: the columns over the grid, fp8's row read whole up to 16384
-    columns; 17000 falls back to the looped form)."""
+    columns, 14336 at 16 warps as Mixtral's intermediate; fp8 17000 falls back to the looped
+    form, so its two cases are one)."""
     g = torch.Generator().manual_seed(K)
     x = (torch.randn(5, K, generator=g) * torch.exp(torch.randn(5, 1, generator=g))).to(torch.bfloat16)
     x[2] = 0  # a zero row: scale 0, q 0, never NaN
@@ -264,6 +265,32 @@ def test_act_quant(quant, K, split_k):
                     f"elements, first [{r}, {c}]: x={x[r, c].item()!r} q={q[r, c].item()!r} vs "
                     f"{ref_q[r, c].item()!r}, scale={s[col_s].item()!r} vs {ref_s[col_s].item()!r}")
     assert (q[2].float() == 0).all()
+
+
+def test_act_quant_splits_by_live_rows(monkeypatch):
+    """The form act_quant picks: SPLIT_K up to SPLIT_K_MAX_ROWS live rows, counted as num_pairs
+    when sentinel rows are skipped (a decode intermediate's padded buffer is mostly
+    sentinels), and for fp8 only rows of at most WHOLE_ROW_MAX_K columns."""
+    from moe_ops.kernels import act_quant as aq
+    grids = []
+    real = aq._act_quant_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(aq, "_act_quant_kernel", Recorder())
+    monkeypatch.setattr(aq, "SPLIT_K_MAX_ROWS", {"fp8": 4, "fp8_block": 4})
+    x = torch.randn(12, 256).to(torch.bfloat16).to(DEVICE)
+    ids = torch.full((12,), 3, dtype=torch.int32)
+    ids[:3] = torch.arange(3)
+    aq.act_quant(x, "fp8_block")                       # 12 rows > 4: looped
+    aq.act_quant(x, "fp8_block", ids.to(DEVICE), 3)   # 3 live rows: split
+    aq.act_quant(x[:4], "fp8")                         # 4 rows: split, the row whole
+    monkeypatch.setattr(aq, "WHOLE_ROW_MAX_K", 128)
+    aq.act_quant(x[:4], "fp8")                         # too wide to read whole: looped
+    assert [len(g) for g in grids] == [1, 2, 2, 1]
 
 
 @pytest.mark.parametrize("split_k", [False, True])

@@ -134,13 +134,15 @@ def act_quant(
 
     scales: [M] for quant="fp8", [M, ceil(K/128)] for "fp8_block". With sorted_pair_ids given,
     rows whose pair id is the sentinel (>= num_pairs) are skipped and left unwritten. split_k:
-    the kernel's form (None: SPLIT_K for at most SPLIT_K_MAX_ROWS[quant] rows); the same bytes
-    either way.
+    the kernel's form (None: SPLIT_K for at most SPLIT_K_MAX_ROWS[quant] live rows: num_pairs
+    with sorted_pair_ids, whose padded buffer is mostly sentinels at decode sizes, else M); the
+    same bytes either way.
     """
     M, K = x.shape
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     if split_k is None:
-        split_k = M <= SPLIT_K_MAX_ROWS.get(quant, 0)
+        live_rows = min(M, num_pairs) if sorted_pair_ids is not None else M
+        split_k = live_rows <= SPLIT_K_MAX_ROWS.get(quant, 0)
     if quant == "fp8":
         scales = torch.empty((M,), dtype=torch.float32, device=x.device)
         split_k = split_k and K <= WHOLE_ROW_MAX_K
