@@ -116,14 +116,24 @@ def compile_config(quant: str, gemm: int, k: int, config: GemmConfig, direct: bo
                           options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
 
 
+def nvidia_tool(name: str, kernel, asm: str, *args: str, check: bool = True) -> str:
+    """Output (stdout and stderr) of one of the CUDA tools shipped with Triton (nvdisasm,
+    cuobjdump, ptxas) run on the build's `asm` ("cubin" or "ptx") written to a file; `args`
+    before the file name, "{out}" in them naming a scratch output path."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"kernel.{asm}"
+        data = kernel.asm[asm]
+        path.write_bytes(data) if isinstance(data, bytes) else path.write_text(data)
+        command = [str(tool)] + [a.replace("{out}", str(Path(folder) / "out")) for a in args]
+        result = subprocess.run(command + [str(path)], capture_output=True, text=True,
+                                check=check)
+    return result.stdout + result.stderr
+
+
 def main_loop(kernel) -> list[str]:
     """The SASS instructions of the kernel's longest loop (the K loop), from nvdisasm."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        text = subprocess.run([str(tool), "-c", cubin.name], capture_output=True, text=True,
-                              check=True).stdout
+    text = nvidia_tool("nvdisasm", kernel, "cubin", "-c")
     instructions, labels = [], {}
     for line in text.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
@@ -147,12 +157,7 @@ def main_loop(kernel) -> list[str]:
 
 def resource_usage(kernel) -> str:
     """Registers a thread and stack bytes (spills live there) of the build, from cuobjdump."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        text = subprocess.run([str(tool), "--dump-resource-usage", cubin.name],
-                              capture_output=True, text=True, check=True).stdout
+    text = nvidia_tool("cuobjdump", kernel, "cubin", "--dump-resource-usage")
     found = re.search(r"REG:(\d+)\s+STACK:(\d+)", text)
     return f"{found.group(1)} registers, stack {found.group(2)} B" if found else "registers ?"
 
@@ -161,16 +166,10 @@ def ptxas_advisories(kernel) -> list[str]:
     """ptxas' performance advisories for the build's PTX (e.g. C7515: wgmma instructions
     serialized, each waited for before the next issues), from the ptxas shipped with Triton.
     Triton's own compile does not show them."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as folder:
-        ptx = Path(folder) / "kernel.ptx"
-        ptx.write_text(kernel.asm["ptx"])
-        result = subprocess.run([str(tool), "-arch=sm_90a", "-v", str(ptx), "-o",
-                                 str(Path(folder) / "kernel.cubin")], capture_output=True,
-                                text=True)
+    text = nvidia_tool("ptxas", kernel, "ptx", "-arch=sm_90a", "-v", "-o", "{out}",
+                       check=False)
     return [re.sub(r"^ptxas info\s*:\s*", "", line).split(" in the function")[0]
-            for line in (result.stdout + result.stderr).splitlines()
-            if "Performance Loss" in line]
+            for line in text.splitlines() if "Performance Loss" in line]
 
 
 def loop_summary(kernel, config: GemmConfig) -> str:

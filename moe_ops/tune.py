@@ -278,7 +278,6 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
     candidates already compiled (tune_model compiles every bucket's in one batch); without it
     the bucket plans and compiles its own."""
     from moe_ops.kernels.grouped_gemm import default_config
-    from moe_ops import tuning
 
     # The layer's calls consult the process-wide tuner: force_config on another one would not
     # reach them, and every "candidate" would silently run the defaults.
@@ -304,12 +303,8 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
     # the runs time every input set: report (and store) the time of one layer call
     timer = _per_call(timer, len(inputs))
 
-    # the plan's lists: what was compiled is what is profiled
-    planned = {key1.problem(): plan.cands1, key2.problem(): plan.cands2}
-
-    def experts_candidates(problem):
-        listed = planned.get(problem)
-        return listed if listed is not None else tuning.experts_candidates(problem)[:max_candidates]
+    # the plan's lists: what was compiled is what is profiled (each runner asks for its key's)
+    experts_candidates = {key1.problem(): plan.cands1, key2.problem(): plan.cands2}.__getitem__
 
     def report(stage: str):
         if progress is None:
@@ -411,9 +406,8 @@ def tune_model(shape: MoEShape, quant: str, *, buckets: Optional[Sequence[int]] 
     results: List[BucketResult] = []
     deadline = None if budget_s is None or budget_s <= 0 else time.perf_counter() + budget_s
     with autotune(tuner=tuner):
-        plans: List[Optional[BucketPlan]] = [
-            plan_bucket(layer, shape, quant, bucket, tuner, seed=seed,
-                        max_candidates=max_candidates) for bucket in buckets]
+        plans = [plan_bucket(layer, shape, quant, bucket, tuner, seed=seed,
+                             max_candidates=max_candidates) for bucket in buckets]
         if bar is not None:
             bar.update(f"compiling the candidates of {len(buckets)} buckets")
         jobs = [job for plan in plans for job in plan.compile_jobs(layer, tuner)]
@@ -433,7 +427,7 @@ def tune_model(shape: MoEShape, quant: str, *, buckets: Optional[Sequence[int]] 
                                        seed=seed, compile_workers=compile_workers,
                                        max_candidates=max_candidates, progress=show,
                                        deadline=bucket_deadline, plan=plan))
-            plans[index] = None  # its inputs are no longer needed
+            plan.inputs = []  # no longer needed
             if bar is not None:
                 r = results[-1]
                 bar.update(f"bucket {bucket}: {r.default_us:.1f} -> {r.tuned_us:.1f} us", advance=1)

@@ -142,7 +142,7 @@ def act_quant(
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     if split_k is None:
         live_rows = min(M, num_pairs) if sorted_pair_ids is not None else M
-        split_k = live_rows <= SPLIT_K_MAX_ROWS.get(quant, 0)
+        split_k = live_rows <= SPLIT_K_MAX_ROWS[quant]
     if quant == "fp8":
         scales = torch.empty((M,), dtype=torch.float32, device=x.device)
         split_k = split_k and K <= WHOLE_ROW_MAX_K
