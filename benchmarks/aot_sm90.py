@@ -80,7 +80,7 @@ def compile_config(quant: str, gemm: int, k: int, config: GemmConfig, direct: bo
         BLOCK_K=config.block_k, GROUP_M=config.group_m, SWAP_AB=config.swap_ab, UPCAST=False,
         DOT_PRECISION="tf32", EVEN_K=k % config.block_k == 0,
         FAST_FP4=fp4 and config.swap_ab and gg.FP4_FAST_DEQUANT,
-        SPLIT_K=config.split_k,
+        SPLIT_K=config.split_k, NUM_K_STEPS=gg.static_k_steps(quant, k, config),
         PROMOTE_STEPS=max(1, gg.FP8_PROMOTE_K // config.block_k) if quant == "fp8" else 1,
         USE_PDL=True)
     operand = "*bf16" if quant == "none" or fp4 else "*fp8e4nv"
@@ -193,7 +193,11 @@ def main() -> int:
                              "atomic output)")
     parser.add_argument("--loop", action="store_true",
                         help="print the K loop's SASS instruction counts (nvdisasm)")
+    parser.add_argument("--dynamic-k", action="store_true",
+                        help="4-bit: pass the K-step count at run time (FP4_STATIC_K_STEPS off)")
     args = parser.parse_args()
+    if args.dynamic_k:
+        gg.FP4_STATIC_K_STEPS = False
     directs = {"no": (False,), "yes": (True,), "both": (False, True)}[args.direct]
     if args.configs:
         builds = [(quant, 2 if config.split_k > 1 else 1, DEFAULT_K[quant], config)

@@ -14,7 +14,8 @@ experts hit. Times the experts call (dispatch, both GEMMs, combine) replayed fro
 Columns: us per call; byte floor = (weights and scales of the distinct experts hit + activations
 in and out) / 4.55 TB/s; frac = byte floor / us (decode target >= 0.75); TFLOP/s of
 2*T*k*3*H*I (prefill target >= 500). "portable" rows force the portable e2m1 decode
-(FP4_FAST_DEQUANT = False) instead of the inline-PTX one, to show what the latter buys.
+(FP4_FAST_DEQUANT = False) instead of the inline-PTX one, to show what the latter buys;
+"dynk" rows pass the K-step count at run time (FP4_STATIC_K_STEPS = False).
 Writes fp4_results.json to $MOE_OPS_RESULTS_DIR (default ./out). Meant to finish in < 3 min.
 """
 from __future__ import annotations
@@ -66,30 +67,34 @@ if TINY:
     INPUT_SETS = 1
 
 C = GemmConfig
-# Candidates per regime (applied to both GEMMs). (label, config, portable decode)
+# Candidates per regime (applied to both GEMMs). (label, config, variant: "" | "portable" |
+# "dynk", see the module doc)
 DECODE = [
-    ("dflt", None, False),
-    ("16x64x128s4", C(16, 64, 128, 8, 4, 4, True), False),
-    ("16x128x128s3", C(16, 128, 128, 8, 4, 3, True), False),
-    ("16x64x64s6", C(16, 64, 64, 8, 4, 6, True), False),
+    ("dflt", None, ""),
+    ("dflt-dynk", None, "dynk"),
+    ("16x64x128s4", C(16, 64, 128, 8, 4, 4, True), ""),
+    ("16x128x128s3", C(16, 128, 128, 8, 4, 3, True), ""),
+    ("16x64x64s6", C(16, 64, 64, 8, 4, 6, True), ""),
     # two warpgroups a CTA (each its own 64 weight rows, one activation tile), and narrower
     # tiles (more CTAs: fewer waves' tails)
-    ("16x128x256w8s3", C(16, 128, 256, 8, 8, 3, True), False),
-    ("16x128x128w8s4", C(16, 128, 128, 8, 8, 4, True), False),
-    ("16x256x128w8s3", C(16, 256, 128, 8, 8, 3, True), False),
-    ("16x32x256s4", C(16, 32, 256, 8, 4, 4, True), False),
-    ("dflt-portable", None, True),
+    ("16x128x256w8s3", C(16, 128, 256, 8, 8, 3, True), ""),
+    ("16x128x128w8s4", C(16, 128, 128, 8, 8, 4, True), ""),
+    ("16x256x128w8s3", C(16, 256, 128, 8, 8, 3, True), ""),
+    ("16x32x256s4", C(16, 32, 256, 8, 4, 4, True), ""),
+    ("dflt-portable", None, "portable"),
 ]
 MID = [
-    ("dflt", None, False),
-    ("32x64x128s4", C(32, 64, 128, 8, 4, 4, True), False),
-    ("64x128x64s4", C(64, 128, 64, 8, 4, 4, True), False),
+    ("dflt", None, ""),
+    ("dflt-dynk", None, "dynk"),
+    ("32x64x128s4", C(32, 64, 128, 8, 4, 4, True), ""),
+    ("64x128x64s4", C(64, 128, 64, 8, 4, 4, True), ""),
 ]
 PREFILL = [
-    ("dflt", None, False),
-    ("128x256x64w8", C(128, 256, 64, 16, 8, 3, True), False),
-    ("256x128x64w8", C(256, 128, 64, 16, 8, 3, True), False),
-    ("128x128x128w8", C(128, 128, 128, 16, 8, 3, True), False),
+    ("dflt", None, ""),
+    ("dflt-dynk", None, "dynk"),
+    ("128x256x64w8", C(128, 256, 64, 16, 8, 3, True), ""),
+    ("256x128x64w8", C(256, 128, 64, 16, 8, 3, True), ""),
+    ("128x128x128w8", C(128, 128, 128, 16, 8, 3, True), ""),
 ]
 if TINY:
     DECODE, MID, PREFILL = DECODE[:2] + DECODE[-1:], MID[:1], PREFILL[:1]
@@ -150,18 +155,20 @@ def make_inputs(model: str, T: int, seed: int):
 
 
 @contextlib.contextmanager
-def portable_decode(on: bool):
-    saved = gg.FP4_FAST_DEQUANT
-    gg.FP4_FAST_DEQUANT = not on
+def kernel_variant(variant):
+    """variant "portable": the portable e2m1 decode; "dynk": a run-time K-step count."""
+    saved = gg.FP4_FAST_DEQUANT, gg.FP4_STATIC_K_STEPS
+    gg.FP4_FAST_DEQUANT = variant != "portable"
+    gg.FP4_STATIC_K_STEPS = variant != "dynk"
     try:
         yield
     finally:
-        gg.FP4_FAST_DEQUANT = saved
+        gg.FP4_FAST_DEQUANT, gg.FP4_STATIC_K_STEPS = saved
 
 
-def call(model: str, weights: dict, x, ids, w, config=None, portable=False):
+def call(model: str, weights: dict, x, ids, w, config=None, variant=""):
     m = MODELS[model]
-    with portable_decode(portable):
+    with kernel_variant(variant):
         return triton_experts(
             x, ids, w, weights["w13"], weights["w2"], weights["w13_scale"], weights["w2_scale"],
             weights.get("b13"), weights.get("b2"), activation=m["activation"], quant=m["quant"],
@@ -239,13 +246,13 @@ def check(model: str, weights: dict, deadline: float) -> None:
         rows = T * m["k"] / m["E"]
         swap = C(16, 64, 128, 8, 4, 3, True) if rows <= 16 else C(64, 128, 64, 8, 4, 3, True)
         # (4-bit configs without swap-AB are interpreter-only: grouped_gemm.config_problems)
-        for label, config, portable in (("dflt", None, False), ("dflt-portable", None, True),
-                                        ("swap", swap, False)):
+        for label, config, variant in (("dflt", None, ""), ("dflt-portable", None, "portable"),
+                                       ("dflt-dynk", None, "dynk"), ("swap", swap, "")):
             if time.time() > deadline:
                 return
             row = dict(kind="check", model=model, quant=m["quant"], T=T, config=label)
             try:
-                err = rel_err(call(model, weights, x, ids, w, config, portable), ref)
+                err = rel_err(call(model, weights, x, ids, w, config, variant), ref)
                 row.update(err=err, ok=err <= 1e-2)
             except Exception as exc:  # noqa: BLE001
                 row.update(err=None, ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -271,20 +278,20 @@ def bench(model: str, weights: dict, tokens, deadline: float) -> None:
         x0, i0, w0 = sets[0]
         problem1, problem2 = gemm_problems(x0, m["k"], weights["w13"], weights["w2"],
                                            m["activation"], m["quant"])
-        for label, config, portable in candidates(model, T):
+        for label, config, variant in candidates(model, T):
             if time.time() > deadline:
                 RESULTS.append(dict(kind="time", model=model, T=T, config=label, skipped="deadline"))
                 continue
             used = config or default_config(problem1)
             row = dict(kind="time", model=model, quant=m["quant"], T=T, config=label,
                        gemm1=used.__dict__, gemm2=(config or default_config(problem2)).__dict__,
-                       portable=portable, floor_bytes_us=floor_us, bytes=bytes_, flops=flops)
+                       variant=variant or "", floor_bytes_us=floor_us, bytes=bytes_, flops=flops)
             try:
                 if TINY:
                     us = None
-                    call(model, weights, *sets[0], config, portable)
+                    call(model, weights, *sets[0], config, variant)
                 else:
-                    us = time_graph([lambda s=s: call(model, weights, *s, config, portable)
+                    us = time_graph([lambda s=s: call(model, weights, *s, config, variant)
                                      for s in sets])
                 row.update(us=us)
                 if us:

@@ -82,6 +82,13 @@ FP8_PROMOTE_K = 256
 # bf16 4-bit weights decode with inline PTX on the GPU (_dequant_fp4_tile_bf16_asm); False
 # forces the portable bit arithmetic everywhere (the interpreter and fp16 always use it).
 FP4_FAST_DEQUANT = True
+# 4-bit launches without split-K pass their K-step count as a compile-time constant
+# (NUM_K_STEPS; K is fixed per layer, so this costs no extra builds in practice). With a
+# run-time count, the software pipeliner lays out the loop's zero-trip path before the last
+# wgmma wait, and ptxas serializes every wgmma of the 4-bit builds (advisory C7515 in
+# `benchmarks/aot_sm90.py`): the register-operand MMAs then wait for each other. A known trip
+# count >= 1 removes that path. False keeps the run-time count (for A/B measurements).
+FP4_STATIC_K_STEPS = True
 
 # Shared memory per block on sm_90 (227 KiB opt-in), less a margin for the epilogue's
 # layout conversions (the gate/up split goes through shared memory).
@@ -256,6 +263,14 @@ _MID_CANDIDATES = [
     (64, 128, 64, 8, 4, 4, False), (64, 128, 128, 8, 4, 3, False), (32, 64, 128, 8, 4, 4, False),
     (64, 256, 64, 8, 8, 3, False), (64, 128, 128, 16, 4, 4, False),
 ]
+# From 48 rows per expert (e.g. Qwen3 at T=512-1024) the 128-row tiles of prefill, whose
+# 8 warps share each weight tile between two warpgroups, come within reach: the mid list gains
+# them there (the tile kernel's, and the persistent kernel's widest).
+_MID_WIDE_CANDIDATES = [
+    (128, 128, 64, 8, 8, 4, False), (128, 128, 128, 8, 8, 3, False),
+    (128, 256, 64, 16, 8, 3, False, 1, True),
+]
+_MID_WIDE_ROWS = 48
 # GEMM2 at decode: split the reduction when the tiles are fewer than the SMs (dropped for GEMM1
 # by the validity rules).
 _SPLIT_K_CANDIDATES = [
@@ -267,6 +282,7 @@ _FP4_MID_CANDIDATES = [
     (32, 64, 128, 8, 4, 4, True), (64, 64, 128, 8, 4, 3, True), (64, 128, 64, 8, 4, 4, True),
     (64, 128, 128, 8, 4, 3, True), (32, 128, 128, 8, 4, 3, True), (64, 64, 256, 8, 4, 3, True),
 ]
+_FP4_MID_WIDE_CANDIDATES = [(128, 128, 128, 16, 8, 3, True), (128, 128, 64, 16, 8, 3, True)]
 _FP4_LARGE_CANDIDATES = [
     (128, 128, 64, 16, 8, 3, True), (128, 64, 128, 16, 8, 3, True), (64, 256, 64, 8, 8, 3, True),
     (128, 128, 128, 16, 8, 3, True), (64, 128, 128, 8, 4, 3, True), (128, 256, 64, 16, 8, 3, True),
@@ -305,6 +321,8 @@ def tuning_candidates(problem: GemmProblem) -> List[GemmConfig]:
     elif m < 128 or (m == 128 and problem.quant != "fp8_block"):
         # (fp8_block's persistent default starts at 128 rows: its neighbours come with it)
         table = _FP4_MID_CANDIDATES if fp4 else _MID_CANDIDATES
+        if m >= _MID_WIDE_ROWS and problem.quant != "fp8_block":
+            table = table + (_FP4_MID_WIDE_CANDIDATES if fp4 else _MID_WIDE_CANDIDATES)
     else:
         persistent = (_FP8_BLOCK_PERSISTENT_CANDIDATES if problem.quant == "fp8_block"
                       else _PERSISTENT_CANDIDATES)
@@ -700,6 +718,7 @@ def _grouped_gemm_kernel(
     SPLIT_K: tl.constexpr = 1,      # programs sharing one output tile's reduction (ATOMIC_OUT)
     PROMOTE_STEPS: tl.constexpr = 1,  # fp8: K steps between promotions of the partial sum
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (common.pdl_prologue)
+    NUM_K_STEPS: tl.constexpr = 0,  # > 0: cdiv(K, BLOCK_K) known at compile time (static_k_steps)
 ):
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
@@ -769,7 +788,10 @@ def _grouped_gemm_kernel(
         w_scale_ptrs = w_scale_ptr + expert * stride_wse + scale_rows * stride_wsn
         a_scale_ptrs = a_scale_ptr + a_rows * stride_asm
 
-    num_k_steps = tl.cdiv(K, BLOCK_K)
+    if NUM_K_STEPS > 0:
+        num_k_steps = NUM_K_STEPS
+    else:
+        num_k_steps = tl.cdiv(K, BLOCK_K)
     kb_start = 0
     kb_end = num_k_steps
     if SPLIT_K > 1:
@@ -1140,6 +1162,14 @@ def use_fast_fp4(quant: str, dtype: torch.dtype, config: GemmConfig) -> bool:
             and dtype == torch.bfloat16 and config.swap_ab)
 
 
+def static_k_steps(quant: str, k: int, config: GemmConfig) -> int:
+    """The kernel's NUM_K_STEPS: cdiv(k, block_k) for 4-bit launches without split-K (see
+    FP4_STATIC_K_STEPS), else 0 (a run-time count)."""
+    if FP4_STATIC_K_STEPS and quant in FP4_QUANTS and config.split_k == 1:
+        return cdiv(k, config.block_k)
+    return 0
+
+
 def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmConfig, *,
             n: int, k: int, gemm: int, quant: str, activation: str, alpha: float, limit: float,
             atomic_out: bool, interpret_upcast: bool, global_scale=None):
@@ -1204,6 +1234,7 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
         EVEN_K=k % config.block_k == 0,
         FAST_FP4=use_fast_fp4(quant, a.dtype, config),
         SPLIT_K=config.split_k, USE_PDL=use_pdl(a.device),
+        NUM_K_STEPS=static_k_steps(quant, k, config),
         PROMOTE_STEPS=max(1, FP8_PROMOTE_K // config.block_k) if quant == "fp8" else 1,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(a.device),
     )
