@@ -55,17 +55,26 @@ def kernels_per_call(fn, flush, calls: int):
                     key=lambda e: e.time_range.start)
     runs, current = [], None
     for e in events:
-        if "bitwise_xor" in e.name:  # the flush (no layer kernel is one): a call starts after it
+        if is_flush(e.name):  # the flush (no layer kernel is one): a call starts after it
             current = []
             runs.append(current)
         elif current is not None:
             current.append((e.name, e.time_range.end - e.time_range.start))
     shapes = {tuple(name for name, _ in run) for run in runs}
-    if len(runs) != calls or len(shapes) != 1:
+    if len(runs) != calls:
+        raise RuntimeError(f"found {len(runs)} flush kernels for {calls} calls among "
+                           f"{sorted({short(e.name) for e in events})[:8]}")
+    if len(shapes) != 1:
         raise RuntimeError(f"the profiled calls differ in their kernels ({len(shapes)} sequences)")
     names = list(next(iter(shapes)))
     return [(short(name), statistics.median(run[i][1] for run in runs))
             for i, name in enumerate(names)]
+
+
+def is_flush(name: str) -> bool:
+    """The flush's kernel: torch names it after its functor (BitwiseXorFunctor), or after the
+    op (bitwise_xor) in other builds."""
+    return "bitwisexor" in name.lower().replace("_", "")
 
 
 def short(name: str) -> str:

@@ -468,3 +468,17 @@ def test_hf_gpu_check_cpu_smoke(capsys):
     out = capsys.readouterr().out
     assert out.count("PASS mixtral") == 3 and "FAIL" not in out
     assert "fine-grained FP8" in out and "compiled by generate" in out
+
+
+def test_profile_layer_finds_its_flush_kernel_by_name():
+    """The flush that separates profiled calls is found by its CUDA kernel's name, which torch
+    takes from the functor (BitwiseXorFunctor); none of the layer's kernels may match."""
+    import profile_layer
+
+    cuda_name = ("void at::native::vectorized_elementwise_kernel<4, at::native::AUnaryFunctor"
+                 "<unsigned char, unsigned char, unsigned char, at::native::BitwiseXorFunctor"
+                 "<unsigned char> >, std::array<char*, 2ul> >(int, ...)")
+    assert profile_layer.is_flush(cuda_name) and profile_layer.is_flush("aten::bitwise_xor_")
+    for name in ("_grouped_gemm_kernel", "_combine_pair_rows_kernel", "_act_quant_kernel",
+                 "_route_kernel", "_align_kernel", "void at::native::bitwise_not_kernel_cuda"):
+        assert not profile_layer.is_flush(name)
