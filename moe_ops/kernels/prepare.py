@@ -7,9 +7,9 @@ the quantized rows (and their scales) at the rows the permutation index names. N
 of a weight is ever materialized: the plain-torch route (moe_ops.quant's reference functions,
 then `index_copy_`) makes several float32 copies of each tensor and is many times slower.
 Packed 4-bit rows are written in the GEMMs' kernel order (moe_ops.quant, "The kernel order of
-packed e2m1 rows"), from float weights (quantize_scatter) or from pre-quantized natural packed
-rows (scatter_fp4_rows), with the nibbles re-paired in each thread's registers
-(_kernel_order_runs).
+packed e2m1 rows"), from float weights (quantize_scatter: each code shifted straight into its
+run) or from pre-quantized natural packed rows (scatter_fp4_rows: the nibbles re-paired in each
+thread's registers, _kernel_order_runs).
 
 The quantization math is moe_ops.quant's, operation for operation, so the bytes are identical:
 - every division the reference does is a correctly rounded one here (`tl.div_rn`; Triton's `/`
@@ -171,16 +171,13 @@ def _e2m1_bits(y, SATURATE: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_pack(lo, hi, SATURATE: tl.constexpr):
-    """float32 pairs -> uint8 of their e2m1 codes, lo in the low nibble (quant.pack_e2m1).
-
-    The low byte of (bits of hi) << 4 + (bits of lo) is the packed pair (2^23's bits have a zero
-    low byte): one shift-add. A value that rounds to zero is +0: the sign bit goes on only below
-    -0.25 (code != 0 and y < 0).
-    """
-    packed = (_e2m1_bits(hi, SATURATE) << 4) + _e2m1_bits(lo, SATURATE)
-    signs = tl.where(lo < -0.25, 0x08, 0) + tl.where(hi < -0.25, 0x80, 0)
-    return (packed + signs).to(tl.uint8)
+def _e2m1_nibble(y, SATURATE: tl.constexpr):
+    """float32 -> int32 whose low 4 bits are y's e2m1 code with its sign (bit 3), as
+    quant.pack_e2m1 writes a nibble; bits 4-22 are zero (the bits of 2^23 + code, see
+    _e2m1_bits, plus the sign). A value that rounds to zero is +0: the sign goes on only below
+    -0.25 (code != 0 and y < 0), as a select between two integers (one predicated add)."""
+    code = _e2m1_bits(y, SATURATE)
+    return tl.where(y < -0.25, code + 8, code)
 
 
 @triton.jit
@@ -392,14 +389,21 @@ def _fp4_quantize_store(
         factor = tl.reshape(tl.broadcast_to(factor[:, :, None], (BLOCK_N, BLOCK_S // 2, 2)),
                             (BLOCK_N, BLOCK_S))
     # mxfp4's scaled values never pass 6 (2^exponent >= amax / 6): no saturation needed.
+    # The codes go straight to their kernel-order runs (moe_ops.quant, "The kernel order of
+    # packed e2m1 rows"): run t of a slice is 16 bits, columns 2t | 2t + 8 (its byte q = 0) and
+    # 2t + 1 | 2t + 9 (q = 1), i.e. lo0 | lo1 << 4 | hi0 << 8 | hi1 << 12 at index t of the
+    # loaded halves (_fp4_half_slices). Three shift-adds per run: no natural bytes, no
+    # re-pairing (_kernel_order_runs, which the pre-quantized path still needs). The nibbles'
+    # high bits (2^23's) leave the low 16 bits, the ones stored, untouched.
     f = factor[:, :, None]
-    word0 = _slice_word(_e2m1_pack(lo0 * f, hi0 * f, QUANT == "nvfp4"))   # natural bytes 0-3
-    word1 = _slice_word(_e2m1_pack(lo1 * f, hi1 * f, QUANT == "nvfp4"))   # natural bytes 4-7
-    runs01, runs23 = _kernel_order_runs(word0, word1)
+    SAT: tl.constexpr = QUANT == "nvfp4"
+    runs = (_e2m1_nibble(lo0 * f, SAT) + (_e2m1_nibble(lo1 * f, SAT) << 4)
+            + (_e2m1_nibble(hi0 * f, SAT) << 8) + (_e2m1_nibble(hi1 * f, SAT) << 12))
 
     dst_rows = _load(dst_rows_ptr + rows, row_mask, EVEN_N).to(tl.int64)
-    dst = dst_ptr + e * stride_de + dst_rows[:, None] * stride_dn + c[None, :]
-    _store_runs(dst, run, runs01, runs23, store_mask)
+    dst = (dst_ptr + e * stride_de + dst_rows[:, None, None] * stride_dn + c[None, :, None]
+           + (tl.arange(0, 4) * run)[None, None, :])                         # run t of slice c
+    tl.store(dst, runs.to(tl.int16), mask=None if EVEN_N else row_mask[:, None, None])
     scale_rows = _load(scale_rows_ptr + rows, row_mask, EVEN_N).to(tl.int64)
     scale = scale_ptr + e * stride_ce + scale_rows * stride_cn
     if QUANT == "nvfp4":
