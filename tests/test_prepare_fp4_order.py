@@ -376,3 +376,38 @@ def _same_view_on(t: torch.Tensor, device: str) -> torch.Tensor:
     base = t._base if t._base is not None else t
     moved = base.to(device)
     return moved.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _e4m3_probe():
+    """A kernel applying prepare._e4m3_bits_nonneg elementwise (defined lazily, as above)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(v_ptr + offs, mask=offs < n, other=0.0)
+        tl.store(out_ptr + offs, prepare._e4m3_bits_nonneg(v), mask=offs < n)
+
+    return probe
+
+
+def test_e4m3_bits_nonneg_is_the_clamped_cast_at_every_boundary():
+    """nvfp4's block-scale byte: min(v, 448) cast to e4m3 (round to nearest even), for every
+    non-negative e4m3 value, the midpoints between neighbours (the ties), one float32 ulp on
+    either side of both, zero, float32 subnormals, values past 448, and random ones."""
+    grid = torch.arange(0x7F, dtype=torch.uint8).view(q.FP8_DTYPE).float()     # 0 .. 448
+    mids = (grid[:-1] + grid[1:]) / 2                                           # exact in f32
+    points = torch.cat([grid, mids, torch.tensor([448.5, 464.0, 480.0, 1e30, float("inf"),
+                                                  1e-45, 1e-40, 2.0 ** -126])])
+    ulp_up = torch.nextafter(points, torch.tensor(float("inf")))
+    ulp_down = torch.nextafter(points, torch.tensor(0.0))
+    gen = torch.Generator().manual_seed(5)
+    random = torch.exp2(torch.rand(4096, generator=gen) * 24 - 14)             # 2^-14 .. 2^10
+    v = torch.cat([points, ulp_up, ulp_down, random]).to(DEVICE)
+    out = torch.empty(v.numel(), dtype=torch.uint8, device=DEVICE)
+    block = 1024
+    _e4m3_probe()[(-(-v.numel() // block),)](v, out, v.numel(), BLOCK=block)
+    want = v.clamp(max=448.0).to(q.FP8_DTYPE).view(torch.uint8)
+    bad = (out != want).nonzero().flatten()[:4].tolist()
+    assert not bad, [(v[i].item(), out[i].item(), want[i].item()) for i in bad]

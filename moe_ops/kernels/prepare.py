@@ -134,6 +134,22 @@ def _e4m3_bits(v):
 
 
 @triton.jit
+def _e4m3_bits_nonneg(v):
+    """float32 v >= 0 -> the float8_e4m3fn byte of min(v, 448) rounded to nearest even (what
+    _to_e4m3 gives for such v), in about half of _e4m3_bits' instructions: a normal e4m3 value
+    (>= 2^-6) is float32's bits with the exponent rebiased by 120 and the mantissa rounded to
+    three bits by an integer add (RNE: 2^19 - 1 plus the lowest kept bit; a carry out of the
+    mantissa moves to the exponent, as it should); a subnormal one is m * 2^-9 with
+    m = round(v * 512), by one fma whose addend 2^23 makes float32's rounding the integer one
+    (v * 512 is exact; m = 8 is 2^-6, whose normal code is 8 as well)."""
+    v = tl.minimum(v, 448.0)
+    bits = v.to(tl.int32, bitcast=True)
+    normal = (bits + (0x7FFFF - (120 << 23)) + ((bits >> 20) & 1)) >> 20
+    subnormal = tl.fma(v, 512.0, 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    return tl.where(v >= 0.015625, normal, subnormal).to(tl.uint8)
+
+
+@triton.jit
 def _to_e4m3(v, HW_E4M3: tl.constexpr):
     """float32 -> (float8_e4m3fn byte as uint8, its value as float32): quant._to_fp8, i.e. clamp
     to +-448 and round to nearest even (a negative value that rounds to zero is -0)."""
@@ -367,7 +383,8 @@ def _fp4_quantize_store(
         # The e4m3 bits by integer operations, not the hardware conversion: with the kernel-
         # order store after it, the H200 build of this kernel gave wrong block-scale bytes from
         # cvt.rn.satfinite.e4m3x2 (an eighth of the groups; nvfp4 only, the interpreter right).
-        block_scale, _ = _to_e4m3(tl.div_rn(block_amax, 6.0) * inv_global, False)
+        # (block amax and the inverse global scale are >= 0, so the scale is.)
+        block_scale = _e4m3_bits_nonneg(tl.div_rn(block_amax, 6.0) * inv_global)
         factor = tl.load(table_ptr + e * 128 + block_scale.to(tl.int32))
     else:
         # quant.quantize_mxfp4: exponent = ceil(log2(amax / 6)), exactly, from the bits of
