@@ -17,6 +17,12 @@ nothing about speed or results by itself.
     python benchmarks/aot_sm90.py --quant fp8
     python benchmarks/aot_sm90.py --quant none fp8 fp8_block --direct both
     python benchmarks/aot_sm90.py --quant nvfp4 --configs 16x64x256:4:3:swap --loop
+    python benchmarks/aot_sm90.py --prepare nvfp4 mxfp4    # the fp4 preparation kernel instead
+
+--prepare builds the quantizing fp4 preparation kernel (kernels/prepare.py `_fp4_kernel`,
+bf16 source, the tile `_fp4_tiles` picks for DeepSeek-V3's 7168-wide rows) and prints its SASS
+instructions a weight value (the kernel has no loop: every instruction of the build, divided by
+the values a thread quantizes), registers and the most frequent opcodes.
 """
 from __future__ import annotations
 
@@ -172,14 +178,50 @@ def ptxas_advisories(kernel) -> list[str]:
             for line in text.splitlines() if "Performance Loss" in line]
 
 
+def sass(kernel) -> list[str]:
+    """Every SASS instruction of the build, from nvdisasm."""
+    text = nvidia_tool("nvdisasm", kernel, "cubin", "-c")
+    return [found.group(1).strip() for found in
+            (re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line) for line in text.splitlines())
+            if found]
+
+
+def opcode_counts(instructions: list[str], most: int = 8) -> str:
+    opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0]
+                                  for i in instructions)
+    return ", ".join(f"{op} {n}" for op, n in opcodes.most_common(most))
+
+
+def prepare_summary(quant: str, k: int = 7168) -> str:
+    """The quantizing fp4 preparation kernel for sm_90 (see the module doc)."""
+    from moe_ops.kernels import prepare
+
+    _, block_n, block_s, align, _ = prepare._fp4_tiles(2 * 2048, k)
+    consts = dict(QUANT=quant, SRC="bf16", HW_E4M3=True, EVEN_N=True, SLICES_ALIGN=align,
+                  BLOCK_N=block_n, BLOCK_S=block_s)
+    types = dict(src_ptr="*i32", dst_ptr="*i16", dst_rows_ptr="*i64", scale_rows_ptr="*i64",
+                 scale_ptr="*u8", table_ptr="*fp32", factor2_ptr="*fp32")
+    signature = {name: "constexpr" if name in consts else types.get(name, "i32")
+                 for name in inspect.signature(prepare._fp4_kernel.fn).parameters}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+             if signature[name] != "constexpr"
+             and (name.endswith("_ptr") or name.startswith("stride") or name in ("N", "run"))}
+    kernel = triton.compile(ASTSource(fn=prepare._fp4_kernel, signature=signature,
+                                      constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 128),
+                            options=dict(num_warps=prepare._FP4_WARPS, enable_fp_fusion=False))
+    instructions = sass(kernel)
+    values = block_n * block_s * 16 / (prepare._FP4_WARPS * 32)
+    return (f"{quant} preparation, {block_n} rows x {block_s} slices, {prepare._FP4_WARPS} "
+            f"warps: {len(instructions)} instructions, {len(instructions) / values:.2f} a value, "
+            f"{resource_usage(kernel)}; {opcode_counts(instructions, 10)}")
+
+
 def loop_summary(kernel, config: GemmConfig) -> str:
     loop = main_loop(kernel)
-    opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0]
-                                  for i in loop)
     values = config.block_n * config.block_k / (config.num_warps * 32)
-    top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(8))
     return (f"    K loop: {len(loop)} instructions a step of one thread, "
-            f"{len(loop) / values:.2f} a weight value; {top}")
+            f"{len(loop) / values:.2f} a weight value; {opcode_counts(loop)}")
 
 
 def main() -> int:
@@ -195,7 +237,13 @@ def main() -> int:
                         help="print the K loop's SASS instruction counts (nvdisasm)")
     parser.add_argument("--dynamic-k", action="store_true",
                         help="4-bit: pass the K-step count at run time (FP4_STATIC_K_STEPS off)")
+    parser.add_argument("--prepare", nargs="+", choices=("nvfp4", "mxfp4"),
+                        help="build the fp4 preparation kernel for these formats instead")
     args = parser.parse_args()
+    if args.prepare:
+        for quant in args.prepare:
+            print(prepare_summary(quant), flush=True)
+        return 0
     if args.dynamic_k:
         gg.FP4_STATIC_K_STEPS = False
     directs = {"no": (False,), "yes": (True,), "both": (False, True)}[args.direct]
