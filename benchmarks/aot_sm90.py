@@ -21,7 +21,7 @@ nothing about speed or results by itself.
 
 --prepare builds the quantizing fp4 preparation kernel (kernels/prepare.py `_fp4_kernel`,
 bf16 source, the tile `_fp4_tiles` picks for DeepSeek-V3's 7168-wide rows) and prints its SASS
-instructions a weight value (the kernel has no loop: every instruction of the build, divided by
+instructions a weight value (the kernel has no loop: its instructions up to the EXIT, divided by
 the values a thread quantizes), registers and the most frequent opcodes.
 """
 from __future__ import annotations
@@ -211,10 +211,15 @@ def prepare_summary(quant: str, k: int = 7168) -> str:
                             target=GPUTarget("cuda", 90, 128),
                             options=dict(num_warps=prepare._FP4_WARPS, enable_fp_fusion=False))
     instructions = sass(kernel)
+    # The kernel's own code ends at its last EXIT; what follows is out-of-line subroutines (the
+    # correctly rounded division's slow path, taken for special operands only) and padding.
+    end = max(i for i, instruction in enumerate(instructions) if instruction.startswith("EXIT"))
+    body = instructions[:end + 1]
     values = block_n * block_s * 16 / (prepare._FP4_WARPS * 32)
     return (f"{quant} preparation, {block_n} rows x {block_s} slices, {prepare._FP4_WARPS} "
-            f"warps: {len(instructions)} instructions, {len(instructions) / values:.2f} a value, "
-            f"{resource_usage(kernel)}; {opcode_counts(instructions, 10)}")
+            f"warps: {len(body)} instructions to the EXIT ({len(instructions)} in all), "
+            f"{len(body) / values:.2f} a value, {resource_usage(kernel)}; "
+            f"{opcode_counts(body, 10)}")
 
 
 def loop_summary(kernel, config: GemmConfig) -> str:
