@@ -22,7 +22,8 @@ nothing about speed or results by itself.
 --prepare builds the quantizing fp4 preparation kernel (kernels/prepare.py `_fp4_kernel`,
 bf16 source, the tile `_fp4_tiles` picks for DeepSeek-V3's 7168-wide rows) and prints its SASS
 instructions a weight value (the kernel has no loop: its instructions up to the EXIT, divided by
-the values a thread quantizes), registers and the most frequent opcodes.
+the values a thread quantizes), registers and the most frequent opcodes; for nvfp4 also the
+build that reduces the next matrix's amax beside its work (`quantize_scatter`'s next_weight).
 """
 from __future__ import annotations
 
@@ -192,20 +193,36 @@ def opcode_counts(instructions: list[str], most: int = 8) -> str:
     return ", ".join(f"{op} {n}" for op, n in opcodes.most_common(most))
 
 
-def prepare_summary(quant: str, k: int = 7168) -> str:
-    """The quantizing fp4 preparation kernel for sm_90 (see the module doc)."""
+def prepare_summary(quant: str, amax_next: bool = False, k: int = 7168) -> str:
+    """The quantizing fp4 preparation kernel for sm_90 (see the module doc); amax_next: the
+    build that also reduces the next matrix's amax (AMAX_NEXT, a bf16 matrix of the same
+    size: one 8 x 512-pair tile a program)."""
     from moe_ops.kernels import prepare
 
     _, block_n, block_s, align, _ = prepare._fp4_tiles(2 * 2048, k)
     consts = dict(QUANT=quant, SRC="bf16", HW_E4M3=True, EVEN_N=True, SLICES_ALIGN=align,
                   BLOCK_N=block_n, BLOCK_S=block_s)
+    if amax_next:
+        tile_n, tile_k = prepare._FUSED_AMAX_TILE
+        consts.update(AMAX_NEXT=True, NEXT_SRC="bf16", NEXT_UNIT_K=True, NEXT_EVEN=True,
+                      NEXT_BLOCK_N=tile_n, NEXT_BLOCK_K=tile_k, NEXT_ITERS=1, next_stride_k=1,
+                      next_col_blocks=1, next_cols=tile_k)
     types = dict(src_ptr="*i32", dst_ptr="*i16", dst_rows_ptr="*i64", scale_rows_ptr="*i64",
-                 scale_ptr="*u8", table_ptr="*fp32", factor2_ptr="*fp32")
+                 scale_ptr="*u8", table_ptr="*fp32", factor2_ptr="*fp32", next_ptr="*i32",
+                 next_partial_ptr="*fp32", next_stride_e="i64")
+    parameters = inspect.signature(prepare._fp4_kernel.fn).parameters
+    # The optional arguments (the next matrix's amax, AMAX_NEXT) as a launch without them has
+    # them: their defaults, constant.
+    run_time = ({"next_ptr", "next_partial_ptr", "next_rows", "next_tiles", "next_stride_e",
+                 "next_stride_n"} if amax_next else set())
+    consts.update({name: p.default for name, p in parameters.items()
+                   if p.default is not inspect.Parameter.empty
+                   and name not in consts and name not in run_time})
     signature = {name: "constexpr" if name in consts else types.get(name, "i32")
-                 for name in inspect.signature(prepare._fp4_kernel.fn).parameters}
+                 for name in parameters}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if signature[name] != "constexpr"
-             and (name.endswith("_ptr") or name.startswith("stride") or name in ("N", "run"))}
+             and (name.endswith("_ptr") or "stride" in name or name in ("N", "run"))}
     kernel = triton.compile(ASTSource(fn=prepare._fp4_kernel, signature=signature,
                                       constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 128),
@@ -216,7 +233,8 @@ def prepare_summary(quant: str, k: int = 7168) -> str:
     end = max(i for i, instruction in enumerate(instructions) if instruction.startswith("EXIT"))
     body = instructions[:end + 1]
     values = block_n * block_s * 16 / (prepare._FP4_WARPS * 32)
-    return (f"{quant} preparation, {block_n} rows x {block_s} slices, {prepare._FP4_WARPS} "
+    return (f"{quant} preparation{' + next amax' if amax_next else ''}, {block_n} rows x "
+            f"{block_s} slices, {prepare._FP4_WARPS} "
             f"warps: {len(body)} instructions to the EXIT ({len(instructions)} in all), "
             f"{len(body) / values:.2f} a value, {resource_usage(kernel)}; "
             f"{opcode_counts(body, 10)}")
@@ -248,6 +266,8 @@ def main() -> int:
     if args.prepare:
         for quant in args.prepare:
             print(prepare_summary(quant), flush=True)
+            if quant == "nvfp4":
+                print(prepare_summary(quant, amax_next=True), flush=True)
         return 0
     if args.dynamic_k:
         gg.FP4_STATIC_K_STEPS = False

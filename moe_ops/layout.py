@@ -439,12 +439,32 @@ def _reference_parts(weight: torch.Tensor, quant: str) -> dict[str, torch.Tensor
     return {"value": q.fp4_to_kernel_order(value), "scale": q.fp4_pad_scales(scale, k, quant)}
 
 
+def _nvfp4_chain(destination: dict[str, torch.Tensor], sources: dict[str, list]) -> dict:
+    """The nvfp4 matrices load_into quantizes on the device, in its order: {id(matrix): the
+    next one}. Each quantizing launch reduces the next matrix's amax beside its own work
+    (prepare.quantize_scatter's next_weight), so only the first needs an amax pass of its own."""
+    from moe_ops.kernels import prepare
+
+    if prepare.NVFP4_FUSED_AMAX:
+        return {}
+    order = []
+    for role, tensor in destination.items():
+        for source in sources[role]:
+            if (isinstance(source, Quantized) and source.part == "value"
+                    and source.quant == "nvfp4" and source.weight.device == tensor.device):
+                order.append(source.weight)
+    return {id(a): b for a, b in zip(order, order[1:])}
+
+
 def _device_parts(weight: torch.Tensor, quant: str, targets: dict[str, torch.Tensor],
-                  indices: dict[str, torch.Tensor]) -> None:
+                  indices: dict[str, torch.Tensor], amax: Optional[torch.Tensor] = None,
+                  next_weight: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The fused device path: quantize weight [E, N, K] straight into the kernel layout, in one
     launch (fp8_block, mxfp4) or, for a per-expert scale computed on the host side, an amax
     launch first (fp8, nvfp4; with prepare.NVFP4_FUSED_AMAX on, measured slower and off by
-    default, nvfp4's amax pass runs inside its quantizing launch)."""
+    default, nvfp4's amax pass runs inside its quantizing launch). amax: weight's per-expert
+    amax where an earlier launch reduced it; next_weight: the matrix whose amax this launch
+    reduces beside its own work, returned (see _nvfp4_chain)."""
     from moe_ops.kernels import prepare
 
     e, rows = weight.shape[:2]
@@ -458,12 +478,13 @@ def _device_parts(weight: torch.Tensor, quant: str, targets: dict[str, torch.Ten
         if "global_scale" in targets:
             targets["global_scale"].index_copy_(1, indices["global_scale"],
                                                 global_scale[:, None].expand(e, rows))
-        return
+        return None
     factor = factor2 = None
     if quant in ("fp8", "nvfp4"):
         # The per-expert factors by the reference's own expressions, from an exact amax (a
-        # pass of its own before the quantization).
-        amax = prepare.amax_per_expert(weight)
+        # pass of its own before the quantization, unless the previous launch reduced it).
+        if amax is None:
+            amax = prepare.amax_per_expert(weight)
         if quant == "fp8":
             factor, per_row = q._inverse_scale(amax), q._exact_div(amax, q.FP8_MAX)
             role = "scale"
@@ -473,9 +494,10 @@ def _device_parts(weight: torch.Tensor, quant: str, targets: dict[str, torch.Ten
         if role in targets:
             targets[role].index_copy_(1, indices[role], per_row[:, None].expand(e, rows))
     block_scales = quant != "fp8" and "scale" in targets
-    prepare.quantize_scatter(weight, quant, targets["value"], indices["value"],
-                             targets["scale"] if block_scales else None,
-                             indices["scale"] if block_scales else None, factor, factor2)
+    return prepare.quantize_scatter(weight, quant, targets["value"], indices["value"],
+                                    targets["scale"] if block_scales else None,
+                                    indices["scale"] if block_scales else None, factor, factor2,
+                                    next_weight=next_weight)
 
 
 def _quantize_into(
@@ -484,9 +506,15 @@ def _quantize_into(
     sources: dict[str, list],
     permutations: dict[str, torch.Tensor],
     kernels: bool,
+    chain: Optional[dict] = None,
+    amaxes: Optional[dict] = None,
 ) -> None:
     """Quantize the `Quantized` sources of value role `role` ("w13" or "w2") into it and into
-    its companion roles (`<role>_scale`, `<role>_global_scale`), through their permutations."""
+    its companion roles (`<role>_scale`, `<role>_global_scale`), through their permutations.
+    chain (_nvfp4_chain) and amaxes (by id of a matrix, the amaxes earlier launches reduced):
+    the matrices whose amax a launch reduces for the next one."""
+    chain = chain if chain is not None else {}
+    amaxes = amaxes if amaxes is not None else {}
     roles = {"value": role}
     roles.update({part: f"{role}_{part}" for part in ("scale", "global_scale")
                   if f"{role}_{part}" in destination})
@@ -508,7 +536,13 @@ def _quantize_into(
             chunk = weight[e0:e1].to(value_dst.device)
             targets = {part: destination[r][e0:e1] for part, r in roles.items()}
             if kernels:  # whole rows, the fp4 padding included
-                _device_parts(chunk, quant, targets, indices)
+                whole = same and (e0, e1) == (0, e)  # the chain's amaxes are whole matrices
+                following = chain.get(id(weight)) if whole else None
+                next_amax = _device_parts(chunk, quant, targets, indices,
+                                          amaxes.pop(id(weight), None) if whole else None,
+                                          following)
+                if following is not None:
+                    amaxes[id(following)] = next_amax
                 continue
             for part, tensor in _reference_parts(chunk, quant).items():
                 if part in targets:
@@ -531,11 +565,12 @@ def load_into(
     if kernels is None:
         devices = {t.device for t in destination.values()}
         kernels = len(devices) == 1 and device_kernels_available(devices.pop())
+    chain, amaxes = (_nvfp4_chain(destination, sources) if kernels else {}), {}
     for role, tensor in destination.items():
         role_sources = sources[role]
         if role_sources and isinstance(role_sources[0], Quantized):
             if role_sources[0].part == "value":  # the other parts are written with it
-                _quantize_into(role, destination, sources, permutations, kernels)
+                _quantize_into(role, destination, sources, permutations, kernels, chain, amaxes)
             continue
         apply_permutation(tensor, role_sources, permutations[role], kernels=kernels)
 

@@ -591,9 +591,20 @@ def test_nvfp4_device_preparation_paths(monkeypatch, fused, schedule):
         return fused_launch(*args, **kwargs)
 
     monkeypatch.setattr(prepare, "quantize_scatter_nvfp4", counting_launch)
+    amax_passes = []
+    amax_pass = prepare.amax_per_expert
+
+    def counting_amax(*args, **kwargs):
+        amax_passes.append(1)
+        return amax_pass(*args, **kwargs)
+
+    monkeypatch.setattr(prepare, "amax_per_expert", counting_amax)
     _assert_same_bytes(_prepare(ckpt, "nvfp4", "swiglu", kernels=True), reference,
                        f"fused={fused} {schedule}")
     assert bool(fused_calls) == fused  # the path asked for is the one that ran
+    # Two launches: only the first matrix (w1) has an amax pass of its own; w3's and w2's are
+    # reduced by the quantizing launch before theirs (_nvfp4_chain).
+    assert len(amax_passes) == (0 if fused else 1)
 
 
 def _edge_weights(e: int, n: int, k: int) -> torch.Tensor:

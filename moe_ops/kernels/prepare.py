@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from moe_ops import quant as q
+from moe_ops.kernels import INTERPRET
 from moe_ops.kernels.common import (
     capability_at_least, cdiv, next_power_of_2, round_to_e4m3_grid,
 )
@@ -444,10 +445,29 @@ def _fp4_kernel(
     SLICES_ALIGN: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    # The next matrix's amax (AMAX_NEXT; see below): its source view (_next_amax_plan), and
+    # next_partial [E, programs a expert] of float32 maxima.
+    next_ptr=None, next_partial_ptr=None, next_rows=0, next_cols=0, next_col_blocks=1,
+    next_tiles=1, next_stride_e=0, next_stride_n=0, next_stride_k=0,
+    AMAX_NEXT: tl.constexpr = False,
+    NEXT_SRC: tl.constexpr = "strided",
+    NEXT_UNIT_K: tl.constexpr = True,
+    NEXT_EVEN: tl.constexpr = True,
+    NEXT_BLOCK_N: tl.constexpr = 1,
+    NEXT_BLOCK_K: tl.constexpr = 1,
+    NEXT_ITERS: tl.constexpr = 1,
 ):
     """One tile of src[e] (BLOCK_N rows, BLOCK_S 16-column slices; a row is `slices` = K/16
     slices) -> packed e2m1 rows dst[e, dst_rows[r]] in kernel order, and their block scales at
     rows scale_rows[r] in natural order.
+
+    AMAX_NEXT: each program also reduces one amax tile of expert e of the next matrix to be
+    quantized (nvfp4's per-expert amax, which that matrix's quantization needs first; see
+    quantize_scatter's next_weight): next_partial[e, pid] = max |tile|. The quantization here is
+    bound by instruction issue and the amax pass by memory, so the two share the SMs instead of
+    running one after the other. The tiles cover the next expert in at most as many tiles as
+    this grid has programs per expert; programs past the last tile redo the last one (the
+    same maximum, no branch, no mask).
 
     dst is the int16 view of the kernel-order rows: a row is 4 runs of `run` = Kp/16 int16, the
     2 bytes of slice c in run t at t * run + c (moe_ops.quant, "The kernel order of packed e2m1
@@ -478,6 +498,12 @@ def _fp4_kernel(
                         table_ptr, factor2_ptr, e, col_block, rows, N, run,
                         stride_de, stride_dn, stride_ce, stride_cn,
                         QUANT, EVEN_N, BLOCK_N, BLOCK_S)
+    if AMAX_NEXT:
+        pid = tl.program_id(0)
+        m = _amax_tile(next_ptr, e, tl.minimum(pid, next_tiles - 1), next_rows, next_cols,
+                       next_col_blocks, next_stride_e, next_stride_n, next_stride_k, NEXT_SRC,
+                       NEXT_UNIT_K, NEXT_EVEN, NEXT_BLOCK_N, NEXT_BLOCK_K, NEXT_ITERS)
+        tl.store(next_partial_ptr + e * tl.num_programs(0) + pid, m)
 
 
 @triton.jit
@@ -499,6 +525,18 @@ def _amax_kernel(
     tl.store(out_ptr + e * programs + pid, m)
 
 
+# On the GPU, _amax_tile maxes the two 16-bit magnitudes of a pair in one instruction
+# (max.u16x2, sm_90); the interpreter cannot run inline PTX.
+_PAIR_MAX = tl.constexpr(not INTERPRET)
+
+
+@triton.jit
+def _max_u16x2(a, b):
+    """Lane-wise unsigned max of the two 16-bit halves of int32 a and b (PTX max.u16x2)."""
+    return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
 @triton.jit
 def _amax_tile(src_ptr, e, tile, rows, cols, num_col_blocks, stride_se, stride_an, stride_ak,
                SRC: tl.constexpr, UNIT_K: tl.constexpr, EVEN: tl.constexpr,
@@ -511,7 +549,9 @@ def _amax_tile(src_ptr, e, tile, rows, cols, num_col_blocks, stride_se, stride_a
     SRC "bf16" / "f16": src is the int32 view (pairs of values). The magnitudes are maxed as
     integers, each half apart: a non-negative float's bits order as the float does, so
     `bits & 0x7FFF` (low value) and `bits & 0x7FFF0000` (high value, still a non-negative int32)
-    are compared as they are, two operations per value and exact. "strided": any float dtype.
+    are compared as they are, two operations per value and exact; on the GPU both halves at
+    once (`bits & 0x7FFF7FFF`, then max.u16x2: one operation per value). "strided": any float
+    dtype.
     """
     row_block = tile // num_col_blocks
     cols_k = (tile % num_col_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -522,7 +562,7 @@ def _amax_tile(src_ptr, e, tile, rows, cols, num_col_blocks, stride_se, stride_a
     base = src_ptr + e * stride_se
     if SRC == "strided":
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    else:
+    elif not _PAIR_MAX:
         acc_lo = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
         acc_hi = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
     for i in tl.static_range(ITERS):
@@ -531,6 +571,11 @@ def _amax_tile(src_ptr, e, tile, rows, cols, num_col_blocks, stride_se, stride_a
                   (r < rows)[:, None] & (cols_k < cols)[None, :], EVEN)
         if SRC == "strided":
             acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+        elif _PAIR_MAX:
+            if i == 0:                                    # both halves in acc_lo
+                acc_lo = x & 0x7FFF7FFF
+            else:
+                acc_lo = _max_u16x2(acc_lo, x & 0x7FFF7FFF)
         else:
             acc_lo = tl.maximum(acc_lo, x & 0x7FFF)
             acc_hi = tl.maximum(acc_hi, x & 0x7FFF0000)
@@ -539,8 +584,13 @@ def _amax_tile(src_ptr, e, tile, rows, cols, num_col_blocks, stride_se, stride_a
     if SRC == "strided":
         m = tl.max(tl.max(acc, axis=1), axis=0)
     else:
-        lo = tl.max(tl.max(acc_lo, axis=1), axis=0)
-        hi = tl.max(tl.max(acc_hi, axis=1), axis=0)
+        if _PAIR_MAX:
+            both = tl.reduce(tl.reshape(acc_lo, (BLOCK_N * BLOCK_K,)), 0, _max_u16x2)
+            lo = both & 0x7FFF
+            hi = both & 0x7FFF0000
+        else:
+            lo = tl.max(tl.max(acc_lo, axis=1), axis=0)
+            hi = tl.max(tl.max(acc_hi, axis=1), axis=0)
         if SRC == "bf16":  # a bf16's bits are the top half of its float32's
             m = tl.maximum(lo << 16, hi).to(tl.float32, bitcast=True)
         else:
@@ -830,7 +880,8 @@ def quantize_scatter(
     scale_rows: Optional[torch.Tensor] = None,
     factor: Optional[torch.Tensor] = None,
     factor2: Optional[torch.Tensor] = None,
-) -> None:
+    next_weight: Optional[torch.Tensor] = None,
+) -> Optional[torch.Tensor]:
     """Quantize w [E, N, K] (any float dtype, any strides) into the kernel-layout tensors.
 
     dst gets row r of the quantized w at row dst_rows[r]; scale_dst gets the block scales at
@@ -842,10 +893,15 @@ def quantize_scatter(
     "The kernel order of packed e2m1 rows"; Kp = quant.fp4_padded_k(K)), and scale_dst
     [E, *, Kp/block] (e4m3 for nvfp4, e8m0 as uint8 for mxfp4), the block scales in natural
     order. Whole rows are written: the padding columns K..Kp get zero codes and zero scales.
+
+    next_weight: the next matrix of an nvfp4 preparation, [E, *, *] float; returns its
+    per-expert amax (amax_per_expert's), reduced by this launch's programs beside their
+    quantization where both are fp4 and next_weight's experts are contiguous, else by
+    amax_per_expert after it. None: returns None.
     """
     e, n, k = w.shape
     if e == 0 or n == 0 or k == 0:
-        return
+        return None if next_weight is None else amax_per_expert(next_weight)
     # The kernel layout's rows are contiguous; rows are addressed through strides 0 and 1.
     assert dst.stride(-1) == 1 and (scale_dst is None or scale_dst.stride(-1) == 1)
     has_scale = scale_dst is not None
@@ -870,7 +926,7 @@ def quantize_scatter(
             num_warps=_FP8_BLOCK_WARPS if quant == "fp8_block" else _FP8_WARPS,
             enable_fp_fusion=False,
         )
-        return
+        return None if next_weight is None else amax_per_expert(next_weight)
 
     _check_fp4_destination(k, quant, dst, scale_dst)
     if quant == "nvfp4":
@@ -878,14 +934,30 @@ def quantize_scatter(
     slices, block_n, block_s, align, col_blocks = _fp4_tiles(n, k)
     src, kind = _fp4_source(w)
     runs = _int16_rows(dst)
-    _fp4_kernel[(cdiv(n, block_n) * col_blocks, e)](
+    programs = cdiv(n, block_n) * col_blocks
+    plan = _next_amax_plan(next_weight, e, programs) if next_weight is not None else None
+    fused = {}
+    if plan is not None:
+        view, next_kind, (rows, cols, stride_n, stride_k), nb, nk, iters, even, tiles = plan
+        partial = torch.empty((e, programs), dtype=torch.float32, device=w.device)
+        fused = dict(next_ptr=view, next_partial_ptr=partial, next_rows=rows, next_cols=cols,
+                     next_col_blocks=cdiv(cols, nk), next_tiles=tiles,
+                     next_stride_e=view.stride(0), next_stride_n=stride_n,
+                     next_stride_k=stride_k, AMAX_NEXT=True, NEXT_SRC=next_kind,
+                     NEXT_UNIT_K=stride_k == 1, NEXT_EVEN=even, NEXT_BLOCK_N=nb,
+                     NEXT_BLOCK_K=nk, NEXT_ITERS=iters)
+    _fp4_kernel[(programs, e)](
         src, runs, dst_rows, scale_arg, scale_rows_arg,
         table if quant == "nvfp4" else dst_rows, factor2 if factor2 is not None else dst_rows,
         n, slices, col_blocks, q.fp4_padded_k(k) // 16, *src.stride(), runs.stride(0),
         runs.stride(1), *scale_strides,
         QUANT=quant, SRC=kind, HW_E4M3=hw, EVEN_N=n % block_n == 0, SLICES_ALIGN=align,
         BLOCK_N=block_n, BLOCK_S=block_s, num_warps=_FP4_WARPS, enable_fp_fusion=False,
+        **fused,
     )
+    if next_weight is None:
+        return None
+    return partial.amax(dim=1) if plan is not None else amax_per_expert(next_weight)
 
 
 def _check_fp4_destination(k: int, quant: str, dst: torch.Tensor,
@@ -926,6 +998,31 @@ def _amax_view(src: torch.Tensor) -> tuple[tuple[int, int, int, int], int, int, 
         iters = min(iters, _FUSED_AMAX_MASKED_ITERS)
         even = rows % (block_n * iters) == 0 and cols % block_k == 0
     return (rows, cols, stride_n, stride_k), block_n, block_k, iters, even
+
+
+def _next_amax_plan(next_weight: torch.Tensor, experts: int, programs: int):
+    """How _fp4_kernel's programs (`programs` an expert) reduce next_weight's per-expert amax
+    (AMAX_NEXT): (the source view, its kind, (rows, cols, row stride, column stride) of an
+    expert as a matrix, BLOCK_N, BLOCK_K, ITERS, EVEN, tiles an expert), or None where the
+    launch cannot (another expert count, experts not contiguous, nothing to read). An expert
+    is read as rows of _FUSED_AMAX_TILE[1] elements (_rows_view; fewer, a power of two, where
+    that does not divide the expert) in tiles of _FUSED_AMAX_TILE's size, as many of them a
+    program (ITERS) as it takes for the tiles to be no more than the programs."""
+    e, n, k = next_weight.shape
+    if e != experts or n == 0 or k == 0:
+        return None
+    view, kind = _fp4_source(next_weight)
+    elements = view.shape[1] * view.shape[2]
+    block_k = min(_FUSED_AMAX_TILE[1], elements & -elements)  # a power of two dividing it
+    block_n = _FUSED_AMAX_TILE[0] * _FUSED_AMAX_TILE[1] // block_k
+    flat = _rows_view(view, block_k)
+    if flat is None:
+        return None
+    rows = flat.shape[1]
+    iters = cdiv(rows, block_n * programs)
+    tiles = cdiv(rows, block_n * iters)
+    even = rows % (block_n * iters) == 0
+    return flat, kind, (rows, block_k, block_k, 1), block_n, block_k, iters, even, tiles
 
 
 def quantize_scatter_nvfp4(
