@@ -204,17 +204,19 @@ def prepare_summary(quant: str, amax_next: bool = False, k: int = 7168) -> str:
                   BLOCK_N=block_n, BLOCK_S=block_s)
     if amax_next:
         tile_n, tile_k = prepare._FUSED_AMAX_TILE
+        # (as the launcher passes them on an H200; next_col_blocks and next_stride_k are 1, which
+        # Triton's launcher makes constants too)
         consts.update(AMAX_NEXT=True, NEXT_SRC="bf16", NEXT_UNIT_K=True, NEXT_EVEN=True,
                       NEXT_BLOCK_N=tile_n, NEXT_BLOCK_K=tile_k, NEXT_ITERS=1, next_stride_k=1,
-                      next_col_blocks=1, next_cols=tile_k)
+                      next_col_blocks=1, PAIR_MAX=True)
     types = dict(src_ptr="*i32", dst_ptr="*i16", dst_rows_ptr="*i64", scale_rows_ptr="*i64",
                  scale_ptr="*u8", table_ptr="*fp32", factor2_ptr="*fp32", next_ptr="*i32",
-                 next_partial_ptr="*fp32", next_stride_e="i64")
+                 next_partial_ptr="*fp32")
     parameters = inspect.signature(prepare._fp4_kernel.fn).parameters
     # The optional arguments (the next matrix's amax, AMAX_NEXT) as a launch without them has
     # them: their defaults, constant.
-    run_time = ({"next_ptr", "next_partial_ptr", "next_rows", "next_tiles", "next_stride_e",
-                 "next_stride_n"} if amax_next else set())
+    run_time = ({"next_ptr", "next_partial_ptr", "next_rows", "next_cols", "next_tiles",
+                 "next_stride_e", "next_stride_n"} if amax_next else set())
     consts.update({name: p.default for name, p in parameters.items()
                    if p.default is not inspect.Parameter.empty
                    and name not in consts and name not in run_time})
@@ -222,7 +224,8 @@ def prepare_summary(quant: str, amax_next: bool = False, k: int = 7168) -> str:
                  for name in parameters}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if signature[name] != "constexpr"
-             and (name.endswith("_ptr") or "stride" in name or name in ("N", "run"))}
+             and (name.endswith("_ptr") or "stride" in name
+                  or name in ("N", "run", "next_cols"))}
     kernel = triton.compile(ASTSource(fn=prepare._fp4_kernel, signature=signature,
                                       constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 128),

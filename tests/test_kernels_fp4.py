@@ -304,3 +304,26 @@ def test_explicit_config_past_the_row_padding_is_refused():
     with pytest.raises(ValueError, match="block_k <= 256"):
         run_and_check("mxfp4", ckpt, kernel, x, ids, weights,
                       gemm1_config=GemmConfig(16, 32, 512, 1, 4, 2, swap_ab=True))
+
+
+@pytest.mark.parametrize("quant", FP4)
+def test_fp4_k_step_count_at_compile_or_run_time(quant, monkeypatch, poisoned_empty):
+    """4-bit launches without split-K take their K-step count as a constant (static_k_steps);
+    the run-time count (FP4_STATIC_K_STEPS off, kept for A/B runs) computes the same bytes.
+    Several K steps (H = 160: 5 steps of 32) in GEMM1, split-K GEMM2 on the run-time count."""
+    import dataclasses
+    from moe_ops.kernels import grouped_gemm as gg
+
+    config = GemmConfig(16, 32, 32, 1, 4, 2, swap_ab=quant == "nvfp4")
+    assert gg.static_k_steps(quant, 160, config) == 5
+    assert gg.static_k_steps(quant, 160, dataclasses.replace(config, split_k=2)) == 0
+    assert gg.static_k_steps("none", 160, config) == 0
+    force_dispatch(monkeypatch, "aligned")
+    case = make_case(quant, 5, 160, 96, 4, 2, seed=23)
+    outs = []
+    for static in (True, False):
+        monkeypatch.setattr(gg, "FP4_STATIC_K_STEPS", static)
+        assert gg.static_k_steps(quant, 160, config) == (5 if static else 0)
+        outs.append(run_and_check(quant, *case, gemm1_config=config,
+                                  gemm2_config=dataclasses.replace(config, split_k=2)))
+    assert torch.equal(outs[0], outs[1])

@@ -150,7 +150,8 @@ def _check_quantize_scatter(w: torch.Tensor, quant: str, gen: torch.Generator,
 # 12 rows are one program an expert (one amax tile covers the next expert), 256 rows 8 programs
 # (a [64, 512] bf16 next expert is 4 tiles, programs 4-7 redo the last; [512, 512] is 8 tiles
 # of ITERS 4; [24, 96] one tile of 128-wide rows); bf16 / f16 / float32; experts not contiguous,
-# or another expert count, fall back to amax_per_expert.
+# another expert count, or a next expert too large for the programs (64 tiles a program), fall
+# back to amax_per_expert.
 NEXT_CASES = [(12, (2, 24, 96), torch.bfloat16, "contiguous", True),
               (12, (2, 7, 160), torch.float16, "contiguous", True),
               (12, (2, 16, 64), torch.float32, "contiguous", True),
@@ -158,7 +159,8 @@ NEXT_CASES = [(12, (2, 24, 96), torch.bfloat16, "contiguous", True),
               (256, (2, 512, 512), torch.bfloat16, "contiguous", True),
               (256, (2, 24, 96), torch.bfloat16, "contiguous", True),
               (12, (2, 40, 160), torch.bfloat16, "rows", False),
-              (12, (3, 8, 96), torch.bfloat16, "contiguous", False)]
+              (12, (3, 8, 96), torch.bfloat16, "contiguous", False),
+              (12, (2, 1024, 512), torch.bfloat16, "contiguous", False)]
 
 
 @pytest.mark.parametrize("quant", ["nvfp4", "mxfp4"])
@@ -169,36 +171,51 @@ def test_quantize_scatter_reduces_the_next_matrix_amax(monkeypatch, quant, case)
     launch where it can, and the launch's own bytes unchanged (compared with a launch without)."""
     n, (e, n_next, k_next), dtype, view, in_launch = case
     gen = _generator("next", quant, case)
-    w = (torch.randn(2, n, 96, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
     following = torch.randn(e, 2 * n_next if view == "rows" else n_next, k_next, generator=gen)
     following = following * torch.logspace(-2, 3, e)[:, None, None]
-    following[0, -1, -1] = -5e3  # the largest magnitude is a negative value, the last one read
-    following[-1, 0, 0] = 7e3    # and the first one read
     following = following.to(dtype).to(DEVICE)
     if view == "rows":
         following = following[:, ::2]
+    w = (torch.randn(2, n, 96, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
+    alone = _quantize_with_next(monkeypatch, quant, w, None)[1:]
+    if view == "rows":  # (a clone would be contiguous)
+        probes = [following]
+    else:
+        # The largest magnitude (negative in expert 0) in turn at 8 places spread over each
+        # expert, so that each of up to 8 amax tiles (the flat expert in equal runs) is read.
+        places = 8 if following[0].numel() >= 16384 else 1
+        probes = []
+        for place in range(places):
+            probe = following.clone()
+            at = (2 * place + 1) * probe[0].numel() // (2 * places)
+            probe.view(e, -1)[:, at] = torch.tensor([-5e3] + [7e3] * (e - 1), dtype=dtype)
+            probes.append(probe)
+    for probe in probes:
+        amax, values, scales, passes = _quantize_with_next(monkeypatch, quant, w, probe)
+        assert (passes == 0) == in_launch
+        _assert_bytes(amax, probe.float().abs().amax(dim=(1, 2)), "next amax")
+        _assert_bytes(values, alone[0], "values")
+        _assert_bytes(scales, alone[1], "scales")
+
+
+def _quantize_with_next(monkeypatch, quant, w, following):
+    """quantize_scatter of w (rows in order) with next_weight=following: (its result, the
+    values, the scales, how many amax passes of its own it launched)."""
+    e, n, k = w.shape
     factors = (q.nvfp4_global_scale(prepare.amax_per_expert(w)) if quant == "nvfp4" else ())
-    kp, block = q.fp4_padded_k(96), q.fp4_scale_block(quant)
-    outputs = []
-    for nxt in (None, following):
-        dst = torch.full((2, n, kp // 2), POISON, dtype=torch.uint8, device=DEVICE)
-        scale_dst = torch.full((2, n, kp // block), POISON, dtype=torch.uint8, device=DEVICE)
-        if quant == "nvfp4":
-            scale_dst = scale_dst.view(q.FP8_DTYPE)
-        rows = torch.arange(n, device=DEVICE)
-        passes = []
-        amax_pass = prepare.amax_per_expert
-        monkeypatch.setattr(prepare, "amax_per_expert",
-                            lambda t: passes.append(1) or amax_pass(t))
-        got = prepare.quantize_scatter(w, quant, dst, rows, scale_dst, rows, *factors,
-                                       next_weight=nxt)
-        monkeypatch.setattr(prepare, "amax_per_expert", amax_pass)
-        outputs.append((dst, scale_dst))
-    assert (len(passes) == 0) == in_launch
-    want = following.float().abs().amax(dim=(1, 2))
-    _assert_bytes(got, want, "next amax")
-    _assert_bytes(outputs[1][0], outputs[0][0], "values")
-    _assert_bytes(outputs[1][1], outputs[0][1], "scales")
+    kp, block = q.fp4_padded_k(k), q.fp4_scale_block(quant)
+    dst = torch.full((e, n, kp // 2), POISON, dtype=torch.uint8, device=DEVICE)
+    scale_dst = torch.full((e, n, kp // block), POISON, dtype=torch.uint8, device=DEVICE)
+    if quant == "nvfp4":
+        scale_dst = scale_dst.view(q.FP8_DTYPE)
+    rows = torch.arange(n, device=DEVICE)
+    passes = []
+    amax_pass = prepare.amax_per_expert
+    monkeypatch.setattr(prepare, "amax_per_expert", lambda t: passes.append(1) or amax_pass(t))
+    got = prepare.quantize_scatter(w, quant, dst, rows, scale_dst, rows, *factors,
+                                   next_weight=following)
+    monkeypatch.setattr(prepare, "amax_per_expert", amax_pass)
+    return got, dst, scale_dst, len(passes)
 
 
 # ---------------------------------------------------------------------------------------------

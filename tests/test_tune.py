@@ -326,3 +326,15 @@ def test_shipped_tables_hold_the_keys_the_layer_looks_up():
                                                activation=shape.activation):
                     key = dataclasses.replace(key, gpu="NVIDIA H200")
                     assert key in table, (name, quant, bucket, key.gemm)
+
+
+def test_mid_list_gains_128_row_tiles_from_48_rows():
+    """From 48 expected rows per expert (and below 128) the mid regime's candidates include the
+    128-row tiles (tile kernel, persistent, 4-bit swap-AB); not below, nor for fp8_block."""
+    def has_128_rows(m, quant):
+        problem = GemmProblem(1, 128, 1536, 2048, m, torch.bfloat16, quant, True)
+        return any(c.block_m == 128 for c in tuning_candidates(problem))
+
+    for quant in ("none", "fp8", "nvfp4", "mxfp4"):
+        assert not has_128_rows(32, quant) and has_128_rows(64, quant), quant
+    assert not has_128_rows(64, "fp8_block")

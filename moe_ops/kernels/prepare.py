@@ -456,6 +456,7 @@ def _fp4_kernel(
     NEXT_BLOCK_N: tl.constexpr = 1,
     NEXT_BLOCK_K: tl.constexpr = 1,
     NEXT_ITERS: tl.constexpr = 1,
+    PAIR_MAX: tl.constexpr = False,
 ):
     """One tile of src[e] (BLOCK_N rows, BLOCK_S 16-column slices; a row is `slices` = K/16
     slices) -> packed e2m1 rows dst[e, dst_rows[r]] in kernel order, and their block scales at
@@ -475,10 +476,10 @@ def _fp4_kernel(
     it): the padding past K is loaded as zeros and so written as zero codes and zero scales
     (what the GEMMs, which read it unmasked, need), in the same pass.
 
-    Each thread holds whole slices (two 16-byte loads of a 16-bit source), so the block amax, the
-    codes, the natural bytes and their re-pairing into the kernel order all stay in its
-    registers; the stores are 16-byte vectors along each run. (An earlier version packed natural
-    bytes first and re-paired them across threads: 2.8x the memory floor instead of ~1.5x.)
+    Each thread holds whole slices (two 16-byte loads of a 16-bit source), so the block amax and
+    the codes, shifted straight into their kernel-order runs, stay in its registers; the stores
+    are 16-byte vectors along each run. (An earlier version packed natural bytes first and
+    re-paired them across threads: 2.8x the memory floor instead of ~1.5x.)
 
     QUANT "nvfp4": e4m3 block scales (16 along K = one slice); factor2 = the inverse of the
                    expert's global scale (0 for a zero expert), table = the inverse of each
@@ -502,7 +503,8 @@ def _fp4_kernel(
         pid = tl.program_id(0)
         m = _amax_tile(next_ptr, e, tl.minimum(pid, next_tiles - 1), next_rows, next_cols,
                        next_col_blocks, next_stride_e, next_stride_n, next_stride_k, NEXT_SRC,
-                       NEXT_UNIT_K, NEXT_EVEN, NEXT_BLOCK_N, NEXT_BLOCK_K, NEXT_ITERS)
+                       NEXT_UNIT_K, NEXT_EVEN, NEXT_BLOCK_N, NEXT_BLOCK_K, NEXT_ITERS,
+                       PAIR_MAX)
         tl.store(next_partial_ptr + e * tl.num_programs(0) + pid, m)
 
 
@@ -525,9 +527,10 @@ def _amax_kernel(
     tl.store(out_ptr + e * programs + pid, m)
 
 
-# On the GPU, _amax_tile maxes the two 16-bit magnitudes of a pair in one instruction
-# (max.u16x2, sm_90); the interpreter cannot run inline PTX.
-_PAIR_MAX = tl.constexpr(not INTERPRET)
+def _pair_max(device: torch.device) -> bool:
+    """_amax_tile's PAIR_MAX: max.u16x2 (inline PTX, sm_90+) on such GPUs; never in the
+    interpreter."""
+    return not INTERPRET and capability_at_least(device, (9, 0))
 
 
 @triton.jit
@@ -540,7 +543,8 @@ def _max_u16x2(a, b):
 @triton.jit
 def _amax_tile(src_ptr, e, tile, rows, cols, num_col_blocks, stride_se, stride_an, stride_ak,
                SRC: tl.constexpr, UNIT_K: tl.constexpr, EVEN: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr,
+               PAIR_MAX: tl.constexpr = False):
     """max |x| over tile `tile` of expert e as float32, the expert seen as a [rows, cols] matrix
     (strides stride_an, stride_ak; a contiguous expert is given as full-width rows, see
     _rows_view): ITERS row tiles [BLOCK_N, BLOCK_K] of one column block, read with a running
@@ -549,9 +553,9 @@ def _amax_tile(src_ptr, e, tile, rows, cols, num_col_blocks, stride_se, stride_a
     SRC "bf16" / "f16": src is the int32 view (pairs of values). The magnitudes are maxed as
     integers, each half apart: a non-negative float's bits order as the float does, so
     `bits & 0x7FFF` (low value) and `bits & 0x7FFF0000` (high value, still a non-negative int32)
-    are compared as they are, two operations per value and exact; on the GPU both halves at
-    once (`bits & 0x7FFF7FFF`, then max.u16x2: one operation per value). "strided": any float
-    dtype.
+    are compared as they are, two operations per value and exact; with PAIR_MAX (sm_90+, see
+    _pair_max) both halves at once (`bits & 0x7FFF7FFF`, then max.u16x2: one operation per
+    value). "strided": any float dtype.
     """
     row_block = tile // num_col_blocks
     cols_k = (tile % num_col_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -562,7 +566,7 @@ def _amax_tile(src_ptr, e, tile, rows, cols, num_col_blocks, stride_se, stride_a
     base = src_ptr + e * stride_se
     if SRC == "strided":
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    elif not _PAIR_MAX:
+    elif not PAIR_MAX:
         acc_lo = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
         acc_hi = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
     for i in tl.static_range(ITERS):
@@ -571,7 +575,7 @@ def _amax_tile(src_ptr, e, tile, rows, cols, num_col_blocks, stride_se, stride_a
                   (r < rows)[:, None] & (cols_k < cols)[None, :], EVEN)
         if SRC == "strided":
             acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
-        elif _PAIR_MAX:
+        elif PAIR_MAX:
             if i == 0:                                    # both halves in acc_lo
                 acc_lo = x & 0x7FFF7FFF
             else:
@@ -584,7 +588,7 @@ def _amax_tile(src_ptr, e, tile, rows, cols, num_col_blocks, stride_se, stride_a
     if SRC == "strided":
         m = tl.max(tl.max(acc, axis=1), axis=0)
     else:
-        if _PAIR_MAX:
+        if PAIR_MAX:
             both = tl.reduce(tl.reshape(acc_lo, (BLOCK_N * BLOCK_K,)), 0, _max_u16x2)
             lo = both & 0x7FFF
             hi = both & 0x7FFF0000
@@ -666,6 +670,7 @@ def _nvfp4_fused_kernel(
     AMAX_BLOCK_N: tl.constexpr,
     AMAX_BLOCK_K: tl.constexpr,
     AMAX_ITERS: tl.constexpr,
+    PAIR_MAX: tl.constexpr = False,
 ):
     """nvfp4 quantize-and-scatter of src [E, N, K] in one launch, the per-expert amax included:
     _fp4_kernel's work (QUANT "nvfp4"; the same tiles, arguments and outputs) plus the pass that
@@ -700,7 +705,7 @@ def _nvfp4_fused_kernel(
     if is_amax:
         m = _amax_tile(src_ptr, e, tile, amax_rows, amax_cols, amax_col_blocks, stride_se,
                        stride_an, stride_ak, SRC, AMAX_UNIT_K, AMAX_EVEN, AMAX_BLOCK_N,
-                       AMAX_BLOCK_K, AMAX_ITERS)
+                       AMAX_BLOCK_K, AMAX_ITERS, PAIR_MAX)
         # Relaxed: the acq_rel count below (same thread: a scalar atomic is issued by one
         # thread of the program) orders it.
         tl.atomic_max(amax_slot, m.to(tl.int32, bitcast=True), sem="relaxed")
@@ -935,7 +940,8 @@ def quantize_scatter(
     src, kind = _fp4_source(w)
     runs = _int16_rows(dst)
     programs = cdiv(n, block_n) * col_blocks
-    plan = _next_amax_plan(next_weight, e, programs) if next_weight is not None else None
+    plan = (_next_amax_plan(next_weight, e, programs, w.device) if next_weight is not None
+            else None)
     fused = {}
     if plan is not None:
         view, next_kind, (rows, cols, stride_n, stride_k), nb, nk, iters, even, tiles = plan
@@ -945,7 +951,7 @@ def quantize_scatter(
                      next_stride_e=view.stride(0), next_stride_n=stride_n,
                      next_stride_k=stride_k, AMAX_NEXT=True, NEXT_SRC=next_kind,
                      NEXT_UNIT_K=stride_k == 1, NEXT_EVEN=even, NEXT_BLOCK_N=nb,
-                     NEXT_BLOCK_K=nk, NEXT_ITERS=iters)
+                     NEXT_BLOCK_K=nk, NEXT_ITERS=iters, PAIR_MAX=_pair_max(w.device))
     _fp4_kernel[(programs, e)](
         src, runs, dst_rows, scale_arg, scale_rows_arg,
         table if quant == "nvfp4" else dst_rows, factor2 if factor2 is not None else dst_rows,
@@ -1000,26 +1006,32 @@ def _amax_view(src: torch.Tensor) -> tuple[tuple[int, int, int, int], int, int, 
     return (rows, cols, stride_n, stride_k), block_n, block_k, iters, even
 
 
-def _next_amax_plan(next_weight: torch.Tensor, experts: int, programs: int):
+def _next_amax_plan(next_weight: torch.Tensor, experts: int, programs: int,
+                    device: torch.device):
     """How _fp4_kernel's programs (`programs` an expert) reduce next_weight's per-expert amax
     (AMAX_NEXT): (the source view, its kind, (rows, cols, row stride, column stride) of an
     expert as a matrix, BLOCK_N, BLOCK_K, ITERS, EVEN, tiles an expert), or None where the
-    launch cannot (another expert count, experts not contiguous, nothing to read). An expert
-    is read as rows of _FUSED_AMAX_TILE[1] elements (_rows_view; fewer, a power of two, where
-    that does not divide the expert) in tiles of _FUSED_AMAX_TILE's size, as many of them a
-    program (ITERS) as it takes for the tiles to be no more than the programs."""
+    launch cannot: another device or expert count, experts not contiguous, nothing to read,
+    rows narrower than 16 elements (an expert whose size has no such power of two: scalar
+    loads), or more than _FUSED_AMAX_ITERS tiles a program (a next matrix much larger than this
+    one: each ITERS is a build of its own, unrolled, and holds registers). An expert is read as
+    rows of _FUSED_AMAX_TILE[1] elements (_rows_view; fewer, a power of two, where that does not
+    divide the expert) in tiles of _FUSED_AMAX_TILE's size, as many of them a program (ITERS)
+    as it takes for the tiles to be no more than the programs."""
     e, n, k = next_weight.shape
-    if e != experts or n == 0 or k == 0:
+    if e != experts or n == 0 or k == 0 or next_weight.device != device:
         return None
     view, kind = _fp4_source(next_weight)
     elements = view.shape[1] * view.shape[2]
     block_k = min(_FUSED_AMAX_TILE[1], elements & -elements)  # a power of two dividing it
     block_n = _FUSED_AMAX_TILE[0] * _FUSED_AMAX_TILE[1] // block_k
     flat = _rows_view(view, block_k)
-    if flat is None:
+    if flat is None or block_k < 16:
         return None
     rows = flat.shape[1]
     iters = cdiv(rows, block_n * programs)
+    if iters > _FUSED_AMAX_ITERS:
+        return None
     tiles = cdiv(rows, block_n * iters)
     even = rows % (block_n * iters) == 0
     return flat, kind, (rows, block_k, block_k, 1), block_n, block_k, iters, even, tiles
@@ -1074,7 +1086,7 @@ def quantize_scatter_nvfp4(
         SCHEDULE=schedule, WIDE_SCHEDULE=(amax_tiles + quant_tiles) * (amax_tiles + 1) >= 2**31,
         SRC=kind, EVEN_N=n % block_n == 0, SLICES_ALIGN=align,
         BLOCK_N=block_n, BLOCK_S=block_s, AMAX_UNIT_K=stride_ak == 1, AMAX_EVEN=even,
-        AMAX_BLOCK_N=amax_n, AMAX_BLOCK_K=amax_k, AMAX_ITERS=iters,
+        AMAX_BLOCK_N=amax_n, AMAX_BLOCK_K=amax_k, AMAX_ITERS=iters, PAIR_MAX=_pair_max(w.device),
         num_warps=_FP4_WARPS, enable_fp_fusion=False,
     )
     return (global_scale, inv_global, table) if return_factors else global_scale
