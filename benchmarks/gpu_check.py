@@ -18,6 +18,7 @@ biases, E=128, H=I=2880: K not a multiple of 64 or 128, so the masked K tail run
 - ep       T in {64, 1000}: an expert-parallel shard (the middle half of the experts); tokens
            routed to no local expert must come out exactly as the reference says (zeros)
 - large    T = 70000, H = 7168, a DeepSeek-like layer with 32 experts: T*k*H = 4.0e9 > 2^31
+           (run first, so that --deadline-s never leaves it out)
 Every case runs two calls with different inputs (A then B) on an allocator poisoned with NaN
 before each call (a large and many small NaN blocks are allocated, filled and freed, so the
 next allocations reuse poisoned memory): a stale or unwritten row shows up as NaN or as a wrong
@@ -333,12 +334,16 @@ def build_plan(args: argparse.Namespace, shapes: bench.Shapes, supported: dict[s
                                       num_local_experts=local,
                                       note=f"experts {offset}..{offset + local - 1} of {cfg.num_experts}"))
     if not args.no_large and args.large_tokens > 0:
+        # First in the plan: the offsets past 2^31 are the check a --deadline-s must not drop
+        # (they are also the slowest cases to compile and run).
         modes = ("fp8_block",) if args.quick else LARGE.quant
+        large = []
         for quant in modes:
             if supported.get(quant) is None:
                 product = args.large_tokens * LARGE.top_k * LARGE.hidden_size
-                cases.append(Case(LARGE, quant, "large", args.large_tokens,
+                large.append(Case(LARGE, quant, "large", args.large_tokens,
                                   note=f"T*k*H = {product:.3g} ({'>' if product > 2**31 else '<='} 2^31)"))
+        cases = large + cases
     # Deduplicate (min(t, max_tokens) can repeat a T) keeping order.
     seen, unique = set(), []
     for case in cases:

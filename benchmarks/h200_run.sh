@@ -2,11 +2,13 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
 # mxfp4 models, compute-sanitizer on the small layers, dev_fp4_gpu timings, bench_prepare).
+# prep: the fp4 weight preparation alone (its tests on the GPU, bench_prepare of the bf16 ->
+# nvfp4 / mxfp4 layers; about 2 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -43,6 +45,14 @@ if [[ "$what" == fp4 ]]; then
   tail -n 40 "$out/fp4_dev.log"
   python3 benchmarks/bench_prepare.py --out "$out/prepare.json" > "$out/prepare.log" 2>&1 || status=1
   tail -n 16 "$out/prepare.log"
+fi
+if [[ "$what" == prep ]]; then
+  python3 -m pytest -q -x -p no:cacheprovider tests/test_prepare_fp4_order.py tests/test_layout.py \
+    > "$out/pytest_prep.log" 2>&1 || status=1
+  tail -n 3 "$out/pytest_prep.log"
+  python3 benchmarks/bench_prepare.py --cases deepseek_v3:nvfp4 gpt_oss_120b:mxfp4 --no-torch-path \
+    --out "$out/prepare_fp4.json" > "$out/prepare_fp4.log" 2>&1 || status=1
+  tail -n 12 "$out/prepare_fp4.log"
 fi
 if [[ "$what" == tune ]]; then
   pairs=$(python3 -c "import json; m = json.load(open('benchmarks/shapes.json'))['models']; print(' '.join(f'{n}:{q}' for n, e in m.items() for q in e['quant']))")
