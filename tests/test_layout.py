@@ -583,22 +583,14 @@ def test_nvfp4_device_preparation_paths(monkeypatch, fused, schedule):
     ckpt["w3"][2].zero_()
     ckpt = {k: v.to(_DEVICE) for k, v in ckpt.items()}
     reference = _prepare(ckpt, "nvfp4", "swiglu", kernels=False)
-    fused_calls = []
-    fused_launch = prepare.quantize_scatter_nvfp4
+    calls = {"quantize_scatter_nvfp4": [], "amax_per_expert": []}
+    for name, seen in calls.items():
+        def counting(*args, _launch=getattr(prepare, name), _seen=seen, **kwargs):
+            _seen.append(1)
+            return _launch(*args, **kwargs)
 
-    def counting_launch(*args, **kwargs):
-        fused_calls.append(1)
-        return fused_launch(*args, **kwargs)
-
-    monkeypatch.setattr(prepare, "quantize_scatter_nvfp4", counting_launch)
-    amax_passes = []
-    amax_pass = prepare.amax_per_expert
-
-    def counting_amax(*args, **kwargs):
-        amax_passes.append(1)
-        return amax_pass(*args, **kwargs)
-
-    monkeypatch.setattr(prepare, "amax_per_expert", counting_amax)
+        monkeypatch.setattr(prepare, name, counting)
+    fused_calls, amax_passes = calls["quantize_scatter_nvfp4"], calls["amax_per_expert"]
     _assert_same_bytes(_prepare(ckpt, "nvfp4", "swiglu", kernels=True), reference,
                        f"fused={fused} {schedule}")
     assert bool(fused_calls) == fused  # the path asked for is the one that ran
