@@ -211,11 +211,11 @@ def prepare_summary(quant: str, amax_next: bool = False, k: int = 7168) -> str:
                       next_col_blocks=1, PAIR_MAX=True)
     types = dict(src_ptr="*i32", dst_ptr="*i16", dst_rows_ptr="*i64", scale_rows_ptr="*i64",
                  scale_ptr="*u8", table_ptr="*fp32", factor2_ptr="*fp32", next_ptr="*i32",
-                 next_partial_ptr="*fp32")
+                 next_amax_ptr="*i32")
     parameters = inspect.signature(prepare._fp4_kernel.fn).parameters
     # The optional arguments (the next matrix's amax, AMAX_NEXT) as a launch without them has
     # them: their defaults, constant.
-    run_time = ({"next_ptr", "next_partial_ptr", "next_rows", "next_cols", "next_tiles",
+    run_time = ({"next_ptr", "next_amax_ptr", "next_rows", "next_cols", "next_tiles",
                  "next_stride_e", "next_stride_n"} if amax_next else set())
     consts.update({name: p.default for name, p in parameters.items()
                    if p.default is not inspect.Parameter.empty

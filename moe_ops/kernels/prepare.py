@@ -446,8 +446,8 @@ def _fp4_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     # The next matrix's amax (AMAX_NEXT; see below): its source view (_next_amax_plan), and
-    # next_partial [E, programs a expert] of float32 maxima.
-    next_ptr=None, next_partial_ptr=None, next_rows=0, next_cols=0, next_col_blocks=1,
+    # next_amax (int32 [E], zeros): the float32 bits of each expert's amax.
+    next_ptr=None, next_amax_ptr=None, next_rows=0, next_cols=0, next_col_blocks=1,
     next_tiles=1, next_stride_e=0, next_stride_n=0, next_stride_k=0,
     AMAX_NEXT: tl.constexpr = False,
     NEXT_SRC: tl.constexpr = "strided",
@@ -464,7 +464,8 @@ def _fp4_kernel(
 
     AMAX_NEXT: each program also reduces one amax tile of expert e of the next matrix to be
     quantized (nvfp4's per-expert amax, which that matrix's quantization needs first; see
-    quantize_scatter's next_weight): next_partial[e, pid] = max |tile|. The quantization here is
+    quantize_scatter's next_weight), maxed into next_amax[e] by an atomic on its float32 bits
+    (a non-negative float's bits order as the float does). The quantization here is
     bound by instruction issue and the amax pass by memory, so the two share the SMs instead of
     running one after the other. The tiles cover the next expert in at most as many tiles as
     this grid has programs per expert; programs past the last tile redo the last one (the
@@ -505,7 +506,7 @@ def _fp4_kernel(
                        next_col_blocks, next_stride_e, next_stride_n, next_stride_k, NEXT_SRC,
                        NEXT_UNIT_K, NEXT_EVEN, NEXT_BLOCK_N, NEXT_BLOCK_K, NEXT_ITERS,
                        PAIR_MAX)
-        tl.store(next_partial_ptr + e * tl.num_programs(0) + pid, m)
+        tl.atomic_max(next_amax_ptr + e, m.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
@@ -945,8 +946,8 @@ def quantize_scatter(
     fused = {}
     if plan is not None:
         view, next_kind, (rows, cols, stride_n, stride_k), nb, nk, iters, even, tiles = plan
-        partial = torch.empty((e, programs), dtype=torch.float32, device=w.device)
-        fused = dict(next_ptr=view, next_partial_ptr=partial, next_rows=rows, next_cols=cols,
+        next_amax = torch.zeros(e, dtype=torch.int32, device=w.device)
+        fused = dict(next_ptr=view, next_amax_ptr=next_amax, next_rows=rows, next_cols=cols,
                      next_col_blocks=cdiv(cols, nk), next_tiles=tiles,
                      next_stride_e=view.stride(0), next_stride_n=stride_n,
                      next_stride_k=stride_k, AMAX_NEXT=True, NEXT_SRC=next_kind,
@@ -963,7 +964,7 @@ def quantize_scatter(
     )
     if next_weight is None:
         return None
-    return partial.amax(dim=1) if plan is not None else amax_per_expert(next_weight)
+    return next_amax.view(torch.float32) if plan is not None else amax_per_expert(next_weight)
 
 
 def _check_fp4_destination(k: int, quant: str, dst: torch.Tensor,
