@@ -163,12 +163,15 @@ NEXT_CASES = [(12, (2, 24, 96), torch.bfloat16, "contiguous", True),
               (12, (2, 1024, 512), torch.bfloat16, "contiguous", False)]
 
 
-@pytest.mark.parametrize("quant", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("quant, pair_max", [("nvfp4", True), ("mxfp4", True),
+                                             ("nvfp4", False)])
 @pytest.mark.parametrize("case", NEXT_CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-"
                          f"{str(c[2])[6:]}-{c[3]}")
-def test_quantize_scatter_reduces_the_next_matrix_amax(monkeypatch, quant, case):
+def test_quantize_scatter_reduces_the_next_matrix_amax(monkeypatch, quant, pair_max, case):
     """quantize_scatter(next_weight=...): the next matrix's per-expert amax, exact, from the same
-    launch where it can, and the launch's own bytes unchanged (compared with a launch without)."""
+    launch where it can, and the launch's own bytes unchanged (compared with a launch without);
+    the amax tiles' pair-wise max (sm_90+, emulated in the interpreter) and the two-max form."""
+    monkeypatch.setattr(prepare, "_pair_max", lambda device: pair_max)
     n, (e, n_next, k_next), dtype, view, in_launch = case
     gen = _generator("next", quant, case)
     following = torch.randn(e, 2 * n_next if view == "rows" else n_next, k_next, generator=gen)
@@ -187,7 +190,8 @@ def test_quantize_scatter_reduces_the_next_matrix_amax(monkeypatch, quant, case)
         probes = []
         for place in range(places):
             probe = following.clone()
-            at = (2 * place + 1) * probe[0].numel() // (2 * places)
+            # (odd places at odd columns: the high half of a 16-bit pair)
+            at = (2 * place + 1) * probe[0].numel() // (2 * places) // 2 * 2 + place % 2
             probe.view(e, -1)[:, at] = torch.tensor([-5e3] + [7e3] * (e - 1), dtype=dtype)
             probes.append(probe)
     for probe in probes:

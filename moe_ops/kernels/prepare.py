@@ -529,16 +529,24 @@ def _amax_kernel(
 
 
 def _pair_max(device: torch.device) -> bool:
-    """_amax_tile's PAIR_MAX: max.u16x2 (inline PTX, sm_90+) on such GPUs; never in the
-    interpreter."""
-    return not INTERPRET and capability_at_least(device, (9, 0))
+    """_amax_tile's PAIR_MAX: on GPUs with max.u16x2 (sm_90+), and in the interpreter (where
+    _max_u16x2 is emulated), so that CI runs the same reduction."""
+    return INTERPRET or capability_at_least(device, (9, 0))
+
+
+_INTERPRET = tl.constexpr(INTERPRET)
 
 
 @triton.jit
 def _max_u16x2(a, b):
-    """Lane-wise unsigned max of the two 16-bit halves of int32 a and b (PTX max.u16x2)."""
-    return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b],
-                                     dtype=tl.int32, is_pure=True, pack=1)
+    """Lane-wise max of the two 16-bit halves of int32 a and b, whose halves are below 0x8000
+    (magnitude bits): PTX max.u16x2 on the GPU, two integer maxima in the interpreter."""
+    if _INTERPRET:
+        m = tl.maximum(a & 0x7FFF, b & 0x7FFF) | tl.maximum(a & 0x7FFF0000, b & 0x7FFF0000)
+    else:
+        m = tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    return m
 
 
 @triton.jit
@@ -556,7 +564,7 @@ def _amax_tile(src_ptr, e, tile, rows, cols, num_col_blocks, stride_se, stride_a
     `bits & 0x7FFF` (low value) and `bits & 0x7FFF0000` (high value, still a non-negative int32)
     are compared as they are, two operations per value and exact; with PAIR_MAX (sm_90+, see
     _pair_max) both halves at once (`bits & 0x7FFF7FFF`, then max.u16x2: one operation per
-    value). "strided": any float dtype.
+    value; emulated in the interpreter). "strided": any float dtype.
     """
     row_block = tile // num_col_blocks
     cols_k = (tile % num_col_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -589,10 +597,13 @@ def _amax_tile(src_ptr, e, tile, rows, cols, num_col_blocks, stride_se, stride_a
     if SRC == "strided":
         m = tl.max(tl.max(acc, axis=1), axis=0)
     else:
-        if PAIR_MAX:
+        if PAIR_MAX and not _INTERPRET:
             both = tl.reduce(tl.reshape(acc_lo, (BLOCK_N * BLOCK_K,)), 0, _max_u16x2)
             lo = both & 0x7FFF
             hi = both & 0x7FFF0000
+        elif PAIR_MAX:  # (a reduction with a Python combine is slow in the interpreter)
+            lo = tl.max(tl.max(acc_lo & 0x7FFF, axis=1), axis=0)
+            hi = tl.max(tl.max(acc_lo & 0x7FFF0000, axis=1), axis=0)
         else:
             lo = tl.max(tl.max(acc_lo, axis=1), axis=0)
             hi = tl.max(tl.max(acc_hi, axis=1), axis=0)
