@@ -536,10 +536,11 @@ def _quantize_into(
             chunk = weight[e0:e1].to(value_dst.device)
             targets = {part: destination[r][e0:e1] for part, r in roles.items()}
             if kernels:  # whole rows, the fp4 padding included
-                whole = same and (e0, e1) == (0, e)  # the chain's amaxes are whole matrices
-                following = chain.get(id(weight)) if whole else None
+                # (on the destination's device the matrix is one chunk: the chain's amaxes are
+                # whole matrices, as _nvfp4_chain only takes those)
+                following = chain.get(id(weight)) if same else None
                 next_amax = _device_parts(chunk, quant, targets, indices,
-                                          amaxes.pop(id(weight), None) if whole else None,
+                                          amaxes.pop(id(weight), None) if same else None,
                                           following)
                 if following is not None:
                     amaxes[id(following)] = next_amax

@@ -956,14 +956,16 @@ def quantize_scatter(
             else None)
     fused = {}
     if plan is not None:
-        view, next_kind, (rows, cols, stride_n, stride_k), nb, nk, iters, even, tiles = plan
+        flat, next_kind, nb, nk, iters, even = plan
+        rows = flat.shape[1]
         next_amax = torch.zeros(e, dtype=torch.int32, device=w.device)
-        fused = dict(next_ptr=view, next_amax_ptr=next_amax, next_rows=rows, next_cols=cols,
-                     next_col_blocks=cdiv(cols, nk), next_tiles=tiles,
-                     next_stride_e=view.stride(0), next_stride_n=stride_n,
-                     next_stride_k=stride_k, AMAX_NEXT=True, NEXT_SRC=next_kind,
-                     NEXT_UNIT_K=stride_k == 1, NEXT_EVEN=even, NEXT_BLOCK_N=nb,
-                     NEXT_BLOCK_K=nk, NEXT_ITERS=iters, PAIR_MAX=_pair_max(w.device))
+        # the next expert as rows of nk contiguous elements: one column block
+        fused = dict(next_ptr=flat, next_amax_ptr=next_amax, next_rows=rows, next_cols=nk,
+                     next_col_blocks=1, next_tiles=cdiv(rows, nb * iters),
+                     next_stride_e=flat.stride(0), next_stride_n=nk, next_stride_k=1,
+                     AMAX_NEXT=True, NEXT_SRC=next_kind, NEXT_UNIT_K=True, NEXT_EVEN=even,
+                     NEXT_BLOCK_N=nb, NEXT_BLOCK_K=nk, NEXT_ITERS=iters,
+                     PAIR_MAX=_pair_max(w.device))
     _fp4_kernel[(programs, e)](
         src, runs, dst_rows, scale_arg, scale_rows_arg,
         table if quant == "nvfp4" else dst_rows, factor2 if factor2 is not None else dst_rows,
@@ -1021,12 +1023,12 @@ def _amax_view(src: torch.Tensor) -> tuple[tuple[int, int, int, int], int, int, 
 def _next_amax_plan(next_weight: torch.Tensor, experts: int, programs: int,
                     device: torch.device):
     """How _fp4_kernel's programs (`programs` an expert) reduce next_weight's per-expert amax
-    (AMAX_NEXT): (the source view, its kind, (rows, cols, row stride, column stride) of an
-    expert as a matrix, BLOCK_N, BLOCK_K, ITERS, EVEN, tiles an expert), or None where the
-    launch cannot: another device or expert count, experts not contiguous, nothing to read,
-    rows narrower than 16 elements (an expert whose size has no such power of two: scalar
-    loads), or more than _FUSED_AMAX_ITERS tiles a program (a next matrix much larger than this
-    one: each ITERS is a build of its own, unrolled, and holds registers). An expert is read as
+    (AMAX_NEXT): (the source as [E, rows, BLOCK_K] contiguous rows, its kind, BLOCK_N, BLOCK_K,
+    ITERS, EVEN), or None where the launch cannot: another device or expert count, experts not
+    contiguous, nothing to read, rows narrower than 16 elements (an expert whose size has no
+    such power of two: scalar loads), or more than _FUSED_AMAX_ITERS tiles a program (a next
+    matrix much larger than this one: each ITERS is a build of its own, unrolled, and holds
+    registers). An expert is read as
     rows of _FUSED_AMAX_TILE[1] elements (_rows_view; fewer, a power of two, where that does not
     divide the expert) in tiles of _FUSED_AMAX_TILE's size, as many of them a program (ITERS)
     as it takes for the tiles to be no more than the programs."""
@@ -1044,9 +1046,7 @@ def _next_amax_plan(next_weight: torch.Tensor, experts: int, programs: int,
     iters = cdiv(rows, block_n * programs)
     if iters > _FUSED_AMAX_ITERS:
         return None
-    tiles = cdiv(rows, block_n * iters)
-    even = rows % (block_n * iters) == 0
-    return flat, kind, (rows, block_k, block_k, 1), block_n, block_k, iters, even, tiles
+    return flat, kind, block_n, block_k, iters, rows % (block_n * iters) == 0
 
 
 def quantize_scatter_nvfp4(
