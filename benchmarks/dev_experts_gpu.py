@@ -31,8 +31,9 @@ from moe_ops.kernels import experts as experts_mod  # noqa: E402
 from moe_ops.kernels.act_quant import act_quant  # noqa: E402
 from moe_ops.kernels.align import moe_align  # noqa: E402
 from moe_ops.kernels.experts import gemm_problems, triton_experts, use_direct_dispatch  # noqa: E402
+from moe_ops.kernels.combine import combine_pair_rows  # noqa: E402
 from moe_ops.kernels.grouped_gemm import (  # noqa: E402
-    GemmConfig, Routing, combine_pair_rows, default_config, gemm1, gemm2, is_valid_config,
+    GemmConfig, Routing, default_config, gemm1, gemm2, is_valid_config,
 )
 
 READ_TBPS = 4.55

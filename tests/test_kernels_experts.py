@@ -512,7 +512,8 @@ def test_pdl_early_launch_at_decode_sizes_only(tokens, early, monkeypatch, poiso
         return {}  # the interpreter's launcher takes no PDL attribute
 
     import moe_ops.kernels.act_quant as act_quant_mod
-    for module in (gg, align_mod, act_quant_mod):  # every launcher of the experts call
+    import moe_ops.kernels.combine as combine_mod
+    for module in (gg, align_mod, act_quant_mod, combine_mod):  # every launcher of the call
         monkeypatch.setattr(module, "pdl_launch_options", recording_options)
         monkeypatch.setattr(module, "use_pdl", lambda device: False)  # no PTX in the interpreter
     tensors, kwargs = make_problem(tokens, 32, 16, 4, 2, seed=41)

@@ -26,11 +26,12 @@ import torch
 
 from moe_ops.kernels.act_quant import act_quant
 from moe_ops.kernels.align import moe_align
+from moe_ops.kernels.combine import combine_pair_rows
 from moe_ops.kernels.common import is_gated, pdl_early_launch, upcast_dots
 from moe_ops.quant import FP4_K_ALIGN
 from moe_ops.kernels.grouped_gemm import (
-    FP4_QUANTS, PERSISTENT_QUANTS, GemmConfig, GemmProblem, Routing, combine_pair_rows, gemm1,
-    gemm2, use_persistent,
+    FP4_QUANTS, PERSISTENT_QUANTS, GemmConfig, GemmProblem, Routing, gemm1, gemm2,
+    use_persistent,
 )
 from moe_ops.tuning import experts_configs
 

@@ -10,9 +10,10 @@ GEMM1  h = x[pair // top_k] @ w13[e]^T (+ b13) -> act -> intermediate[slot]   (x
        the activation runs in the epilogue: the [BM, BN] accumulator is split into two
        [BM, BN/2] halves.
 GEMM2  y = intermediate[slot] @ w2[e]^T (+ b2), times topk_weights[pair], then either
-       written as one row per pair (combine="rows", then `combine_pair_rows` sums the k rows of a
-       token in a fixed order: deterministic) or added atomically into an fp32 [T, H] output
-       (combine="atomic": no [T*k, H] buffer, but the summation order varies run to run).
+       written as one row per pair (combine="rows", then combine.py's `combine_pair_rows` sums
+       the k rows of a token in a fixed order: deterministic) or added atomically into an fp32
+       [T, H] output (combine="atomic": no [T*k, H] buffer, but the summation order varies run
+       to run).
 
 The intermediate is indexed by the pair's slot in the dispatch (its sorted position), so GEMM2
 reads it contiguously; padding slots are never written and always masked.
@@ -1258,40 +1259,3 @@ def gemm2(a, a_scale, w2, w2_scale, b2, out, routing: Routing, config: GemmConfi
             n=w2.shape[1], k=a.shape[1], gemm=2, quant=quant, activation="none",
             alpha=0.0, limit=0.0, atomic_out=atomic_out, interpret_upcast=interpret_upcast,
             global_scale=w2_global_scale)
-
-
-@triton.jit
-def _combine_pair_rows_kernel(
-    pair_out_ptr, topk_ids_ptr, out_ptr,
-    H, top_k, num_experts, local_expert_offset,
-    stride_pm, stride_om,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    pdl_prologue(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    slot = tl.arange(0, TOP_K)
-    pairs = token * top_k + slot
-    ids = tl.load(topk_ids_ptr + pairs, mask=slot < top_k, other=-1)
-    local = ids - local_expert_offset
-    # Rows of pairs with no local expert were never written: they must not be read.
-    valid = (slot < top_k) & (local >= 0) & (local < num_experts)
-    h_ok = offs_h < H
-    rows = tl.load(pair_out_ptr + pairs[:, None] * stride_pm + offs_h[None, :],
-                   mask=valid[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * stride_om + offs_h,
-             round_to_dtype(tl.sum(rows, 0), out_ptr.dtype.element_ty), mask=h_ok)
-
-
-def combine_pair_rows(pair_out: torch.Tensor, routing: Routing, out: torch.Tensor) -> None:
-    """out[t] = sum over valid slots j of pair_out[t*k + j] (already routing-weighted), fp32."""
-    T, H = out.shape
-    top_k_p2 = next_power_of_2(routing.top_k)
-    block_h = max(16, min(next_power_of_2(H), 4096 // top_k_p2, 1024))
-    _combine_pair_rows_kernel[(T, cdiv(H, block_h))](
-        pair_out, routing.topk_ids, out,
-        H, routing.top_k, routing.num_experts, routing.local_expert_offset,
-        pair_out.stride(0), out.stride(0),
-        TOP_K=top_k_p2, BLOCK_H=block_h, num_warps=4, USE_PDL=use_pdl(out.device),
-        **pdl_launch_options(out.device),
-    )
