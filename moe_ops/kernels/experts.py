@@ -8,7 +8,8 @@ Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
   dispatch    moe_align (or nothing in direct mode, for tiny batches)
   GEMM1       gathered token rows, activation in the epilogue -> intermediate [slots, I]
               (a persistent config at prefill first copies the rows into dispatch order,
-              grouped_gemm.gather_rows: its TMA loads cannot gather)
+              grouped_gemm.gather_rows: its TMA loads cannot gather; fp8_block's persistent
+              launches run ws_gemm's warp-specialized kernel on Hopper)
   [fp8 modes] act_quant(intermediate)            padding slots skipped
   GEMM2       routing weight in the epilogue -> one row per pair
   combine     sum of each token's k rows in fp32; for large batches on the tile kernel instead
@@ -20,17 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Optional
 
 import torch
 
 from moe_ops.kernels.act_quant import act_quant
 from moe_ops.kernels.align import moe_align
+from moe_ops.kernels import ws_gemm
 from moe_ops.kernels.combine import combine_pair_rows
 from moe_ops.kernels.common import is_gated, pdl_early_launch, upcast_dots
 from moe_ops.quant import FP4_K_ALIGN
 from moe_ops.kernels.grouped_gemm import (
-    FP4_QUANTS, PERSISTENT_QUANTS, GemmConfig, GemmProblem, Routing, gemm1, gemm2,
+    FP4_QUANTS, PERSISTENT_QUANTS, GemmConfig, GemmProblem, Routing, gather_rows, gemm1, gemm2,
     use_persistent,
 )
 from moe_ops.tuning import experts_configs
@@ -71,6 +74,29 @@ PDL_MAX_PAIRS = 512
 # tuning candidates are unswapped themselves, so this guards explicit configs (gemm1_config /
 # gemm2_config, a user's tuning cache); True lets them run swapped (for measurements).
 FP8_SWAP_AB = False
+# fp8_block launches whose config is persistent (the tables' choice at prefill) run the
+# warp-specialized Gluon kernel on Hopper (ws_gemm: the block-scale promotion off the tensor
+# cores' critical path). Its tile form by routed rows per expert: "rows" (128-row tiles) from
+# WS_ROWS_TILE_MIN_ROWS on, "cols" (64-row tiles, 256 columns) below. The tables were tuned on
+# the Triton persistent kernel; until they are re-tuned with this kernel among the candidates,
+# this rule stands in. Measured on an H200, DeepSeek-V3's experts call, kernels without PDL
+# (results/h200_ws_profile_*.json): T = 16384 (512 rows an expert) 18.9 -> 17.2 ms with
+# "rows" (17.7 "cols"), T = 4096 (128 rows) 5.78 -> 5.40 ms with "cols" (5.71 "rows").
+# MOE_OPS_WS_FP8_BLOCK_TILE=rows|cols|none overrides the rule ("none": never this kernel).
+WS_FP8_BLOCK_TILE: Optional[str] = os.environ.get("MOE_OPS_WS_FP8_BLOCK_TILE", "auto")
+if WS_FP8_BLOCK_TILE not in ("auto", "rows", "cols", "none"):
+    raise ValueError("MOE_OPS_WS_FP8_BLOCK_TILE must be auto, rows, cols or none, got "
+                     f"{WS_FP8_BLOCK_TILE!r}")
+WS_ROWS_TILE_MIN_ROWS = 256
+
+
+def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool) -> Optional[str]:
+    """The warp-specialized kernel's tile form for an fp8_block call (None: not this kernel)."""
+    if quant != "fp8_block" or direct or WS_FP8_BLOCK_TILE == "none":
+        return None
+    if WS_FP8_BLOCK_TILE != "auto":
+        return WS_FP8_BLOCK_TILE
+    return "rows" if num_pairs >= WS_ROWS_TILE_MIN_ROWS * num_experts else "cols"
 
 
 def use_direct_dispatch(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -170,13 +196,22 @@ def triton_experts(
                             for c in (config1, config2))
 
     x = x.contiguous()
+    direct = use_direct_dispatch(T, top_k, E)
+    tile = ws_tile(quant, T * top_k, E, direct)
+    # x quantized is [T, H] e4m3 like the intermediate's [slots, I]: the same checks hold
+    ws1 = tile is not None and config1.persistent and ws_gemm.applies(
+        quant, activation, w13.shape[1], H, x, w13, tile, activations_quantized=False)
+    ws2 = tile is not None and config2.persistent and ws_gemm.applies(
+        quant, "none", H, I, x, w2, tile, activations_quantized=False)
     flat_ids = topk_ids.reshape(-1).contiguous()
     flat_weights = topk_weights.reshape(-1).contiguous()
     routing = Routing(flat_ids, flat_weights, top_k, E, local_expert_offset)
-    if not use_direct_dispatch(T, top_k, E):
+    if not direct:
         # One dispatch serves both GEMMs: its block_m is the larger one, the other GEMM's
         # block_m divides it (powers of two), so no GEMM block straddles two experts.
         align_block_m = max(config1.block_m, config2.block_m)
+        if ws1 or ws2:
+            align_block_m = max(align_block_m, ws_gemm.block_m(tile))
         aligned = moe_align(topk_ids, E, align_block_m, local_expert_offset)
         routing.sorted_pair_ids = aligned.sorted_pair_ids
         routing.block_expert_ids = aligned.block_expert_ids
@@ -190,9 +225,15 @@ def triton_experts(
     else:
         a1, a1_scale = act_quant(x, quant)
     intermediate = torch.empty((routing.num_slots, I), dtype=x.dtype, device=x.device)
-    gemm1(a1, a1_scale, w13, w13_scale, b13, intermediate, routing, config1,
-          quant=quant, activation=activation, alpha=alpha, limit=limit, interpret_upcast=upcast,
-          w13_global_scale=w13_global_scale)
+    if ws1:
+        rows, row_scales = gather_rows(a1, a1_scale, routing)
+        ws_gemm.gemm(rows, row_scales, w13, w13_scale, b13, intermediate, routing, gemm=1,
+                     activation=activation, alpha=alpha, limit=limit, tile=tile)
+        del rows, row_scales
+    else:
+        gemm1(a1, a1_scale, w13, w13_scale, b13, intermediate, routing, config1,
+              quant=quant, activation=activation, alpha=alpha, limit=limit,
+              interpret_upcast=upcast, w13_global_scale=w13_global_scale)
 
     if quant == "none" or fp4:
         a2, a2_scale = intermediate, None
@@ -202,20 +243,26 @@ def triton_experts(
     combine = COMBINE
     if combine == "auto":
         pair_rows_bytes = routing.num_pairs * H * x.element_size()
-        if use_persistent(config2, routing, a2, w2):
+        if ws2 or use_persistent(config2, routing, a2, w2):
             combine = "rows"
         else:
             combine = "atomic" if pair_rows_bytes >= ATOMIC_COMBINE_MIN_BYTES else "rows"
-    if config2.split_k > 1:
+    if config2.split_k > 1 and not ws2:
         combine = "atomic"  # split-K partial products meet in the fp32 output
+    if ws2:
+        combine = "rows"    # the warp-specialized kernel writes one row per pair
     if combine == "atomic":
         out32 = torch.zeros((T, H), dtype=torch.float32, device=x.device)
         gemm2(a2, a2_scale, w2, w2_scale, b2, out32, routing, config2, quant=quant,
               atomic_out=True, interpret_upcast=upcast, w2_global_scale=w2_global_scale)
         return out32 if x.dtype == torch.float32 else out32.to(x.dtype)
     pair_out = torch.empty((routing.num_pairs, H), dtype=x.dtype, device=x.device)
-    gemm2(a2, a2_scale, w2, w2_scale, b2, pair_out, routing, config2, quant=quant,
-          atomic_out=False, interpret_upcast=upcast, w2_global_scale=w2_global_scale)
+    if ws2:
+        ws_gemm.gemm(a2, a2_scale, w2, w2_scale, b2, pair_out, routing, gemm=2,
+                     activation="none", tile=tile)
+    else:
+        gemm2(a2, a2_scale, w2, w2_scale, b2, pair_out, routing, config2, quant=quant,
+              atomic_out=False, interpret_upcast=upcast, w2_global_scale=w2_global_scale)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     combine_pair_rows(pair_out, routing, out)
     return out

@@ -1,0 +1,359 @@
+"""The fp8_block grouped GEMM for prefill on Hopper, warp-specialized (Gluon).
+
+Why a second GEMM kernel: fp8_block scales each 128-column partial product before it joins the
+fp32 accumulator (`acc += (a @ w) * a_scale * w_scale`, every K step). In grouped_gemm's Triton
+kernels each step therefore waits for its MMAs, and the tensor cores idle while the warps
+promote; Triton 3.6 cannot overlap the two for this loop (its automatic warp specialization
+does not apply on sm_90, see benchmarks/dev_prefill_ws.py). Gluon, the lower-level dialect in
+the same Triton wheel, states the schedule explicitly, as DeepGEMM does in CUDA:
+
+  producer   1 warp: TMA loads of each K step's activation tile [BLOCK_M, 128] and weight tile
+             [BLOCK_N, 128] into a ring of STAGES shared-memory slots (ready / empty mbarriers)
+  consumers  2 warpgroups, each owning half the output tile (TILE "rows": 64 of 128 rows;
+             "cols": 128 of 256 columns): per K step, an asynchronous wgmma of its half into a
+             fresh fp32 partial, wait, release the slot, then the promotion
+             acc += partial * a_scale[row] * w_scale. The two warpgroups run independently, so
+             one's promotion overlaps the other's wgmma.
+Both walk the output tiles persistently (one program per SM, grouped order as in
+grouped_gemm), over the live row blocks of the dispatch (their count is on the device).
+
+Measured on an H200 (benchmarks/dev_ws_fp8_block.py, DeepSeek-V3's GEMMs on dispatch-ordered
+rows): GEMM1 at T = 16384 792 TFLOP/s against 520-550 for grouped_gemm's kernels, GEMM2 693
+against 539-569; at T = 4096 598 / 498 against 471-474 / 441-450.
+
+Same contract as grouped_gemm's persistent kernel: activation rows in dispatch order (GEMM1's
+gathered by grouped_gemm.gather_rows), one scale per row per 128 columns ([slots, K/128]),
+weights [E, N, K] e4m3 with [E, N/128, K/128] scales (w13's gate/up rows interleaved, their
+scale rows too); GEMM1 applies the activation (and bias) and writes intermediate[slot], GEMM2
+multiplies by the routing weight and writes out[pair] (then combine_pair_rows). Padding slots
+are never written. Gluon has no interpreter: on a CPU the tests compile it for sm_90 (ptxas
+from the Triton wheel); the GPU tests compare it with the reference.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from moe_ops.kernels.common import (
+    FP8_BLOCK, apply_activation, cdiv, device_properties, round_to_dtype)
+
+# Each consumer warpgroup's share of a tile: 64 rows x 128 columns (one m64n128k32 wgmma per 32
+# columns of K; its fp32 accumulator and partial take 2 x 64 registers a thread).
+WG_ROWS, WG_COLS = 64, 128
+# TILE -> (BLOCK_M, BLOCK_N): the warpgroups split a 128-row tile ("rows") or a 256-column one
+# ("cols": 64-row blocks, the dispatch alignment the tables' fp8_block configs use).
+TILES = {"rows": (2 * WG_ROWS, WG_COLS), "cols": (WG_ROWS, 2 * WG_COLS)}
+ACTIVATIONS = ("none", "swiglu", "geglu", "swiglu_oai", "relu2")
+STAGES = 4          # 4 x 32 KB of operand slots ("rows"), 4 x 40 KB ("cols")
+GROUP_M = 8
+# Registers a thread: consumers 232 (two fp32 tiles and the addressing), the producer 40 (the
+# minimum that holds its loop); the launch's budget of 168 x 12 warps fits one program an SM.
+CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168
+# "0" turns the kernel off (every fp8_block launch then runs grouped_gemm's kernels).
+ENABLED = os.environ.get("MOE_OPS_WS_GEMM", "1") != "0"
+
+
+@gluon.jit
+def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
+    """As grouped_gemm._tile_coords: GROUP_M row blocks walk the column blocks together."""
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    size = gl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % size, (tile % per_group) // size
+
+
+@gluon.jit
+def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
+              ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
+              HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr):
+    a_desc, w_desc = descs
+    a_bufs, w_bufs, ready, empty = smem
+    block_expert_ptr = ptrs[5]
+    num_padded_ptr = ptrs[6]
+    N, K = sizes[0], sizes[1]
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    num_m = gl.load(num_padded_ptr) // BM
+    num_n = gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    index = 0
+    phase = 1  # a fresh mbarrier counts as having completed the phase before its first
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
+        w_row = expert * N + pid_n * BN
+        for kb in range(k_steps):
+            mbarrier.wait(empty.index(index), phase)
+            bar = ready.index(index)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kb * BK], bar,
+                                            a_bufs.index(index))
+            tma.async_copy_global_to_shared(w_desc, [w_row, kb * BK], bar, w_bufs.index(index))
+            index += 1
+            if index == STAGES:
+                index = 0
+                phase ^= 1
+
+
+@gluon.jit
+def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
+              ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
+              HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, HALF: gl.constexpr):
+    a_desc, w_desc = descs
+    a_bufs, w_bufs, ready, empty = smem
+    (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
+     num_padded_ptr, topk_weights_ptr) = ptrs
+    N, K, num_pairs, alpha, limit = sizes
+    stride_as, stride_wse, stride_wsn, stride_be, stride_om = strides
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    ROWS: gl.constexpr = 64
+    COLS: gl.constexpr = 128
+    # ACTIVATION is an index into ACTIVATIONS (a string cannot ride in warp_specialize's
+    # argument tuples): 0 none, 1 swiglu, 2 geglu, 3 swiglu_oai, 4 relu2
+    GATED: gl.constexpr = ACTIVATION >= 1 and ACTIVATION <= 3
+    # this warpgroup's half of the tile (SPLIT_N 1: columns, 0: rows)
+    ROW0: gl.constexpr = HALF * ROWS * (1 - SPLIT_N)
+    COL0: gl.constexpr = HALF * COLS * SPLIT_N
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, COLS, 32])
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    out_ty: gl.constexpr = out_ptr.dtype.element_ty
+    num_m = gl.load(num_padded_ptr) // BM
+    num_n = gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    index = 0
+    phase = 0
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
+        slots = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=row_l)
+        col0 = pid_n * BN + COL0          # first weight row (output column) of this half
+        a_scale_rows = a_scale_ptr + slots * stride_as
+        # Weight scale rows of this half's 128 columns: one 128-row block, or with gate/up
+        # interleaved (2i, 2i+1) 64 gate rows of gate block col0 // 256 and 64 up rows of the
+        # matching up block, whose scale rows are interleaved the same way.
+        if GATED:
+            w_scale_gate = (w_scale_ptr + expert * stride_wse
+                            + (2 * (col0 // 256)) * stride_wsn)
+            w_scale_up = w_scale_gate + stride_wsn
+        else:
+            w_scale_row = w_scale_ptr + expert * stride_wse + (col0 // 128) * stride_wsn
+        acc = gl.zeros([ROWS, COLS], gl.float32, mma)
+        for kb in range(k_steps):
+            a_s = gl.load(a_scale_rows + kb)
+            if GATED:
+                s_g = a_s * gl.load(w_scale_gate + kb)
+                s_u = a_s * gl.load(w_scale_up + kb)
+            else:
+                s = a_s * gl.load(w_scale_row + kb)
+            mbarrier.wait(ready.index(index), phase)
+            a_tile = a_bufs.index(index)
+            w_tile = w_bufs.index(index)
+            if SPLIT_N:
+                w_tile = w_tile.slice(COL0, COLS, dim=0)
+            else:
+                a_tile = a_tile.slice(ROW0, ROWS, dim=0)
+            part = warpgroup_mma(a_tile, w_tile.permute((1, 0)), acc, use_acc=False,
+                                 is_async=True)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+            mbarrier.arrive(empty.index(index), count=1)
+            if GATED:
+                # even columns are gate rows, odd ones up rows: their scales differ
+                cols_in = gl.arange(0, COLS, layout=col_l)
+                scale = gl.where((cols_in % 2 == 0)[None, :], s_g[:, None], s_u[:, None])
+                acc += part * scale
+            else:
+                acc += part * s[:, None]
+            index += 1
+            if index == STAGES:
+                index = 0
+                phase ^= 1
+
+        # Epilogue: bias, then GEMM1's activation into intermediate[slot] or GEMM2's routing
+        # weight into out[pair]; padding slots (pair id >= num_pairs) are not written.
+        pair_ids = gl.load(sorted_pair_ids_ptr + slots)
+        row_ok = pair_ids < num_pairs
+        cols = col0 + gl.arange(0, COLS, layout=col_l)
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + expert * stride_be + cols)[None, :]
+        if ACTIVATION == 0:
+            if MUL_ROUTED_WEIGHT:
+                acc = acc * gl.load(topk_weights_ptr + pair_ids, mask=row_ok, other=0.0)[:, None]
+            out = out_ptr + pair_ids.to(gl.int64)[:, None] * stride_om + cols[None, :]
+            gl.store(out, round_to_dtype(acc, out_ty), mask=row_ok[:, None])
+        else:
+            if GATED:
+                gate, up = gl.split(gl.reshape(acc, [ROWS, COLS // 2, 2]))
+                if ACTIVATION == 1:
+                    h = apply_activation(gate, up, alpha, limit, "swiglu")
+                elif ACTIVATION == 2:
+                    h = apply_activation(gate, up, alpha, limit, "geglu")
+                else:
+                    h = apply_activation(gate, up, alpha, limit, "swiglu_oai")
+            else:
+                h = apply_activation(acc, acc, alpha, limit, "relu2")
+            H_COLS: gl.constexpr = h.type.shape[1]
+            h_cols_first = col0 // (COLS // H_COLS)
+            h_layout: gl.constexpr = h.type.layout
+            h_rows = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, h_layout))
+            h_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, h_layout))
+            h_cols = h_cols_first + gl.arange(0, H_COLS, layout=gl.SliceLayout(0, h_layout))
+            out = out_ptr + h_rows.to(gl.int64)[:, None] * stride_om + h_cols[None, :]
+            gl.store(out, round_to_dtype(h, out_ty), mask=h_ok[:, None])
+
+
+@gluon.jit
+def _consumer_second(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
+                     ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr):
+    _consumer(descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
+              HAS_BIAS, MUL_ROUTED_WEIGHT, 1)
+
+
+@gluon.jit
+def _ws_fp8_block_kernel(
+    a_desc, w_desc, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr,
+    block_expert_ptr, num_padded_ptr, topk_weights_ptr,
+    N, K, num_pairs, stride_as, stride_wse, stride_wsn, stride_be, stride_om, alpha, limit,
+    ALIGN_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_N: gl.constexpr,
+    ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
+                                       a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
+                                       w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)   # the producer's expect + the TMA bytes
+        mbarrier.init(empty.index(i), count=2)   # one arrive from each consumer warpgroup
+    descs = (a_desc, w_desc)
+    smem = (a_bufs, w_bufs, ready, empty)
+    ptrs = (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
+            num_padded_ptr, topk_weights_ptr)
+    sizes = (N, K, num_pairs, alpha, limit)
+    strides = (stride_as, stride_wse, stride_wsn, stride_be, stride_om)
+    # (the constexprs are spelled out in each tuple: a tuple held in a variable would turn them
+    # into tensors)
+    gl.warp_specialize([
+        (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
+                     HAS_BIAS, MUL_ROUTED_WEIGHT, 0)),
+        (_consumer_second, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N,
+                            ACTIVATION, HAS_BIAS, MUL_ROUTED_WEIGHT)),
+        (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
+                     HAS_BIAS, MUL_ROUTED_WEIGHT)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def available(device: torch.device) -> bool:
+    """Gluon's wgmma path: sm_90 (Hopper) only; off with MOE_OPS_WS_GEMM=0."""
+    if not ENABLED or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[:2] == (9, 0)
+
+
+def applies(quant: str, activation: str, n: int, k: int, a: torch.Tensor, w: torch.Tensor,
+            tile: str, activations_quantized: bool = True) -> bool:
+    """Whether this kernel can run a launch: fp8_block on a Hopper GPU, whole tiles of N (each
+    warpgroup's 128 columns one scale block) and whole 128-column blocks of K, e4m3 weights
+    contiguous (one TMA descriptor over [E * N, K]). `a`: the activation rows, e4m3 in dispatch
+    order (activations_quantized=False: the 16-bit rows they will be quantized from; the
+    quantized copies are contiguous, [rows, K], TMA-addressable when K is a multiple of 16)."""
+    bm, bn = TILES[tile]
+    if activations_quantized and (a.dtype != torch.float8_e4m3fn or a.stride(-1) != 1
+                                  or (a.stride(0) * a.element_size()) % 16
+                                  or a.data_ptr() % 16):
+        return False
+    return (quant == "fp8_block" and activation in ACTIVATIONS and available(a.device)
+            and n % bn == 0 and k % FP8_BLOCK == 0 and w.is_contiguous()
+            and w.dtype == torch.float8_e4m3fn)
+
+
+def block_m(tile: str) -> int:
+    """Rows of a tile: the dispatch must align each expert's rows to a multiple of it."""
+    return TILES[tile][0]
+
+
+def _descriptors(a: torch.Tensor, w: torch.Tensor, tile: str):
+    bm, bn = TILES[tile]
+    E, N, K = w.shape
+    a_layout = gl.NVMMASharedLayout.get_default_for([bm, FP8_BLOCK], gl.float8e4nv)
+    w_layout = gl.NVMMASharedLayout.get_default_for([bn, FP8_BLOCK], gl.float8e4nv)
+    a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [bm, FP8_BLOCK], a_layout)
+    w_desc = TensorDescriptor(w.view(E * N, K), [E * N, K], [K, 1], [bn, FP8_BLOCK], w_layout)
+    return a_desc, w_desc
+
+
+def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: str,
+         alpha: float = 0.0, limit: float = 0.0, tile: str = "cols",
+         programs: Optional[int] = None) -> None:
+    """One fp8_block GEMM over the dispatch's live slots (see the module docstring).
+
+    a [slots, K] e4m3 in dispatch order, a_scale [slots, K/128] fp32; w [E, N, K] e4m3,
+    w_scale [E, N/128, K/128]; bias [E, N] or None. GEMM1 (gemm=1): out = intermediate
+    [slots, N/2 gated, N otherwise], act(a @ w^T + bias); GEMM2: out [pairs, N] =
+    topk_weight * (a @ w^T + bias)."""
+    bm, bn = TILES[tile]
+    if routing.direct or routing.align_block_m % bm:
+        raise ValueError(f"the warp-specialized GEMM needs a dispatch aligned to {bm} rows")
+    E, N, K = w.shape
+    a_desc, w_desc = _descriptors(a, w, tile)
+    if programs is None:
+        programs = device_properties(a.device).multi_processor_count
+    dummy = routing.topk_weights
+    _ws_fp8_block_kernel[(programs, )](
+        a_desc, w_desc, a_scale, w_scale, bias if bias is not None else dummy, out,
+        routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
+        routing.topk_weights, N, K, routing.num_pairs, a_scale.stride(0), w_scale.stride(0),
+        w_scale.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
+        alpha, limit,
+        ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=STAGES, SPLIT_N=int(tile == "cols"),
+        ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
+        HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=gemm == 2, CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+
+
+def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
+                 has_bias: bool = False, out_dtype: str = "bf16"):
+    """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
+    run, Gluon having no interpreter. Returns triton's CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    bm, bn = TILES[tile]
+    a_layout = gl.NVMMASharedLayout.get_default_for([bm, FP8_BLOCK], gl.float8e4nv)
+    w_layout = gl.NVMMASharedLayout.get_default_for([bn, FP8_BLOCK], gl.float8e4nv)
+    signature = {
+        "a_desc": f"tensordesc<fp8e4nv[{bm}, {FP8_BLOCK}],{a_layout!r}>",
+        "w_desc": f"tensordesc<fp8e4nv[{bn}, {FP8_BLOCK}],{w_layout!r}>",
+        "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32",
+        "out_ptr": f"*{out_dtype}", "sorted_pair_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+        "num_padded_ptr": "*i32", "topk_weights_ptr": "*fp32",
+        "N": "i32", "K": "i32", "num_pairs": "i32", "stride_as": "i32", "stride_wse": "i32",
+        "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32",
+        "alpha": "fp32", "limit": "fp32"}
+    consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=STAGES, SPLIT_N=int(tile == "cols"),
+                  ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0, HAS_BIAS=has_bias,
+                  MUL_ROUTED_WEIGHT=gemm == 2, CONSUMER_REGS=CONSUMER_REGS,
+                  PRODUCER_REGS=PRODUCER_REGS)
+    signature.update({name: "constexpr" for name in consts})
+    attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+             if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_wse")}
+    source = GluonASTSource(fn=_ws_fp8_block_kernel, signature=signature, constexprs=consts,
+                            attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=MAXNREG))

@@ -1,0 +1,145 @@
+"""The warp-specialized fp8_block GEMM (moe_ops.kernels.ws_gemm, Gluon).
+
+Gluon has no interpreter: on a CPU these tests build the kernel for sm_90 (ptxas from the
+Triton wheel) and check the experts stage leaves it alone; on an H200 they run it inside the
+experts call against the float64 oracle of test_kernels_experts, and against grouped_gemm's
+persistent Triton kernel on the same dispatch, outputs poisoned with NaN first.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_ops.kernels import experts as experts_mod
+from moe_ops.kernels import grouped_gemm as gg
+from moe_ops.kernels import ws_gemm
+from moe_ops.kernels.act_quant import act_quant
+from moe_ops.kernels.align import moe_align
+from moe_ops.kernels.grouped_gemm import GemmConfig
+
+from test_kernels_experts import FP8_TOL, check_experts, make_problem
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[:2] == (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel runs on sm_90 only")
+
+
+@pytest.mark.parametrize("tile,gemm,activation,bias", [
+    ("cols", 1, "swiglu", False), ("cols", 2, "none", True), ("rows", 1, "swiglu_oai", True),
+    ("rows", 1, "relu2", False)])
+def test_builds_for_sm90(tile, gemm, activation, bias):
+    """Every epilogue form compiles for sm_90 with the schedule it is written for: two consumer
+    warpgroups on e4m3 m64n128k32 wgmmas, register budgets moved by setmaxnreg, mbarrier
+    waits."""
+    # In a fresh process: under TRITON_INTERPRET (set for the whole CPU test run) the Triton
+    # helpers the kernel calls are interpreter objects, which Gluon cannot compile.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; from moe_ops.kernels import ws_gemm; "
+            f"k = ws_gemm.compile_sm90(tile={tile!r}, gemm={gemm}, activation={activation!r}, "
+            f"has_bias={bias}); json.dump(k.asm['ptx'], sys.stdout)")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = json.loads(done.stdout)
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{ws_gemm.CONSUMER_REGS}" in ptx
+    assert f"setmaxnreg.dec.sync.aligned.u32 \t{ws_gemm.PRODUCER_REGS}" in ptx
+    assert "mbarrier.try_wait.parity" in ptx and "cp.async.bulk.tensor" in ptx
+
+
+def test_not_used_off_hopper(monkeypatch, poisoned_empty):
+    """Without an sm_90 GPU (here: the interpreter) fp8_block's persistent configs run
+    grouped_gemm's kernels, the dispatch aligned to the configs alone."""
+    if HOPPER:
+        pytest.skip("the kernel applies on this GPU")
+    calls = []
+    monkeypatch.setattr(ws_gemm, "gemm", lambda *a, **k: calls.append(1))
+    tensors, kwargs = make_problem(40, 256, 128, 4, 2, quant="fp8_block", seed=3)
+    assert not ws_gemm.applies("fp8_block", "swiglu", 256, 256, tensors[0], tensors[3], "cols",
+                               activations_quantized=False)
+    config = GemmConfig(64, 64, 32, 2, 4, 2, persistent=True)
+    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
+    assert calls == []
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile", ["cols", "rows"])
+@pytest.mark.parametrize("activation,bias", [
+    ("swiglu", False), ("geglu", True), ("swiglu_oai", True), ("relu2", False)])
+def test_experts_on_ws_gemm(tile, activation, bias, monkeypatch, poisoned_empty):
+    """The experts call with fp8_block persistent configs runs both GEMMs on the kernel (tile
+    form `tile`): several weight scale blocks along N and K, expert-parallel ids, ids of no
+    local expert, tokens all but one on one expert (many row blocks for one expert)."""
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
+    gemms = []
+    launch = ws_gemm.gemm
+
+    def counting(*args, gemm, **kwargs):
+        gemms.append(gemm)
+        return launch(*args, gemm=gemm, **kwargs)
+
+    monkeypatch.setattr(ws_gemm, "gemm", counting)
+    # gated: N13 = 768 (3 column tiles of 256, 6 gate/up scale rows); H = 512, I = 384
+    I = 384 if activation != "relu2" else 512
+    tensors, kwargs = make_problem(300, 512, I, 4, 2, activation=activation,
+                                   quant="fp8_block", bias=bias, local_expert_offset=2,
+                                   num_global_experts=8, invalid_ids=True, seed=41)
+    ids = tensors[1]
+    ids[:250, 0] = 3  # one expert gets most tokens: row blocks well past the SM count's share
+    config = GemmConfig(64, 128, 128, 8, 4, 3, persistent=True)
+    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
+    assert gemms == [1, 2]
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile", ["cols", "rows"])
+@pytest.mark.parametrize("programs", [3, 132])
+def test_gemm2_matches_the_triton_persistent_kernel(tile, programs):
+    """GEMM2 on one dispatch, by this kernel (few programs: many tiles each, the stage ring
+    wrapping across tiles) and by grouped_gemm's persistent kernel: the same rows, the padding
+    slots never written (NaN-poisoned rows stay NaN only where no pair lands)."""
+    torch.manual_seed(5)
+    E, N, K, T, k = 8, 512, 1024, 700, 4
+    dev = torch.device("cuda")
+    topk_ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)]).to(torch.int32)
+    weights = torch.rand(T, k, device=dev)
+    align = ws_gemm.block_m(tile)
+    dispatch = moe_align(topk_ids, E, align, 0)
+    routing = gg.Routing(topk_ids.reshape(-1), weights.reshape(-1), k, E, 0,
+                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, align,
+                         dispatch.num_padded)
+    rows = torch.randn(dispatch.sorted_pair_ids.numel(), K, device=dev, dtype=torch.bfloat16)
+    a, a_scale = act_quant(rows, "fp8_block")
+    w = (torch.randn(E, N, K, device=dev) * 0.5).to(torch.float8_e4m3fn)
+    w_scale = torch.rand(E, N // 128, K // 128, device=dev) * 0.01 + 1e-3
+    outs = []
+    for use_ws in (True, False):
+        out = torch.full((T * k, N), float("nan"), device=dev, dtype=torch.bfloat16)
+        if use_ws:
+            ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=2, activation="none",
+                         tile=tile, programs=programs)
+        else:
+            gg.gemm2(a, a_scale, w, w_scale, None, out, routing,
+                     GemmConfig(64, 128, 128, 8, 4, 3, persistent=True), quant="fp8_block",
+                     atomic_out=False)
+        outs.append(out.float())
+    assert torch.isfinite(outs[0]).all(), "a pair's row was not written"
+    err = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
+    assert err < 2e-3, err
+
+
+def test_tile_rule(monkeypatch):
+    """fp8_block calls with a dispatch take the 128-row tiles from 256 routed rows an expert on
+    and the 256-column ones below; other modes, direct dispatch or the override "none" never
+    take the kernel."""
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "auto")
+    assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) == "rows"
+    assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, False) == "cols"
+    assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, True) is None
+    assert experts_mod.ws_tile("fp8", 16384 * 8, 256, False) is None
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "cols")
+    assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) == "cols"
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "none")
+    assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) is None
