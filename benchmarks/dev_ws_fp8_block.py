@@ -309,7 +309,7 @@ def run_ours(pb, out_pairs, persistent=True, stages=3):
              quant="fp8_block", atomic_out=False)
 
 
-def run_package(pb, out_pairs, tile):
+def run_package(pb, out_pairs, tile, coalesced=True):
     """moe_ops.kernels.ws_gemm (this kernel as the package runs it: GEMM2's epilogue, one row
     per pair times a routing weight of 1) on the same rows."""
     from moe_ops.kernels import grouped_gemm as gg, ws_gemm
@@ -318,8 +318,13 @@ def run_package(pb, out_pairs, tile):
         local_expert_offset=0, sorted_pair_ids=pb["sorted_pair_ids"],
         block_expert_ids=pb["block_expert_ids"], align_block_m=BLOCK_M,
         num_padded=pb["num_padded"])
-    ws_gemm.gemm(pb["a"], pb["a_scale"], pb["w"], pb["w_scale"], None, out_pairs, routing,
-                 gemm=2, activation="none", tile=tile)
+    saved = ws_gemm.COALESCED_STORE
+    ws_gemm.COALESCED_STORE = coalesced
+    try:
+        ws_gemm.gemm(pb["a"], pb["a_scale"], pb["w"], pb["w_scale"], None, out_pairs, routing,
+                     gemm=2, activation="none", tile=tile)
+    finally:
+        ws_gemm.COALESCED_STORE = saved
 
 
 def main():
@@ -357,7 +362,9 @@ def main():
             variants = [(f"ws s{st}{' pipe' if pipe else ''}", st, pipe)
                         for pipe in (False, True) for st in (4, 5)]
             variants += [("ours persistent", 3, None), ("ours tile", 4, None),
-                         ("package rows", 0, "rows"), ("package cols", 0, "cols")]
+                         ("package rows", 0, "rows"), ("package cols", 0, "cols"),
+                         ("package rows mma-store", 0, "rows/mma"),
+                         ("package cols mma-store", 0, "cols/mma")]
             wanted = args.variants
             if wanted:
                 variants = [v for v in variants if
@@ -369,7 +376,8 @@ def main():
             for name, stages, pipe in variants:
                 try:
                     if isinstance(pipe, str):
-                        fn = (lambda: run_package(pb, out_pairs, pipe))
+                        fn = (lambda: run_package(pb, out_pairs, pipe.split("/")[0],
+                                                  not pipe.endswith("/mma")))
                         result = lambda: out_pairs.float()
                         ref_rows = ref[real]
                         out_pairs.fill_(float("nan"))

@@ -7,6 +7,7 @@ persistent Triton kernel on the same dispatch, outputs poisoned with NaN first.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -26,16 +27,18 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[:2] ==
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel runs on sm_90 only")
 
 
-@pytest.mark.parametrize("tile,gemm,activation,bias", [
-    ("cols", 1, "swiglu", False), ("cols", 2, "none", True), ("rows", 1, "swiglu_oai", True),
-    ("rows", 1, "relu2", False)])
-def test_builds_for_sm90(tile, gemm, activation, bias):
+@pytest.mark.parametrize("tile,gemm,activation,bias,store", [
+    ("cols", 1, "swiglu", False, "coalesced"), ("cols", 2, "none", True, "coalesced"),
+    ("rows", 1, "swiglu_oai", True, "coalesced"), ("rows", 1, "relu2", False, "coalesced"),
+    ("rows", 2, "none", False, "mma")])
+def test_builds_for_sm90(tile, gemm, activation, bias, store):
     """Every epilogue form compiles for sm_90 with the schedule it is written for: two consumer
     warpgroups on e4m3 m64n128k32 wgmmas, register budgets moved by setmaxnreg, mbarrier
-    waits."""
+    waits; the coalesced stores through shared memory, each consumer in its own region."""
     # In a fresh process: under TRITON_INTERPRET (set for the whole CPU test run) the Triton
     # helpers the kernel calls are interpreter objects, which Gluon cannot compile.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["MOE_OPS_WS_STORE"] = store
     code = ("import json, sys; from moe_ops.kernels import ws_gemm; "
             f"k = ws_gemm.compile_sm90(tile={tile!r}, gemm={gemm}, activation={activation!r}, "
             f"has_bias={bias}); json.dump(k.asm['ptx'], sys.stdout)")
@@ -47,6 +50,16 @@ def test_builds_for_sm90(tile, gemm, activation, bias):
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{ws_gemm.CONSUMER_REGS}" in ptx
     assert f"setmaxnreg.dec.sync.aligned.u32 \t{ws_gemm.PRODUCER_REGS}" in ptx
     assert "mbarrier.try_wait.parity" in ptx and "cp.async.bulk.tensor" in ptx
+    # the epilogue's shared-memory staging past the operand ring, a region per consumer
+    # warpgroup (they store at the same time: 8 KB rounds, regions at least that far apart);
+    # none in the MMA-layout form
+    staged = [int(o) for o in re.findall(r"st\.shared\.v4\.b32 \t\[%r\d+\+(\d+)\]", ptx)]
+    if store == "mma":
+        assert staged == []
+    else:
+        bm, bn = ws_gemm.TILES[tile]
+        assert min(staged) >= ws_gemm.STAGES * (bm + bn) * 128, staged
+        assert max(staged) - min(staged) >= 8192, staged
 
 
 def test_not_used_off_hopper(monkeypatch, poisoned_empty):

@@ -18,8 +18,11 @@ Both walk the output tiles persistently (one program per SM, grouped order as in
 grouped_gemm), over the live row blocks of the dispatch (their count is on the device).
 
 Measured on an H200 (benchmarks/dev_ws_fp8_block.py, DeepSeek-V3's GEMMs on dispatch-ordered
-rows): GEMM1 at T = 16384 792 TFLOP/s against 520-550 for grouped_gemm's kernels, GEMM2 693
-against 539-569; at T = 4096 598 / 498 against 471-474 / 441-450.
+rows, T = 16384): the kernel bare (its first form) 792 / 693 TFLOP/s for GEMM1 / GEMM2 against
+520-550 / 539-569 for grouped_gemm's kernels; as the package runs it (GEMM2's epilogue: rows per
+pair, stores through a row-contiguous layout) 829 / 772. In DeepSeek-V3's experts call the two
+GEMMs took 16.0 ms against 17.5 (T = 16384, before the row-contiguous stores;
+results/h200_ws_profile_*.json).
 
 Same contract as grouped_gemm's persistent kernel: activation rows in dispatch order (GEMM1's
 gathered by grouped_gemm.gather_rows), one scale per row per 128 columns ([slots, K/128]),
@@ -57,6 +60,9 @@ GROUP_M = 8
 # Registers a thread: consumers 232 (two fp32 tiles and the addressing), the producer 40 (the
 # minimum that holds its loop); the launch's budget of 168 x 12 warps fits one program an SM.
 CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168
+# The epilogue's stores through a row-contiguous layout (_store_rows); MOE_OPS_WS_STORE=mma
+# stores from the MMA's layout directly (for A/B).
+COALESCED_STORE = os.environ.get("MOE_OPS_WS_STORE", "coalesced") != "mma"
 # "0" turns the kernel off (every fp8_block launch then runs grouped_gemm's kernels).
 ENABLED = os.environ.get("MOE_OPS_WS_GEMM", "1") != "0"
 
@@ -73,7 +79,7 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
 @gluon.jit
 def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
-              HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr):
+              HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, COALESCED: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty = smem
     block_expert_ptr = ptrs[5]
@@ -108,7 +114,8 @@ def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
 @gluon.jit
 def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
-              HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, HALF: gl.constexpr):
+              HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, COALESCED: gl.constexpr,
+              HALF: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
@@ -193,8 +200,8 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
         if ACTIVATION == 0:
             if MUL_ROUTED_WEIGHT:
                 acc = acc * gl.load(topk_weights_ptr + pair_ids, mask=row_ok, other=0.0)[:, None]
-            out = out_ptr + pair_ids.to(gl.int64)[:, None] * stride_om + cols[None, :]
-            gl.store(out, round_to_dtype(acc, out_ty), mask=row_ok[:, None])
+            _store_rows(out_ptr, round_to_dtype(acc, out_ty), pair_ids.to(gl.int64), row_ok,
+                        col0, stride_om, COALESCED)
         else:
             if GATED:
                 gate, up = gl.split(gl.reshape(acc, [ROWS, COLS // 2, 2]))
@@ -207,21 +214,34 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
             else:
                 h = apply_activation(acc, acc, alpha, limit, "relu2")
             H_COLS: gl.constexpr = h.type.shape[1]
-            h_cols_first = col0 // (COLS // H_COLS)
-            h_layout: gl.constexpr = h.type.layout
-            h_rows = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, h_layout))
-            h_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, h_layout))
-            h_cols = h_cols_first + gl.arange(0, H_COLS, layout=gl.SliceLayout(0, h_layout))
-            out = out_ptr + h_rows.to(gl.int64)[:, None] * stride_om + h_cols[None, :]
-            gl.store(out, round_to_dtype(h, out_ty), mask=h_ok[:, None])
+            _store_rows(out_ptr, round_to_dtype(h, out_ty), slots.to(gl.int64), row_ok,
+                        col0 // (COLS // H_COLS), stride_om, COALESCED)
+
+
+@gluon.jit
+def _store_rows(out_ptr, values, rows, row_ok, first_col, stride_om, COALESCED: gl.constexpr):
+    """out[rows[i], first_col:first_col + C] = values[i] where row_ok[i]. COALESCED: through a
+    layout where each thread holds 8 consecutive columns of a row (16-byte stores, a warp
+    writing whole rows' segments; the conversion goes through shared memory), not the MMA's
+    (2 columns a thread, 8 rows a warp store)."""
+    C: gl.constexpr = values.type.shape[1]
+    if COALESCED:
+        values = gl.convert_layout(
+            values, gl.BlockedLayout([1, 8], [32 // (C // 8), C // 8], [4, 1], [1, 0]))
+    layout: gl.constexpr = values.type.layout
+    rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+    row_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, layout))
+    cols = first_col + gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+    gl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], values, mask=row_ok[:, None])
 
 
 @gluon.jit
 def _consumer_second(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                      ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr):
+                     HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr,
+                     COALESCED: gl.constexpr):
     _consumer(descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-              HAS_BIAS, MUL_ROUTED_WEIGHT, 1)
+              HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, 1)
 
 
 @gluon.jit
@@ -231,7 +251,7 @@ def _ws_fp8_block_kernel(
     N, K, num_pairs, stride_as, stride_wse, stride_wsn, stride_be, stride_om, alpha, limit,
     ALIGN_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_N: gl.constexpr,
     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
@@ -252,11 +272,11 @@ def _ws_fp8_block_kernel(
     # into tensors)
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-                     HAS_BIAS, MUL_ROUTED_WEIGHT, 0)),
+                     HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, 0)),
         (_consumer_second, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N,
-                            ACTIVATION, HAS_BIAS, MUL_ROUTED_WEIGHT)),
+                            ACTIVATION, HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-                     HAS_BIAS, MUL_ROUTED_WEIGHT)),
+                     HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -325,7 +345,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=STAGES, SPLIT_N=int(tile == "cols"),
         ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=gemm == 2, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+        PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE, num_warps=4, maxnreg=MAXNREG)
 
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
@@ -349,7 +369,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
     consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=STAGES, SPLIT_N=int(tile == "cols"),
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0, HAS_BIAS=has_bias,
                   MUL_ROUTED_WEIGHT=gemm == 2, CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS)
+                  PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE)
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_wse")}
