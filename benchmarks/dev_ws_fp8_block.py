@@ -1,14 +1,17 @@
 """fp8_block prefill GEMM experiment: moe_ops.kernels.ws_gemm (the warp-specialized Gluon
 kernel) beside grouped_gemm's Triton kernels, on the same dispatch-ordered rows.
 
-The problem is one GEMM of DeepSeek-V3's experts at T tokens (top_k 8, 256 experts, random
-uniform routing): GEMM1's shape (N = 4096, K = 7168) and GEMM2's (N = 7168, K = 2048), both in
-GEMM2's form (rows read in dispatch order, one output row per routed pair times a routing
-weight of 1), so every kernel computes the same thing: A_sorted [M_pad, K] e4m3 with scales
-[M_pad, K/128] fp32, W [E, N, K] e4m3 with scales [E, N/128, K/128], each expert's rows padded
-to 128. Variants: "ours persistent" / "ours tile" (grouped_gemm's kernels with the tables'
-prefill config, 64x128x128 at 4 warps), "package rows" / "package cols" (ws_gemm's two tile
-forms), and the same with the epilogue's stores from the MMA layout ("mma-store").
+The problem is one GEMM of a model's experts at T tokens (random uniform routing): GEMM1's
+shape and GEMM2's, both in GEMM2's form (rows read in dispatch order, one output row per
+routed pair times a routing weight of 1), so every kernel computes the same thing. --model
+deepseek_v3 (default): fp8_block, 256 experts, top_k 8, GEMM1 N = 4096, K = 7168, GEMM2
+N = 7168, K = 2048; A_sorted [M_pad, K] e4m3 with scales [M_pad, K/128] fp32, W [E, N, K] e4m3
+with scales [E, N/128, K/128]. --model mixtral_8x7b: fp8 per tensor, 8 experts, top_k 2,
+GEMM1 N = 28672, K = 4096, GEMM2 N = 4096, K = 14336; one scale per row and per weight row.
+Each expert's rows padded to 128. Variants: "ours persistent" / "ours tile" (grouped_gemm's
+kernels with the tables' prefill config for the model), "package rows" / "package cols"
+(ws_gemm's two tile forms), and the same with the epilogue's stores from the MMA layout
+("mma-store").
 
 Every run: output poisoned with NaN, compared with an fp32 torch reference (relative Frobenius
 error over the real rows; a NaN left means an unwritten row); timing by triton.testing.do_bench,
@@ -23,6 +26,7 @@ in-warpgroup pipelined promotion) was measured at commit 4b37548 with this scrip
 Usage (an H200):
     python benchmarks/dev_ws_fp8_block.py --out benchmarks/results
     python benchmarks/dev_ws_fp8_block.py --variants package --tokens 16384
+    python benchmarks/dev_ws_fp8_block.py --model mixtral_8x7b --out benchmarks/results
 Without a GPU (the package kernel's sm_90 builds: registers, shared memory, SASS):
     python benchmarks/dev_ws_fp8_block.py --aot
 """
@@ -61,7 +65,15 @@ def aot():
 # The GPU run: correctness against an fp32 reference, then timing beside our Triton kernel.
 # ---------------------------------------------------------------------------------------------
 
-def make_problem(tokens, top_k, E, N, K, device, seed=0):
+# model -> (quant, experts, top_k, (GEMM1 N, K), (GEMM2 N, K), our Triton kernel's prefill
+# config from the shipped tables: block m, n, k, group_m, warps)
+MODELS = {
+    "deepseek_v3": ("fp8_block", 256, 8, (4096, 7168), (7168, 2048), (64, 128, 128, 16, 4)),
+    "mixtral_8x7b": ("fp8", 8, 2, (28672, 4096), (4096, 14336), (128, 128, 256, 8, 8)),
+}
+
+
+def make_problem(tokens, top_k, E, N, K, device, seed=0, quant="fp8_block"):
     g = torch.Generator(device="cpu").manual_seed(seed)
     pairs = tokens * top_k
     experts = torch.randint(0, E, (pairs, ), generator=g)
@@ -70,9 +82,13 @@ def make_problem(tokens, top_k, E, N, K, device, seed=0):
     m_pad = int(padded.sum())
     # rows of each expert in a run of its padded length; padding rows get random data too
     a32 = torch.randn(m_pad, K, generator=g)
-    a_scale = torch.rand(m_pad, K // 128, generator=g) * 0.02 + 0.001
     w32 = torch.randn(E, N, K, generator=g)
-    w_scale = torch.rand(E, N // 128, K // 128, generator=g) * 0.02 + 0.001
+    if quant == "fp8_block":
+        a_scale = torch.rand(m_pad, K // 128, generator=g) * 0.02 + 0.001
+        w_scale = torch.rand(E, N // 128, K // 128, generator=g) * 0.02 + 0.001
+    else:  # fp8 per tensor: one scale per row, one per weight row
+        a_scale = torch.rand(m_pad, generator=g) * 0.02 + 0.001
+        w_scale = torch.rand(E, N, generator=g) * 0.02 + 0.001
     block_expert = torch.repeat_interleave(torch.arange(E, dtype=torch.int32),
                                            (padded // BLOCK_M))
     # slot -> pair id (our dispatch's sorted_pair_ids): each expert's real pairs first, then
@@ -89,37 +105,41 @@ def make_problem(tokens, top_k, E, N, K, device, seed=0):
                 w_scale=w_scale.to(device), block_expert_ids=block_expert.to(device),
                 num_padded=torch.tensor([m_pad], dtype=torch.int32, device=device),
                 sorted_pair_ids=sorted_pair_ids.to(device), topk_ids=topk_ids.to(device),
-                real_slots=real_slots.to(device), m_pad=m_pad, pairs=pairs, padded=padded)
+                real_slots=real_slots.to(device), m_pad=m_pad, pairs=pairs, padded=padded,
+                quant=quant, top_k=top_k)
 
 
 def reference(pb):
-    """fp32 C = (A * a_scale) @ (W[e] * w_scale)^T per block, for the given row blocks."""
+    """fp32 C = (A * a_scale) @ (W[e] * w_scale)^T, expert by expert."""
     a = pb["a"].float()
-    a_s = pb["a_scale"].repeat_interleave(128, dim=1)
+    block = pb["quant"] == "fp8_block"
+    a_s = pb["a_scale"].repeat_interleave(128, dim=1) if block else pb["a_scale"][:, None]
     out = torch.empty(pb["m_pad"], pb["w"].shape[1], device=a.device)
     start = 0
     for e, n_rows in enumerate(pb["padded"].tolist()):
         if n_rows == 0:
             continue
-        w = pb["w"][e].float() * pb["w_scale"][e].repeat_interleave(128, 0).repeat_interleave(128, 1)
+        if block:
+            w_s = pb["w_scale"][e].repeat_interleave(128, 0).repeat_interleave(128, 1)
+        else:
+            w_s = pb["w_scale"][e][:, None]
+        w = pb["w"][e].float() * w_s
         out[start:start + n_rows] = (a[start:start + n_rows] * a_s[start:start + n_rows]) @ w.T
         start += n_rows
     return out
 
 
-def run_ours(pb, out_pairs, persistent=True, stages=3):
-    """moe_ops' Triton fp8_block kernel on the same rows (GEMM2's form: reads the rows in
-    dispatch order, writes one row per pair times a routing weight of 1), with the tables'
-    prefill config for DeepSeek-V3 fp8_block (64x128x128, 4 warps, group 16)."""
+def run_ours(pb, out_pairs, config):
+    """moe_ops' Triton kernel on the same rows (GEMM2's form: reads the rows in dispatch order,
+    writes one row per pair times a routing weight of 1) with `config`."""
     from moe_ops.kernels import grouped_gemm as gg
     routing = gg.Routing(topk_ids=pb["topk_ids"], topk_weights=torch.ones(
-        pb["pairs"], device=pb["a"].device), top_k=8, num_experts=pb["w"].shape[0],
+        pb["pairs"], device=pb["a"].device), top_k=pb["top_k"], num_experts=pb["w"].shape[0],
         local_expert_offset=0, sorted_pair_ids=pb["sorted_pair_ids"],
         block_expert_ids=pb["block_expert_ids"], align_block_m=BLOCK_M,
         num_padded=pb["num_padded"])
-    config = gg.GemmConfig(64, 128, 128, 16, 4, stages, persistent=persistent)
     gg.gemm2(pb["a"], pb["a_scale"], pb["w"], pb["w_scale"], None, out_pairs, routing, config,
-             quant="fp8_block", atomic_out=False)
+             quant=pb["quant"], atomic_out=False)
 
 
 def run_package(pb, out_pairs, tile, coalesced=True):
@@ -127,7 +147,7 @@ def run_package(pb, out_pairs, tile, coalesced=True):
     per pair times a routing weight of 1) on the same rows."""
     from moe_ops.kernels import grouped_gemm as gg, ws_gemm
     routing = gg.Routing(topk_ids=pb["topk_ids"], topk_weights=torch.ones(
-        pb["pairs"], device=pb["a"].device), top_k=8, num_experts=pb["w"].shape[0],
+        pb["pairs"], device=pb["a"].device), top_k=pb["top_k"], num_experts=pb["w"].shape[0],
         local_expert_offset=0, sorted_pair_ids=pb["sorted_pair_ids"],
         block_expert_ids=pb["block_expert_ids"], align_block_m=BLOCK_M,
         num_padded=pb["num_padded"])
@@ -135,7 +155,7 @@ def run_package(pb, out_pairs, tile, coalesced=True):
     ws_gemm.COALESCED_STORE = coalesced
     try:
         ws_gemm.gemm(pb["a"], pb["a_scale"], pb["w"], pb["w_scale"], None, out_pairs, routing,
-                     gemm=2, activation="none", tile=tile)
+                     gemm=2, activation="none", tile=tile, quant=pb["quant"])
     finally:
         ws_gemm.COALESCED_STORE = saved
 
@@ -145,6 +165,8 @@ def main():
     ap.add_argument("--aot", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--model", choices=sorted(MODELS), default="deepseek_v3",
+                    help="deepseek_v3: fp8_block; mixtral_8x7b: fp8 per tensor")
     ap.add_argument("--variants", nargs="+", default=None,
                     help="subset of: ours, package (default both)")
     args = ap.parse_args()
@@ -154,28 +176,30 @@ def main():
     from triton.testing import do_bench
     dev = torch.device("cuda")
     rows = []
-    # DeepSeek-V3 (E 256, H 7168, I 2048, top_k 8): GEMM1 N = 2I = 4096, K = H; GEMM2 N = H, K = I
+    from moe_ops.kernels.grouped_gemm import GemmConfig
+    quant, E, top_k, shape1, shape2, (bm, bn, bk, group_m, warps) = MODELS[args.model]
     for T in args.tokens:
-        for gemm, N, K in (("gemm1", 4096, 7168), ("gemm2", 7168, 2048)):
-            pb = make_problem(T, 8, 256, N, K, dev, seed=T + N)
+        for gemm, (N, K) in (("gemm1", shape1), ("gemm2", shape2)):
+            pb = make_problem(T, top_k, E, N, K, dev, seed=T + N, quant=quant)
             flops = 2.0 * pb["pairs"] * N * K
             # the reference's real rows in pair order (pair ids were given in slot order)
             ref_rows = reference(pb)[pb["real_slots"]]
-            variants = [("ours persistent", 3, None), ("ours tile", 4, None),
-                        ("package rows", 0, "rows"), ("package cols", 0, "cols"),
-                        ("package rows mma-store", 0, "rows/mma"),
-                        ("package cols mma-store", 0, "cols/mma")]
+            variants = [("ours persistent", True, None), ("ours tile", False, None),
+                        ("package rows", None, "rows"), ("package cols", None, "cols"),
+                        ("package rows mma-store", None, "rows/mma"),
+                        ("package cols mma-store", None, "cols/mma")]
             if args.variants:
                 variants = [v for v in variants if v[0].split()[0] in args.variants]
             out_pairs = torch.empty((pb["pairs"], N), dtype=torch.bfloat16, device=dev)
-            for name, stages, pipe in variants:
+            for name, persistent, pipe in variants:
                 try:
                     if pipe is not None:
                         fn = (lambda: run_package(pb, out_pairs, pipe.split("/")[0],
                                                   not pipe.endswith("/mma")))
                     else:
-                        persistent = name.endswith("persistent")
-                        fn = (lambda: run_ours(pb, out_pairs, persistent, stages))
+                        config = GemmConfig(bm, bn, bk, group_m, warps, 3 if persistent else 4,
+                                            persistent=persistent)
+                        fn = (lambda: run_ours(pb, out_pairs, config))
                     out_pairs.fill_(float("nan"))
                     fn()
                     torch.cuda.synchronize()
@@ -193,8 +217,9 @@ def main():
             torch.cuda.empty_cache()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "ws_fp8_block.json"), "w") as f:
-            json.dump(dict(command="python " + " ".join(sys.argv), gpu=torch.cuda.get_device_name(),
+        with open(os.path.join(args.out, f"ws_{quant}.json"), "w") as f:
+            json.dump(dict(command="python " + " ".join(sys.argv), model=args.model, quant=quant,
+                           gpu=torch.cuda.get_device_name(),
                            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=rows),
                       f, indent=1)
     print(f"{'T':>6} {'gemm':6} {'variant':24} {'ms':>8} {'TFLOP/s':>8} {'rel_err':>9}")

@@ -88,11 +88,18 @@ if WS_FP8_BLOCK_TILE not in ("auto", "rows", "cols", "none"):
     raise ValueError("MOE_OPS_WS_FP8_BLOCK_TILE must be auto, rows, cols or none, got "
                      f"{WS_FP8_BLOCK_TILE!r}")
 WS_ROWS_TILE_MIN_ROWS = 256
+# fp8 per tensor on the same kernel (its partial sums promoted every K step, the scales in the
+# epilogue): built and tested, not yet measured against the Triton kernels on a GPU, so off
+# unless MOE_OPS_WS_FP8=1.
+WS_FP8 = os.environ.get("MOE_OPS_WS_FP8", "0") == "1"
 
 
 def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool) -> Optional[str]:
-    """The warp-specialized kernel's tile form for an fp8_block call (None: not this kernel)."""
-    if quant != "fp8_block" or direct or WS_FP8_BLOCK_TILE == "none":
+    """The warp-specialized kernel's tile form for an fp8_block (or, with WS_FP8, fp8) call;
+    None: not this kernel."""
+    if quant not in (("fp8_block", "fp8") if WS_FP8 else ("fp8_block",)):
+        return None
+    if direct or WS_FP8_BLOCK_TILE == "none":
         return None
     if WS_FP8_BLOCK_TILE != "auto":
         return WS_FP8_BLOCK_TILE
@@ -228,7 +235,7 @@ def triton_experts(
     if ws1:
         rows, row_scales = gather_rows(a1, a1_scale, routing)
         ws_gemm.gemm(rows, row_scales, w13, w13_scale, b13, intermediate, routing, gemm=1,
-                     activation=activation, alpha=alpha, limit=limit, tile=tile)
+                     activation=activation, alpha=alpha, limit=limit, tile=tile, quant=quant)
         del rows, row_scales
     else:
         gemm1(a1, a1_scale, w13, w13_scale, b13, intermediate, routing, config1,
@@ -259,7 +266,7 @@ def triton_experts(
     pair_out = torch.empty((routing.num_pairs, H), dtype=x.dtype, device=x.device)
     if ws2:
         ws_gemm.gemm(a2, a2_scale, w2, w2_scale, b2, pair_out, routing, gemm=2,
-                     activation="none", tile=tile)
+                     activation="none", tile=tile, quant=quant)
     else:
         gemm2(a2, a2_scale, w2, w2_scale, b2, pair_out, routing, config2, quant=quant,
               atomic_out=False, interpret_upcast=upcast, w2_global_scale=w2_global_scale)

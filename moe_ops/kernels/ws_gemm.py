@@ -1,4 +1,5 @@
-"""The fp8_block grouped GEMM for prefill on Hopper, warp-specialized (Gluon).
+"""The fp8 grouped GEMMs for prefill on Hopper, warp-specialized (Gluon): fp8_block, and fp8
+per tensor (behind experts.WS_FP8 until measured).
 
 Why a second GEMM kernel: fp8_block scales each 128-column partial product before it joins the
 fp32 accumulator (`acc += (a @ w) * a_scale * w_scale`, every K step). In grouped_gemm's Triton
@@ -27,7 +28,8 @@ results/h200_ws_profile_*.json).
 Same contract as grouped_gemm's persistent kernel: activation rows in dispatch order (GEMM1's
 gathered by grouped_gemm.gather_rows), one scale per row per 128 columns ([slots, K/128]),
 weights [E, N, K] e4m3 with [E, N/128, K/128] scales (w13's gate/up rows interleaved, their
-scale rows too); GEMM1 applies the activation (and bias) and writes intermediate[slot], GEMM2
+scale rows too); fp8 per tensor (BLOCK_SCALES 0): the partial sums still promoted every K
+step, a scale per row ([slots]) and per weight row ([E, N]) applied in the epilogue; GEMM1 applies the activation (and bias) and writes intermediate[slot], GEMM2
 multiplies by the routing weight and writes out[pair] (then combine_pair_rows). Padding slots
 are never written. Gluon has no interpreter: on a CPU the tests compile it for sm_90 (ptxas
 from the Triton wheel); the GPU tests compare it with the reference.
@@ -55,6 +57,9 @@ WG_ROWS, WG_COLS = 64, 128
 # ("cols": 64-row blocks, the dispatch alignment the tables' fp8_block configs use).
 TILES = {"rows": (2 * WG_ROWS, WG_COLS), "cols": (WG_ROWS, 2 * WG_COLS)}
 ACTIVATIONS = ("none", "swiglu", "geglu", "swiglu_oai", "relu2")
+# fp8_block: scales per 128 columns of K applied every K step; fp8 (per tensor): the partial
+# sums promoted every K step, one scale per row and per weight row in the epilogue.
+QUANTS = ("fp8_block", "fp8")
 STAGES = 4          # 4 x 32 KB of operand slots ("rows"), 4 x 40 KB ("cols")
 GROUP_M = 8
 # Registers a thread: consumers 232 (two fp32 tiles and the addressing), the producer 40 (the
@@ -79,7 +84,8 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
 @gluon.jit
 def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
-              HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, COALESCED: gl.constexpr):
+              HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, COALESCED: gl.constexpr,
+              BLOCK_SCALES: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty = smem
     block_expert_ptr = ptrs[5]
@@ -115,7 +121,7 @@ def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
 def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, COALESCED: gl.constexpr,
-              HALF: gl.constexpr):
+              BLOCK_SCALES: gl.constexpr, HALF: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
@@ -150,9 +156,9 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
         slots = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=row_l)
         col0 = pid_n * BN + COL0          # first weight row (output column) of this half
         a_scale_rows = a_scale_ptr + slots * stride_as
-        # Weight scale rows of this half's 128 columns: one 128-row block, or with gate/up
-        # interleaved (2i, 2i+1) 64 gate rows of gate block col0 // 256 and 64 up rows of the
-        # matching up block, whose scale rows are interleaved the same way.
+        # fp8_block: the weight scale rows of this half's 128 columns: one 128-row block, or
+        # with gate/up interleaved (2i, 2i+1) 64 gate rows of gate block col0 // 256 and 64 up
+        # rows of the matching up block, whose scale rows are interleaved the same way.
         if GATED:
             w_scale_gate = (w_scale_ptr + expert * stride_wse
                             + (2 * (col0 // 256)) * stride_wsn)
@@ -161,12 +167,13 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
             w_scale_row = w_scale_ptr + expert * stride_wse + (col0 // 128) * stride_wsn
         acc = gl.zeros([ROWS, COLS], gl.float32, mma)
         for kb in range(k_steps):
-            a_s = gl.load(a_scale_rows + kb)
-            if GATED:
-                s_g = a_s * gl.load(w_scale_gate + kb)
-                s_u = a_s * gl.load(w_scale_up + kb)
-            else:
-                s = a_s * gl.load(w_scale_row + kb)
+            if BLOCK_SCALES:
+                a_s = gl.load(a_scale_rows + kb)
+                if GATED:
+                    s_g = a_s * gl.load(w_scale_gate + kb)
+                    s_u = a_s * gl.load(w_scale_up + kb)
+                else:
+                    s = a_s * gl.load(w_scale_row + kb)
             mbarrier.wait(ready.index(index), phase)
             a_tile = a_bufs.index(index)
             w_tile = w_bufs.index(index)
@@ -178,7 +185,11 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                                  is_async=True)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
             mbarrier.arrive(empty.index(index), count=1)
-            if GATED:
+            if not BLOCK_SCALES:
+                # fp8 per tensor: the partial sum still joins an fp32 accumulator every K step
+                # (Hopper's fp8 MMA accumulates with few bits); the scales wait for the epilogue
+                acc += part
+            elif GATED:
                 # even columns are gate rows, odd ones up rows: their scales differ
                 cols_in = gl.arange(0, COLS, layout=col_l)
                 scale = gl.where((cols_in % 2 == 0)[None, :], s_g[:, None], s_u[:, None])
@@ -195,6 +206,10 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
         pair_ids = gl.load(sorted_pair_ids_ptr + slots)
         row_ok = pair_ids < num_pairs
         cols = col0 + gl.arange(0, COLS, layout=col_l)
+        if not BLOCK_SCALES:
+            # fp8 per tensor: one scale per token row and one per weight row (output column)
+            acc = (acc * gl.load(a_scale_rows)[:, None]
+                   * gl.load(w_scale_ptr + expert * stride_wse + cols * stride_wsn)[None, :])
         if HAS_BIAS:
             acc += gl.load(bias_ptr + expert * stride_be + cols)[None, :]
         if ACTIVATION == 0:
@@ -239,9 +254,9 @@ def _store_rows(out_ptr, values, rows, row_ok, first_col, stride_om, COALESCED: 
 def _consumer_second(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                      ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
                      HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr,
-                     COALESCED: gl.constexpr):
+                     COALESCED: gl.constexpr, BLOCK_SCALES: gl.constexpr):
     _consumer(descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-              HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, 1)
+              HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, BLOCK_SCALES, 1)
 
 
 @gluon.jit
@@ -252,6 +267,7 @@ def _ws_fp8_block_kernel(
     ALIGN_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_N: gl.constexpr,
     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
+    BLOCK_SCALES: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
@@ -272,11 +288,12 @@ def _ws_fp8_block_kernel(
     # into tensors)
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-                     HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, 0)),
+                     HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, BLOCK_SCALES, 0)),
         (_consumer_second, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N,
-                            ACTIVATION, HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED)),
+                            ACTIVATION, HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED,
+                            BLOCK_SCALES)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-                     HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED)),
+                     HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, BLOCK_SCALES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -289,17 +306,18 @@ def available(device: torch.device) -> bool:
 
 def applies(quant: str, activation: str, n: int, k: int, a: torch.Tensor, w: torch.Tensor,
             tile: str, activations_quantized: bool = True) -> bool:
-    """Whether this kernel can run a launch: fp8_block on a Hopper GPU, whole tiles of N (each
-    warpgroup's 128 columns one scale block) and whole 128-column blocks of K, e4m3 weights
-    contiguous (one TMA descriptor over [E * N, K]). `a`: the activation rows, e4m3 in dispatch
-    order (activations_quantized=False: the 16-bit rows they will be quantized from; the
-    quantized copies are contiguous, [rows, K], TMA-addressable when K is a multiple of 16)."""
+    """Whether this kernel can run a launch: fp8_block or fp8 (per tensor) on a Hopper GPU,
+    whole tiles of N (for fp8_block each warpgroup's 128 columns one scale block) and whole
+    128-column steps of K, e4m3 weights contiguous (one TMA descriptor over [E * N, K]). `a`:
+    the activation rows, e4m3 in dispatch order (activations_quantized=False: the 16-bit rows
+    they will be quantized from; the quantized copies are contiguous, [rows, K],
+    TMA-addressable when K is a multiple of 16)."""
     bm, bn = TILES[tile]
     if activations_quantized and (a.dtype != torch.float8_e4m3fn or a.stride(-1) != 1
                                   or (a.stride(0) * a.element_size()) % 16
                                   or a.data_ptr() % 16):
         return False
-    return (quant == "fp8_block" and activation in ACTIVATIONS and available(a.device)
+    return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
             and n % bn == 0 and k % FP8_BLOCK == 0 and w.is_contiguous()
             and w.dtype == torch.float8_e4m3fn)
 
@@ -320,14 +338,16 @@ def _descriptors(a: torch.Tensor, w: torch.Tensor, tile: str):
 
 
 def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: str,
-         alpha: float = 0.0, limit: float = 0.0, tile: str = "cols",
+         alpha: float = 0.0, limit: float = 0.0, tile: str = "cols", quant: str = "fp8_block",
          programs: Optional[int] = None) -> None:
-    """One fp8_block GEMM over the dispatch's live slots (see the module docstring).
+    """One GEMM over the dispatch's live slots (see the module docstring).
 
-    a [slots, K] e4m3 in dispatch order, a_scale [slots, K/128] fp32; w [E, N, K] e4m3,
-    w_scale [E, N/128, K/128]; bias [E, N] or None. GEMM1 (gemm=1): out = intermediate
-    [slots, N/2 gated, N otherwise], act(a @ w^T + bias); GEMM2: out [pairs, N] =
-    topk_weight * (a @ w^T + bias)."""
+    a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
+    [E, N/128, K/128]; fp8: a_scale [slots], w_scale [E, N]. w [E, N, K] e4m3; bias [E, N] or
+    None. GEMM1 (gemm=1): out = intermediate [slots, N/2 gated, N otherwise],
+    act(a @ w^T + bias); GEMM2: out [pairs, N] = topk_weight * (a @ w^T + bias)."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     bm, bn = TILES[tile]
     if routing.direct or routing.align_block_m % bm:
         raise ValueError(f"the warp-specialized GEMM needs a dispatch aligned to {bm} rows")
@@ -342,14 +362,15 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         routing.topk_weights, N, K, routing.num_pairs, a_scale.stride(0), w_scale.stride(0),
         w_scale.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
         alpha, limit,
-        ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=STAGES, SPLIT_N=int(tile == "cols"),
-        ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
+        ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=STAGES,
+        SPLIT_N=int(tile == "cols"), ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=gemm == 2, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE, num_warps=4, maxnreg=MAXNREG)
+        PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
+        BLOCK_SCALES=int(quant == "fp8_block"), num_warps=4, maxnreg=MAXNREG)
 
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
-                 has_bias: bool = False, out_dtype: str = "bf16"):
+                 has_bias: bool = False, out_dtype: str = "bf16", quant: str = "fp8_block"):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
     run, Gluon having no interpreter. Returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
@@ -367,9 +388,10 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32",
         "alpha": "fp32", "limit": "fp32"}
     consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=STAGES, SPLIT_N=int(tile == "cols"),
-                  ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0, HAS_BIAS=has_bias,
-                  MUL_ROUTED_WEIGHT=gemm == 2, CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE)
+                  ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
+                  HAS_BIAS=has_bias, MUL_ROUTED_WEIGHT=gemm == 2, CONSUMER_REGS=CONSUMER_REGS,
+                  PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
+                  BLOCK_SCALES=int(quant == "fp8_block"))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_wse")}
