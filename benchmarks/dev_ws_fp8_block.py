@@ -98,7 +98,8 @@ def make_problem(tokens, top_k, E, N, K, device, seed=0, quant="fp8_block"):
                             zip(torch.cumsum(padded, 0) - padded, counts)])
     sorted_pair_ids[real_slots] = torch.arange(pairs, dtype=torch.int32)
     topk_ids = torch.empty(pairs, dtype=torch.int32)
-    topk_ids[sorted_pair_ids[real_slots].long()] = block_expert.repeat_interleave(BLOCK_M)[real_slots]
+    slot_experts = block_expert.repeat_interleave(BLOCK_M)
+    topk_ids[sorted_pair_ids[real_slots].long()] = slot_experts[real_slots]
     a = a32.clamp(-448, 448).to(torch.float8_e4m3fn)
     w = w32.clamp(-448, 448).to(torch.float8_e4m3fn)
     return dict(a=a.to(device), a_scale=a_scale.to(device), w=w.to(device),

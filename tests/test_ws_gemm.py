@@ -171,3 +171,37 @@ def test_tile_rule(monkeypatch):
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) == "cols"
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "none")
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) is None
+
+
+@needs_hopper
+@pytest.mark.parametrize("quant", ["fp8_block", "fp8"])
+def test_padding_halves_skip_their_mmas(quant, monkeypatch):
+    """Experts whose last 128-row block ends within its first 64 rows (130, 40, 64, 1 pairs)
+    leave the second warpgroup only padding: it skips its MMAs, and the output is bit for bit
+    the one computed with the skip off, every pair's row written."""
+    torch.manual_seed(9)
+    counts = [130, 40, 200, 64, 1, 0, 128, 300]
+    E, N, K = len(counts), 256, 512
+    dev = torch.device("cuda")
+    ids = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    topk_ids = ids[torch.randperm(ids.numel())].to(torch.int32).to(dev)[:, None]
+    T = topk_ids.shape[0]
+    weights = torch.rand(T, 1, device=dev)
+    dispatch = moe_align(topk_ids, E, 128, 0)
+    routing = gg.Routing(topk_ids.reshape(-1), weights.reshape(-1), 1, E, 0,
+                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, 128,
+                         dispatch.num_padded)
+    rows = torch.randn(dispatch.sorted_pair_ids.numel(), K, device=dev, dtype=torch.bfloat16)
+    a, a_scale = act_quant(rows, quant)
+    w = (torch.randn(E, N, K, device=dev) * 0.5).to(torch.float8_e4m3fn)
+    w_scale = (torch.rand(E, N // 128, K // 128, device=dev) if quant == "fp8_block"
+               else torch.rand(E, N, device=dev)) * 0.01 + 1e-3
+    outs = []
+    for skip in (True, False):
+        monkeypatch.setattr(ws_gemm, "SKIP_PADDING", skip)
+        out = torch.full((T, N), float("nan"), device=dev, dtype=torch.bfloat16)
+        ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=2, activation="none",
+                     tile="rows", quant=quant, programs=7)
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all(), "a pair's row was not written"
+    assert torch.equal(outs[0], outs[1])

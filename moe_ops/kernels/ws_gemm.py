@@ -29,10 +29,12 @@ Same contract as grouped_gemm's persistent kernel: activation rows in dispatch o
 gathered by grouped_gemm.gather_rows), one scale per row per 128 columns ([slots, K/128]),
 weights [E, N, K] e4m3 with [E, N/128, K/128] scales (w13's gate/up rows interleaved, their
 scale rows too); fp8 per tensor (BLOCK_SCALES 0): the partial sums still promoted every K
-step, a scale per row ([slots]) and per weight row ([E, N]) applied in the epilogue; GEMM1 applies the activation (and bias) and writes intermediate[slot], GEMM2
-multiplies by the routing weight and writes out[pair] (then combine_pair_rows). Padding slots
-are never written. Gluon has no interpreter: on a CPU the tests compile it for sm_90 (ptxas
-from the Triton wheel); the GPU tests compare it with the reference.
+step, a scale per row ([slots]) and per weight row ([E, N]) applied in the epilogue. GEMM1
+applies the activation (and bias) and writes intermediate[slot], GEMM2 multiplies by the
+routing weight and writes out[pair] (then combine_pair_rows). Padding slots are never written;
+a warpgroup whose rows are all padding skips its MMAs. Gluon has no interpreter: on a CPU the
+tests compile it for sm_90 (ptxas from the Triton wheel); the GPU tests compare it with the
+reference.
 """
 from __future__ import annotations
 
@@ -68,6 +70,9 @@ CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168
 # The epilogue's stores through a row-contiguous layout (_store_rows); MOE_OPS_WS_STORE=mma
 # stores from the MMA's layout directly (for A/B).
 COALESCED_STORE = os.environ.get("MOE_OPS_WS_STORE", "coalesced") != "mma"
+# A consumer warpgroup whose rows are all padding skips its MMAs; MOE_OPS_WS_SKIP_PADDING=0
+# computes them anyway (for A/B).
+SKIP_PADDING = os.environ.get("MOE_OPS_WS_SKIP_PADDING", "1") != "0"
 # "0" turns the kernel off (every fp8_block launch then runs grouped_gemm's kernels).
 ENABLED = os.environ.get("MOE_OPS_WS_GEMM", "1") != "0"
 
@@ -126,7 +131,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
     a_bufs, w_bufs, ready, empty = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
      num_padded_ptr, topk_weights_ptr) = ptrs
-    N, K, num_pairs, alpha, limit = sizes
+    N, K, num_pairs, alpha, limit, skip_padding = sizes
     stride_as, stride_wse, stride_wsn, stride_be, stride_om = strides
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -166,36 +171,48 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
         else:
             w_scale_row = w_scale_ptr + expert * stride_wse + (col0 // 128) * stride_wsn
         acc = gl.zeros([ROWS, COLS], gl.float32, mma)
+        # A warpgroup whose 64 rows are all padding (its first slot holds no pair: each
+        # expert's padding comes after its pairs) issues no MMAs: the other's run alone, and
+        # the 128-row tiles waste half as much on padding (skip_padding 0: compute them anyway).
+        live = ((gl.load(sorted_pair_ids_ptr + pid_m * BM + ROW0) < num_pairs)
+                | (skip_padding == 0))
         for kb in range(k_steps):
-            if BLOCK_SCALES:
-                a_s = gl.load(a_scale_rows + kb)
-                if GATED:
-                    s_g = a_s * gl.load(w_scale_gate + kb)
-                    s_u = a_s * gl.load(w_scale_up + kb)
+            if not live:
+                # the slot's loads are waited for before it is released: an early arrive would
+                # count toward the slot's current phase and free it under the other warpgroup
+                mbarrier.wait(ready.index(index), phase)
+                mbarrier.arrive(empty.index(index), count=1)
+            else:
+                if BLOCK_SCALES:
+                    a_s = gl.load(a_scale_rows + kb)
+                    if GATED:
+                        s_g = a_s * gl.load(w_scale_gate + kb)
+                        s_u = a_s * gl.load(w_scale_up + kb)
+                    else:
+                        s = a_s * gl.load(w_scale_row + kb)
+                mbarrier.wait(ready.index(index), phase)
+                a_tile = a_bufs.index(index)
+                w_tile = w_bufs.index(index)
+                if SPLIT_N:
+                    w_tile = w_tile.slice(COL0, COLS, dim=0)
                 else:
-                    s = a_s * gl.load(w_scale_row + kb)
-            mbarrier.wait(ready.index(index), phase)
-            a_tile = a_bufs.index(index)
-            w_tile = w_bufs.index(index)
-            if SPLIT_N:
-                w_tile = w_tile.slice(COL0, COLS, dim=0)
-            else:
-                a_tile = a_tile.slice(ROW0, ROWS, dim=0)
-            part = warpgroup_mma(a_tile, w_tile.permute((1, 0)), acc, use_acc=False,
-                                 is_async=True)
-            part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-            mbarrier.arrive(empty.index(index), count=1)
-            if not BLOCK_SCALES:
-                # fp8 per tensor: the partial sum still joins an fp32 accumulator every K step
-                # (Hopper's fp8 MMA accumulates with few bits); the scales wait for the epilogue
-                acc += part
-            elif GATED:
-                # even columns are gate rows, odd ones up rows: their scales differ
-                cols_in = gl.arange(0, COLS, layout=col_l)
-                scale = gl.where((cols_in % 2 == 0)[None, :], s_g[:, None], s_u[:, None])
-                acc += part * scale
-            else:
-                acc += part * s[:, None]
+                    a_tile = a_tile.slice(ROW0, ROWS, dim=0)
+                part = warpgroup_mma(a_tile, w_tile.permute((1, 0)), acc, use_acc=False,
+                                     is_async=True)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+                mbarrier.arrive(empty.index(index), count=1)
+                if not BLOCK_SCALES:
+                    # fp8 per tensor: the partial sum still joins an fp32 accumulator every K
+                    # step (Hopper's fp8 MMA accumulates with few bits); the scales wait for the
+                    # epilogue
+                    acc += part
+                elif GATED:
+                    # even columns are gate rows, odd ones up rows: their scales differ
+                    cols_in = gl.arange(0, COLS, layout=col_l)
+                    scale = gl.where((cols_in % 2 == 0)[None, :], s_g[:, None], s_u[:, None])
+                    acc += part * scale
+                else:
+                    acc += part * s[:, None]
             index += 1
             if index == STAGES:
                 index = 0
@@ -264,6 +281,7 @@ def _ws_fp8_block_kernel(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr,
     block_expert_ptr, num_padded_ptr, topk_weights_ptr,
     N, K, num_pairs, stride_as, stride_wse, stride_wsn, stride_be, stride_om, alpha, limit,
+    skip_padding,
     ALIGN_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_N: gl.constexpr,
     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
@@ -282,7 +300,7 @@ def _ws_fp8_block_kernel(
     smem = (a_bufs, w_bufs, ready, empty)
     ptrs = (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
             num_padded_ptr, topk_weights_ptr)
-    sizes = (N, K, num_pairs, alpha, limit)
+    sizes = (N, K, num_pairs, alpha, limit, skip_padding)
     strides = (stride_as, stride_wse, stride_wsn, stride_be, stride_om)
     # (the constexprs are spelled out in each tuple: a tuple held in a variable would turn them
     # into tensors)
@@ -361,7 +379,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
         routing.topk_weights, N, K, routing.num_pairs, a_scale.stride(0), w_scale.stride(0),
         w_scale.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
-        alpha, limit,
+        alpha, limit, int(SKIP_PADDING),
         ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=STAGES,
         SPLIT_N=int(tile == "cols"), ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=gemm == 2, CONSUMER_REGS=CONSUMER_REGS,
@@ -386,7 +404,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "num_padded_ptr": "*i32", "topk_weights_ptr": "*fp32",
         "N": "i32", "K": "i32", "num_pairs": "i32", "stride_as": "i32", "stride_wse": "i32",
         "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32",
-        "alpha": "fp32", "limit": "fp32"}
+        "alpha": "fp32", "limit": "fp32", "skip_padding": "i32"}
     consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=STAGES, SPLIT_N=int(tile == "cols"),
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, MUL_ROUTED_WEIGHT=gemm == 2, CONSUMER_REGS=CONSUMER_REGS,
