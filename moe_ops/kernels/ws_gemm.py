@@ -32,9 +32,9 @@ scale rows too); fp8 per tensor (BLOCK_SCALES 0): the partial sums still promote
 step, a scale per row ([slots]) and per weight row ([E, N]) applied in the epilogue. GEMM1
 applies the activation (and bias) and writes intermediate[slot], GEMM2 multiplies by the
 routing weight and writes out[pair] (then combine_pair_rows). Padding slots are never written;
-with SKIP_PADDING a warpgroup whose rows are all padding skips its MMAs. Gluon has no interpreter: on a CPU the
-tests compile it for sm_90 (ptxas from the Triton wheel); the GPU tests compare it with the
-reference.
+with SKIP_PADDING a warpgroup whose rows are all padding skips its MMAs. Gluon has no
+interpreter: on a CPU the tests compile it for sm_90 (ptxas from the Triton wheel); the GPU
+tests compare it with the reference.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
 def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, COALESCED: gl.constexpr,
-              BLOCK_SCALES: gl.constexpr):
+              BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty = smem
     block_expert_ptr = ptrs[5]
@@ -126,12 +126,12 @@ def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
 def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, COALESCED: gl.constexpr,
-              BLOCK_SCALES: gl.constexpr, HALF: gl.constexpr):
+              BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, HALF: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
      num_padded_ptr, topk_weights_ptr) = ptrs
-    N, K, num_pairs, alpha, limit, skip_padding = sizes
+    N, K, num_pairs, alpha, limit = sizes
     stride_as, stride_wse, stride_wsn, stride_be, stride_om = strides
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -173,9 +173,11 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
         acc = gl.zeros([ROWS, COLS], gl.float32, mma)
         # A warpgroup whose 64 rows are all padding (its first slot holds no pair: each
         # expert's padding comes after its pairs) issues no MMAs: the other's run alone, and
-        # the 128-row tiles waste half as much on padding (skip_padding 0: compute them anyway).
-        live = ((gl.load(sorted_pair_ids_ptr + pid_m * BM + ROW0) < num_pairs)
-                | (skip_padding == 0))
+        # the 128-row tiles waste half as much on padding (SKIP_PADDING 0: compute them anyway).
+        if SKIP_PADDING:
+            live = gl.load(sorted_pair_ids_ptr + pid_m * BM + ROW0) < num_pairs
+        else:
+            live = True
         for kb in range(k_steps):
             if not live:
                 # the slot's loads are waited for before it is released: an early arrive would
@@ -271,9 +273,10 @@ def _store_rows(out_ptr, values, rows, row_ok, first_col, stride_om, COALESCED: 
 def _consumer_second(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                      ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
                      HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr,
-                     COALESCED: gl.constexpr, BLOCK_SCALES: gl.constexpr):
+                     COALESCED: gl.constexpr, BLOCK_SCALES: gl.constexpr,
+                     SKIP_PADDING: gl.constexpr):
     _consumer(descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-              HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, BLOCK_SCALES, 1)
+              HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, BLOCK_SCALES, SKIP_PADDING, 1)
 
 
 @gluon.jit
@@ -281,11 +284,10 @@ def _ws_fp8_block_kernel(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr,
     block_expert_ptr, num_padded_ptr, topk_weights_ptr,
     N, K, num_pairs, stride_as, stride_wse, stride_wsn, stride_be, stride_om, alpha, limit,
-    skip_padding,
     ALIGN_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_N: gl.constexpr,
     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
-    BLOCK_SCALES: gl.constexpr,
+    BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
@@ -300,18 +302,18 @@ def _ws_fp8_block_kernel(
     smem = (a_bufs, w_bufs, ready, empty)
     ptrs = (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
             num_padded_ptr, topk_weights_ptr)
-    sizes = (N, K, num_pairs, alpha, limit, skip_padding)
+    sizes = (N, K, num_pairs, alpha, limit)
     strides = (stride_as, stride_wse, stride_wsn, stride_be, stride_om)
     # (the constexprs are spelled out in each tuple: a tuple held in a variable would turn them
     # into tensors)
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-                     HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, BLOCK_SCALES, 0)),
+                     HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, BLOCK_SCALES, SKIP_PADDING, 0)),
         (_consumer_second, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N,
                             ACTIVATION, HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED,
-                            BLOCK_SCALES)),
+                            BLOCK_SCALES, SKIP_PADDING)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-                     HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, BLOCK_SCALES)),
+                     HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, BLOCK_SCALES, SKIP_PADDING)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -379,12 +381,13 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
         routing.topk_weights, N, K, routing.num_pairs, a_scale.stride(0), w_scale.stride(0),
         w_scale.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
-        alpha, limit, int(SKIP_PADDING),
+        alpha, limit,
         ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=STAGES,
         SPLIT_N=int(tile == "cols"), ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=gemm == 2, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
-        BLOCK_SCALES=int(quant == "fp8_block"), num_warps=4, maxnreg=MAXNREG)
+        BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(SKIP_PADDING), num_warps=4,
+        maxnreg=MAXNREG)
 
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
@@ -404,12 +407,12 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "num_padded_ptr": "*i32", "topk_weights_ptr": "*fp32",
         "N": "i32", "K": "i32", "num_pairs": "i32", "stride_as": "i32", "stride_wse": "i32",
         "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32",
-        "alpha": "fp32", "limit": "fp32", "skip_padding": "i32"}
+        "alpha": "fp32", "limit": "fp32"}
     consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=STAGES, SPLIT_N=int(tile == "cols"),
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, MUL_ROUTED_WEIGHT=gemm == 2, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
-                  BLOCK_SCALES=int(quant == "fp8_block"))
+                  BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(SKIP_PADDING))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_wse")}
