@@ -10,8 +10,8 @@ with scales [E, N/128, K/128]. --model mixtral_8x7b: fp8 per tensor, 8 experts, 
 GEMM1 N = 28672, K = 4096, GEMM2 N = 4096, K = 14336; one scale per row and per weight row.
 Each expert's rows padded to 128. Variants: "ours persistent" / "ours tile" (grouped_gemm's
 kernels with the tables' prefill config for the model), "package rows" / "package cols"
-(ws_gemm's two tile forms), and the same with the epilogue's stores from the MMA layout
-("mma-store").
+(ws_gemm's two tile forms), the same with the epilogue's stores from the MMA layout
+("mma-store"), and the 128-row tiles with the padding-half skip (ws_gemm.SKIP_PADDING).
 
 Every run: output poisoned with NaN, compared with an fp32 torch reference (relative Frobenius
 error over the real rows; a NaN left means an unwritten row); timing by triton.testing.do_bench,
@@ -143,7 +143,7 @@ def run_ours(pb, out_pairs, config):
              quant=pb["quant"], atomic_out=False)
 
 
-def run_package(pb, out_pairs, tile, coalesced=True):
+def run_package(pb, out_pairs, tile, coalesced=True, skip_padding=False):
     """moe_ops.kernels.ws_gemm (this kernel as the package runs it: GEMM2's epilogue, one row
     per pair times a routing weight of 1) on the same rows."""
     from moe_ops.kernels import grouped_gemm as gg, ws_gemm
@@ -152,13 +152,13 @@ def run_package(pb, out_pairs, tile, coalesced=True):
         local_expert_offset=0, sorted_pair_ids=pb["sorted_pair_ids"],
         block_expert_ids=pb["block_expert_ids"], align_block_m=BLOCK_M,
         num_padded=pb["num_padded"])
-    saved = ws_gemm.COALESCED_STORE
-    ws_gemm.COALESCED_STORE = coalesced
+    saved = ws_gemm.COALESCED_STORE, ws_gemm.SKIP_PADDING
+    ws_gemm.COALESCED_STORE, ws_gemm.SKIP_PADDING = coalesced, skip_padding
     try:
         ws_gemm.gemm(pb["a"], pb["a_scale"], pb["w"], pb["w_scale"], None, out_pairs, routing,
                      gemm=2, activation="none", tile=tile, quant=pb["quant"])
     finally:
-        ws_gemm.COALESCED_STORE = saved
+        ws_gemm.COALESCED_STORE, ws_gemm.SKIP_PADDING = saved
 
 
 def main():
@@ -188,7 +188,8 @@ def main():
             variants = [("ours persistent", True, None), ("ours tile", False, None),
                         ("package rows", None, "rows"), ("package cols", None, "cols"),
                         ("package rows mma-store", None, "rows/mma"),
-                        ("package cols mma-store", None, "cols/mma")]
+                        ("package cols mma-store", None, "cols/mma"),
+                        ("package rows skip-padding", None, "rows/skip")]
             if args.variants:
                 variants = [v for v in variants if v[0].split()[0] in args.variants]
             out_pairs = torch.empty((pb["pairs"], N), dtype=torch.bfloat16, device=dev)
@@ -196,7 +197,8 @@ def main():
                 try:
                     if pipe is not None:
                         fn = (lambda: run_package(pb, out_pairs, pipe.split("/")[0],
-                                                  not pipe.endswith("/mma")))
+                                                  not pipe.endswith("/mma"),
+                                                  pipe.endswith("/skip")))
                     else:
                         config = GemmConfig(bm, bn, bk, group_m, warps, 3 if persistent else 4,
                                             persistent=persistent)

@@ -2,13 +2,17 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
 # mxfp4 models, compute-sanitizer on the small layers, dev_fp4_gpu timings, bench_prepare).
 # prep: the fp4 weight preparation alone (its tests on the GPU, bench_prepare of the bf16 ->
 # nvfp4 / mxfp4 layers; about 2 minutes).
+# ws: the warp-specialized Gluon GEMM (kernels/ws_gemm.py): its GPU tests, the GEMM A/Bs of
+# dev_ws_fp8_block.py (DeepSeek-V3 fp8_block with the padding-half skip, Mixtral fp8 per tensor
+# against the Triton kernels), and the experts call kernel by kernel with fp8 per tensor on it
+# and off (about 6 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -53,6 +57,22 @@ if [[ "$what" == prep ]]; then
   python3 benchmarks/bench_prepare.py --cases deepseek_v3:nvfp4 gpt_oss_120b:mxfp4 --no-torch-path \
     --out "$out/prepare_fp4.json" > "$out/prepare_fp4.log" 2>&1 || status=1
   tail -n 12 "$out/prepare_fp4.log"
+fi
+if [[ "$what" == ws ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_ws_gemm.py > "$out/pytest_ws.log" 2>&1 || status=1
+  tail -n 3 "$out/pytest_ws.log"
+  python3 benchmarks/dev_ws_fp8_block.py --variants package --tokens 4096 16384 --out "$out" \
+    > "$out/ws_fp8_block.log" 2>&1 || status=1
+  tail -n 15 "$out/ws_fp8_block.log"
+  python3 benchmarks/dev_ws_fp8_block.py --model mixtral_8x7b --variants ours package \
+    --tokens 4096 16384 --out "$out" > "$out/ws_fp8.log" 2>&1 || status=1
+  tail -n 19 "$out/ws_fp8.log"
+  for on in 0 1; do
+    MOE_OPS_PDL=0 MOE_OPS_WS_FP8=$on python3 benchmarks/profile_layer.py --models mixtral_8x7b \
+      llama4_scout --quant fp8 --tokens 4096 16384 --out "$out/profile_ws_fp8_$on.json" \
+      > "$out/profile_ws_fp8_$on.log" 2>&1 || status=1
+    grep -A5 '^model' "$out/profile_ws_fp8_$on.log" | cut -c1-160
+  done
 fi
 if [[ "$what" == tune ]]; then
   pairs=$(python3 -c "import json; m = json.load(open('benchmarks/shapes.json'))['models']; print(' '.join(f'{n}:{q}' for n, e in m.items() for q in e['quant']))")
