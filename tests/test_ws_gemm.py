@@ -27,14 +27,17 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[:2] ==
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel runs on sm_90 only")
 
 
-@pytest.mark.parametrize("tile,gemm,activation,bias,store,quant", [
-    ("cols", 1, "swiglu", False, "coalesced", "fp8_block"),
-    ("cols", 2, "none", True, "coalesced", "fp8_block"),
-    ("rows", 1, "swiglu_oai", True, "coalesced", "fp8_block"),
-    ("rows", 1, "relu2", False, "coalesced", "fp8_block"),
-    ("rows", 2, "none", False, "mma", "fp8_block"),
-    ("rows", 1, "swiglu", True, "coalesced", "fp8")])
-def test_builds_for_sm90(tile, gemm, activation, bias, store, quant):
+@pytest.mark.parametrize("tile,gemm,activation,bias,store,quant,skip", [
+    ("cols", 1, "swiglu", False, "coalesced", "fp8_block", "0"),
+    ("cols", 2, "none", True, "coalesced", "fp8_block", "0"),
+    ("rows", 1, "swiglu_oai", True, "coalesced", "fp8_block", "0"),
+    ("rows", 1, "relu2", False, "coalesced", "fp8_block", "0"),
+    ("rows", 2, "none", False, "mma", "fp8_block", "0"),
+    ("rows", 1, "swiglu", True, "coalesced", "fp8", "0"),
+    ("cols", 1, "geglu", False, "coalesced", "fp8", "0"),
+    ("rows", 1, "swiglu", False, "coalesced", "fp8_block", "1"),
+    ("rows", 2, "none", False, "coalesced", "fp8", "1")])
+def test_builds_for_sm90(tile, gemm, activation, bias, store, quant, skip):
     """Every epilogue form compiles for sm_90 with the schedule it is written for: two consumer
     warpgroups on e4m3 m64n128k32 wgmmas, register budgets moved by setmaxnreg, mbarrier
     waits; the coalesced stores through shared memory, each consumer in its own region."""
@@ -42,6 +45,7 @@ def test_builds_for_sm90(tile, gemm, activation, bias, store, quant):
     # helpers the kernel calls are interpreter objects, which Gluon cannot compile.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["MOE_OPS_WS_STORE"] = store
+    env["MOE_OPS_WS_SKIP_PADDING"] = skip
     code = ("import json, sys; from moe_ops.kernels import ws_gemm; "
             f"k = ws_gemm.compile_sm90(tile={tile!r}, gemm={gemm}, activation={activation!r}, "
             f"has_bias={bias}, quant={quant!r}); json.dump(k.asm['ptx'], sys.stdout)")
@@ -65,9 +69,25 @@ def test_builds_for_sm90(tile, gemm, activation, bias, store, quant):
         assert max(staged) - min(staged) >= 8192, staged
 
 
+def test_bad_settings_are_refused(monkeypatch):
+    """A mistyped switch names itself instead of being read as a default; GEMM1 without an
+    activation (it would run GEMM2's epilogue) is refused before anything launches."""
+    monkeypatch.setenv("MOE_OPS_WS_STORE", "coalesce")
+    with pytest.raises(ValueError, match="MOE_OPS_WS_STORE"):
+        ws_gemm.env_choice("MOE_OPS_WS_STORE", "coalesced", ("coalesced", "mma"))
+    monkeypatch.setenv("MOE_OPS_WS_GEMM", "off")
+    with pytest.raises(ValueError, match="MOE_OPS_WS_GEMM"):
+        ws_gemm.env_choice("MOE_OPS_WS_GEMM", "1", ("0", "1"))
+    with pytest.raises(ValueError, match="gemm=1 needs an activation"):
+        ws_gemm.gemm(None, None, None, None, None, None, None, gemm=1, activation="none")
+    with pytest.raises(ValueError, match="quant"):
+        ws_gemm.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
+                     quant="nvfp4")
+
+
 def test_not_used_off_hopper(monkeypatch, poisoned_empty):
     """Without an sm_90 GPU (here: the interpreter) fp8_block's persistent configs run
-    grouped_gemm's kernels, the dispatch aligned to the configs alone."""
+    grouped_gemm's kernels: the kernel is never called, the results hold."""
     if HOPPER:
         pytest.skip("the kernel applies on this GPU")
     calls = []
@@ -111,6 +131,27 @@ def test_experts_on_ws_gemm(tile, quant, activation, bias, monkeypatch, poisoned
     config = GemmConfig(64, 128, 128, 8, 4, 3, persistent=True)
     check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
     assert gemms == [1, 2]
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile_rule", ["auto", "rows"])
+def test_only_gemm1_on_ws_gemm(tile_rule, monkeypatch, poisoned_empty):
+    """I = 192 (not whole 128-column K steps for GEMM2): GEMM1 runs on the kernel, GEMM2 on
+    grouped_gemm's (the dispatch aligned to the kernel's rows serves both); the tile rule's own
+    choice too."""
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile_rule)
+    gemms = []
+    launch = ws_gemm.gemm
+
+    def counting(*args, gemm, **kwargs):
+        gemms.append(gemm)
+        return launch(*args, gemm=gemm, **kwargs)
+
+    monkeypatch.setattr(ws_gemm, "gemm", counting)
+    tensors, kwargs = make_problem(600, 512, 192, 4, 2, quant="fp8_block", seed=43)
+    config = GemmConfig(64, 128, 128, 8, 4, 3, persistent=True)
+    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
+    assert gemms == [1]
 
 
 @needs_hopper

@@ -83,20 +83,22 @@ FP8_SWAP_AB = False
 # (results/h200_ws_profile_*.json): T = 16384 (512 rows an expert) 18.9 -> 17.2 ms with
 # "rows" (17.7 "cols"), T = 4096 (128 rows) 5.78 -> 5.40 ms with "cols" (5.71 "rows").
 # MOE_OPS_WS_FP8_BLOCK_TILE=rows|cols|none overrides the rule ("none": never this kernel).
-WS_FP8_BLOCK_TILE: Optional[str] = os.environ.get("MOE_OPS_WS_FP8_BLOCK_TILE", "auto")
-if WS_FP8_BLOCK_TILE not in ("auto", "rows", "cols", "none"):
-    raise ValueError("MOE_OPS_WS_FP8_BLOCK_TILE must be auto, rows, cols or none, got "
-                     f"{WS_FP8_BLOCK_TILE!r}")
+# (It governs the fp8-per-tensor launches of WS_FP8 alike.) While tuning, the tuner times what
+# runs: a persistent fp8_block candidate on Hopper is timed on this kernel.
+WS_FP8_BLOCK_TILE: Optional[str] = ws_gemm.env_choice(
+    "MOE_OPS_WS_FP8_BLOCK_TILE", "auto", ("auto", "rows", "cols", "none"))
 WS_ROWS_TILE_MIN_ROWS = 256
 # fp8 per tensor on the same kernel (its partial sums promoted every K step, the scales in the
 # epilogue): built and tested, not yet measured against the Triton kernels on a GPU, so off
 # unless MOE_OPS_WS_FP8=1.
-WS_FP8 = os.environ.get("MOE_OPS_WS_FP8", "0") == "1"
+WS_FP8 = ws_gemm.env_choice("MOE_OPS_WS_FP8", "0", ("0", "1")) == "1"
 
 
 def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool) -> Optional[str]:
     """The warp-specialized kernel's tile form for an fp8_block (or, with WS_FP8, fp8) call;
-    None: not this kernel."""
+    None: not this kernel. num_pairs counts every routed pair, num_experts the local experts:
+    with expert parallelism the rows an expert gets are overestimated (the rule then picks the
+    128-row tiles early; a speed matter, the results are the same)."""
     if quant not in (("fp8_block", "fp8") if WS_FP8 else ("fp8_block",)):
         return None
     if direct or WS_FP8_BLOCK_TILE == "none":

@@ -50,7 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moe_ops.kernels.common import (
-    FP8_BLOCK, apply_activation, cdiv, device_properties, round_to_dtype)
+    FP8_BLOCK, apply_activation, device_properties, round_to_dtype)
+from moe_ops.kernels.grouped_gemm import _launcher
 
 # Each consumer warpgroup's share of a tile: 64 rows x 128 columns (one m64n128k32 wgmma per 32
 # columns of K; its fp32 accumulator and partial take 2 x 64 registers a thread).
@@ -67,14 +68,24 @@ GROUP_M = 8
 # Registers a thread: consumers 232 (two fp32 tiles and the addressing), the producer 40 (the
 # minimum that holds its loop); the launch's budget of 168 x 12 warps fits one program an SM.
 CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168
+
+
+def env_choice(name: str, default: str, choices: tuple) -> str:
+    """The value of environment variable `name` (default when unset), one of `choices`."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 # The epilogue's stores through a row-contiguous layout (_store_rows); MOE_OPS_WS_STORE=mma
 # stores from the MMA's layout directly (for A/B).
-COALESCED_STORE = os.environ.get("MOE_OPS_WS_STORE", "coalesced") != "mma"
+COALESCED_STORE = env_choice("MOE_OPS_WS_STORE", "coalesced", ("coalesced", "mma")) == "coalesced"
 # A consumer warpgroup whose rows are all padding skips its MMAs (MOE_OPS_WS_SKIP_PADDING=1).
 # Off until its GPU test and A/B have run (written after this session's device time was spent).
-SKIP_PADDING = os.environ.get("MOE_OPS_WS_SKIP_PADDING", "0") == "1"
-# "0" turns the kernel off (every fp8_block launch then runs grouped_gemm's kernels).
-ENABLED = os.environ.get("MOE_OPS_WS_GEMM", "1") != "0"
+SKIP_PADDING = env_choice("MOE_OPS_WS_SKIP_PADDING", "0", ("0", "1")) == "1"
+# MOE_OPS_WS_GEMM=0 turns the kernel off (every launch then runs grouped_gemm's kernels).
+ENABLED = env_choice("MOE_OPS_WS_GEMM", "1", ("0", "1")) == "1"
 
 
 @gluon.jit
@@ -339,7 +350,7 @@ def applies(quant: str, activation: str, n: int, k: int, a: torch.Tensor, w: tor
         return False
     return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
             and n % bn == 0 and k % FP8_BLOCK == 0 and w.is_contiguous()
-            and w.dtype == torch.float8_e4m3fn)
+            and w.data_ptr() % 16 == 0 and w.dtype == torch.float8_e4m3fn)
 
 
 def block_m(tile: str) -> int:
@@ -368,6 +379,8 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     act(a @ w^T + bias); GEMM2: out [pairs, N] = topk_weight * (a @ w^T + bias)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+    if gemm == 1 and activation == "none":
+        raise ValueError("gemm=1 needs an activation (GEMM1's epilogue applies it)")
     bm, bn = TILES[tile]
     if routing.direct or routing.align_block_m % bm:
         raise ValueError(f"the warp-specialized GEMM needs a dispatch aligned to {bm} rows")
@@ -376,7 +389,9 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     if programs is None:
         programs = device_properties(a.device).multi_processor_count
     dummy = routing.topk_weights
-    _ws_fp8_block_kernel[(programs, )](
+    # grouped_gemm's launcher: inside its compile_only() (the tuner's parallel precompile) this
+    # compiles the kernel without running it
+    _launcher((programs, ), _ws_fp8_block_kernel)(
         a_desc, w_desc, a_scale, w_scale, bias if bias is not None else dummy, out,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
         routing.topk_weights, N, K, routing.num_pairs, a_scale.stride(0), w_scale.stride(0),
@@ -415,7 +430,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                   BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(SKIP_PADDING))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
-             if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_wse")}
+             if name.endswith("_ptr") or name in ("N", "K", "stride_om")}
     source = GluonASTSource(fn=_ws_fp8_block_kernel, signature=signature, constexprs=consts,
                             attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
