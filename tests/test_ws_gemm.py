@@ -23,6 +23,20 @@ from moe_ops.kernels.grouped_gemm import GemmConfig
 
 from test_kernels_experts import FP8_TOL, check_experts, make_problem
 
+@pytest.fixture
+def ws_gemm_calls(monkeypatch):
+    """The `gemm` argument (1 or 2) of each ws_gemm.gemm call, in order."""
+    calls = []
+    launch = ws_gemm.gemm
+
+    def counting(*args, gemm, **kwargs):
+        calls.append(gemm)
+        return launch(*args, gemm=gemm, **kwargs)
+
+    monkeypatch.setattr(ws_gemm, "gemm", counting)
+    return calls
+
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[:2] == (9, 0)
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel runs on sm_90 only")
 
@@ -106,21 +120,14 @@ def test_not_used_off_hopper(monkeypatch, poisoned_empty):
     ("fp8_block", "swiglu", False), ("fp8_block", "geglu", True),
     ("fp8_block", "swiglu_oai", True), ("fp8_block", "relu2", False),
     ("fp8", "swiglu", True), ("fp8", "relu2", False)])
-def test_experts_on_ws_gemm(tile, quant, activation, bias, monkeypatch, poisoned_empty):
+def test_experts_on_ws_gemm(tile, quant, activation, bias, monkeypatch, ws_gemm_calls,
+                            poisoned_empty):
     """The experts call with persistent configs runs both GEMMs on the kernel (tile form
     `tile`; fp8 per tensor with WS_FP8 on): several weight scale blocks along N and K,
     expert-parallel ids, ids of no local expert, tokens all but one on one expert (many row
     blocks for one expert)."""
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
     monkeypatch.setattr(experts_mod, "WS_FP8", True)
-    gemms = []
-    launch = ws_gemm.gemm
-
-    def counting(*args, gemm, **kwargs):
-        gemms.append(gemm)
-        return launch(*args, gemm=gemm, **kwargs)
-
-    monkeypatch.setattr(ws_gemm, "gemm", counting)
     # gated: N13 = 768 (3 column tiles of 256, 6 gate/up scale rows); H = 512, I = 384
     I = 384 if activation != "relu2" else 512
     tensors, kwargs = make_problem(300, 512, I, 4, 2, activation=activation,
@@ -130,28 +137,20 @@ def test_experts_on_ws_gemm(tile, quant, activation, bias, monkeypatch, poisoned
     ids[:250, 0] = 3  # one expert gets most tokens: row blocks well past the SM count's share
     config = GemmConfig(64, 128, 128, 8, 4, 3, persistent=True)
     check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
-    assert gemms == [1, 2]
+    assert ws_gemm_calls == [1, 2]
 
 
 @needs_hopper
 @pytest.mark.parametrize("tile_rule", ["auto", "rows"])
-def test_only_gemm1_on_ws_gemm(tile_rule, monkeypatch, poisoned_empty):
+def test_only_gemm1_on_ws_gemm(tile_rule, monkeypatch, ws_gemm_calls, poisoned_empty):
     """I = 192 (not whole 128-column K steps for GEMM2): GEMM1 runs on the kernel, GEMM2 on
     grouped_gemm's (the dispatch aligned to the kernel's rows serves both); the tile rule's own
     choice too."""
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile_rule)
-    gemms = []
-    launch = ws_gemm.gemm
-
-    def counting(*args, gemm, **kwargs):
-        gemms.append(gemm)
-        return launch(*args, gemm=gemm, **kwargs)
-
-    monkeypatch.setattr(ws_gemm, "gemm", counting)
     tensors, kwargs = make_problem(600, 512, 192, 4, 2, quant="fp8_block", seed=43)
     config = GemmConfig(64, 128, 128, 8, 4, 3, persistent=True)
     check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
-    assert gemms == [1]
+    assert ws_gemm_calls == [1]
 
 
 @needs_hopper
