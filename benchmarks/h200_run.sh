@@ -11,8 +11,9 @@
 # nvfp4 / mxfp4 layers; about 2 minutes).
 # ws: the warp-specialized Gluon GEMM (kernels/ws_gemm.py): its GPU tests, the GEMM A/Bs of
 # dev_ws_fp8_block.py (DeepSeek-V3 fp8_block with the padding-half skip, Mixtral fp8 per tensor
-# against the Triton kernels), and the experts call kernel by kernel with fp8 per tensor on it
-# and off (about 6 minutes).
+# against the Triton kernels), the nvfp4 decode GEMM prototype in Gluon
+# (dev_gluon_fp4_decode.py), and the experts call kernel by kernel with fp8 per tensor on it
+# and off (about 7 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -67,6 +68,9 @@ if [[ "$what" == ws ]]; then
   python3 benchmarks/dev_ws_fp8_block.py --model mixtral_8x7b --variants ours package \
     --tokens 4096 16384 --out "$out" > "$out/ws_fp8.log" 2>&1 || status=1
   tail -n 19 "$out/ws_fp8.log"
+  python3 benchmarks/dev_gluon_fp4_decode.py --out "$out" > "$out/gluon_fp4_decode.log" 2>&1 \
+    || status=1
+  tail -n 9 "$out/gluon_fp4_decode.log"
   for on in 0 1; do
     MOE_OPS_PDL=0 MOE_OPS_WS_FP8=$on python3 benchmarks/profile_layer.py --models mixtral_8x7b \
       llama4_scout --quant fp8 --tokens 4096 16384 --out "$out/profile_ws_fp8_$on.json" \
