@@ -24,8 +24,9 @@ x_e[m] . W_e[n]. Variants: "gluon 2 consumers" / "gluon 4 consumers" (this kerne
 is compared with a float32 reference (dequantized weights) on random data, outputs
 NaN-poisoned first; times by triton.testing.do_bench; TB/s over the packed weights and scales.
 
-Its sm_90 build (--aot): the K loop is 481 SASS instructions a thread for 128 weight values,
-3.8 a value (the Triton loop: 5.1), 2 warpgroup fences a K step; not yet run on a GPU.
+Its sm_90 build (--aot): the K loop is 423 SASS instructions a thread for 128 weight values,
+3.3 a value (the Triton loop: 5.1; 481 with each thread converting all its rows' scales itself,
+split_scales=False), 2 warpgroup fences a K step; not yet run on a GPU.
 
     python benchmarks/dev_gluon_fp4_decode.py --out benchmarks/results      # an H200
     python benchmarks/dev_gluon_fp4_decode.py --aot                         # no GPU: sm_90 build
@@ -72,15 +73,30 @@ PACKED_LAYOUT_4D = gl.DistributedLinearLayout(
                [8, 0, 0, 0]],
     lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
     warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[ROWS, 4, 16, 2])
+# A K step's e4m3 scale bytes [64 rows, 16 slices] split over the four threads that share a row
+# pair: each converts 4 slices of its 2 rows (the conversion is not repeated four times over),
+# then the factors are exchanged within the warp (convert_layout) to the layout every thread
+# of the row needs (all 16 slices: SliceLayout(2, SliceLayout(1, PACKED_LAYOUT_4D))).
+SCALES_SPLIT_LAYOUT = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [8, 0]],
+    lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, 16])
+
+
+@gluon.constexpr_function
+def _scales_layout(split):
+    return SCALES_SPLIT_LAYOUT if split else gl.SliceLayout(2, gl.SliceLayout(1, PACKED_LAYOUT_4D))
 
 
 @gluon.jit
 def _decode_step(packed, scales, P2: gl.constexpr, P4: gl.constexpr, DOT: gl.constexpr):
-    """Packed bytes [64, 128] (P2) and e4m3 scale bytes [64, 16] (a slice of P4) -> the weight
-    tile [64, 256] bf16 / 512 in wgmma's A-operand layout (DOT), K natural."""
+    """Packed bytes [64, 128] (P2) and e4m3 scale bytes [64, 16] (SCALES_SPLIT_LAYOUT, or a
+    slice of P4) -> the weight tile [64, 256] bf16 / 512 in wgmma's A-operand layout (DOT), K
+    natural."""
     # block scales * 2^117 by bit moves, four a register
     factor = gl.inline_asm_elementwise(_E4M3_TO_BF16_P117, "=r,=r,r", [scales],
                                        dtype=gl.bfloat16, is_pure=True, pack=4)
+    factor = gl.convert_layout(factor, gl.SliceLayout(2, gl.SliceLayout(1, P4)))
     # each code's factor: [row, c] -> [row, t, c, q] -> the packed bytes' positions
     factor = gl.expand_dims(gl.expand_dims(factor, 2), 1)
     factor = gl.broadcast(factor, gl.full([64, 4, 16, 2], 0.0, gl.bfloat16, P4))[0]
@@ -124,7 +140,8 @@ def _producer(descs, smem, sizes, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(descs, smem, sizes, HALF: gl.constexpr, out_ptr, gscale_ptr, stride_om):
+def _consumer(descs, smem, sizes, HALF: gl.constexpr, out_ptr, gscale_ptr, stride_om,
+              SPLIT: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     N, K, num_experts = sizes
@@ -132,7 +149,7 @@ def _consumer(descs, smem, sizes, HALF: gl.constexpr, out_ptr, gscale_ptr, strid
     BN: gl.constexpr = w_bufs.type.shape[1]
     P2: gl.constexpr = PACKED_LAYOUT
     P4: gl.constexpr = PACKED_LAYOUT_4D
-    SCALES: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(1, P4))   # [row, c]
+    SCALES: gl.constexpr = _scales_layout(SPLIT)   # [row, c]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 16, 16])
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -166,29 +183,33 @@ def _consumer(descs, smem, sizes, HALF: gl.constexpr, out_ptr, gscale_ptr, strid
 
 
 @gluon.jit
-def _consumer_1(descs, smem, sizes, HALF: gl.constexpr, out_ptr, gscale_ptr, stride_om):
-    _consumer(descs, smem, sizes, 1, out_ptr, gscale_ptr, stride_om)
+def _consumer_1(descs, smem, sizes, HALF: gl.constexpr, out_ptr, gscale_ptr, stride_om,
+              SPLIT: gl.constexpr):
+    _consumer(descs, smem, sizes, 1, out_ptr, gscale_ptr, stride_om, SPLIT)
 
 
 @gluon.jit
-def _consumer_2(descs, smem, sizes, HALF: gl.constexpr, out_ptr, gscale_ptr, stride_om):
-    _consumer(descs, smem, sizes, 2, out_ptr, gscale_ptr, stride_om)
+def _consumer_2(descs, smem, sizes, HALF: gl.constexpr, out_ptr, gscale_ptr, stride_om,
+              SPLIT: gl.constexpr):
+    _consumer(descs, smem, sizes, 2, out_ptr, gscale_ptr, stride_om, SPLIT)
 
 
 @gluon.jit
-def _consumer_3(descs, smem, sizes, HALF: gl.constexpr, out_ptr, gscale_ptr, stride_om):
-    _consumer(descs, smem, sizes, 3, out_ptr, gscale_ptr, stride_om)
+def _consumer_3(descs, smem, sizes, HALF: gl.constexpr, out_ptr, gscale_ptr, stride_om,
+              SPLIT: gl.constexpr):
+    _consumer(descs, smem, sizes, 3, out_ptr, gscale_ptr, stride_om, SPLIT)
 
 
 @gluon.jit
-def _producer_entry(descs, smem, sizes, HALF: gl.constexpr, out_ptr, gscale_ptr, stride_om):
+def _producer_entry(descs, smem, sizes, HALF: gl.constexpr, out_ptr, gscale_ptr, stride_om,
+              SPLIT: gl.constexpr):
     _producer(descs, smem, sizes, HALF)
 
 
 @gluon.jit
 def fp4_decode_kernel(w_desc, s_desc, x_desc, out_ptr, gscale_ptr, N, K, num_experts,
                       stride_om, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr):
+                      CONSUMER_REGS: gl.constexpr, SPLIT: gl.constexpr):
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                        w_desc.layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape,
@@ -207,17 +228,17 @@ def fp4_decode_kernel(w_desc, s_desc, x_desc, out_ptr, gscale_ptr, N, K, num_exp
     # decode's dependent integer chains); each owns 64 of the tile's CONSUMERS * 64 rows
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om)),
-            (_consumer_1, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om)),
-            (_producer_entry, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om)),
+            (_consumer, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om, SPLIT)),
+            (_consumer_1, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om, SPLIT)),
+            (_producer_entry, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om, SPLIT)),
         ], [4, 1], [CONSUMER_REGS, 40])
     else:
         gl.warp_specialize([
-            (_consumer, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om)),
-            (_consumer_1, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om)),
-            (_consumer_2, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om)),
-            (_consumer_3, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om)),
-            (_producer_entry, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om)),
+            (_consumer, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om, SPLIT)),
+            (_consumer_1, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om, SPLIT)),
+            (_consumer_2, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om, SPLIT)),
+            (_consumer_3, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om, SPLIT)),
+            (_producer_entry, (descs, smem, sizes, 0, out_ptr, gscale_ptr, stride_om, SPLIT)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -228,7 +249,7 @@ def _layouts():
     return w_layout, s_layout, x_layout
 
 
-def launch(w_packed, w_scale, x, out, gscale, programs=None, consumers=2):
+def launch(w_packed, w_scale, x, out, gscale, programs=None, consumers=2, split_scales=True):
     """w_packed [E, N, Kp/2] uint8 (kernel order), w_scale [E, N, Kp/16] e4m3, x [E*16, Kp]
     bf16, gscale [E, N] fp32 -> out [E*16, N] bf16."""
     E, N, half_k = w_packed.shape
@@ -247,10 +268,11 @@ def launch(w_packed, w_scale, x, out, gscale, programs=None, consumers=2):
                        E * (N // block_n))
     fp4_decode_kernel[(programs, )](w_desc, s_desc, x_desc, out, gscale, N, K, E, out.stride(0),
                                     STAGES=STAGES, CONSUMERS=consumers,
-                                    CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+                                    CONSUMER_REGS=consumer_regs, SPLIT=split_scales, num_warps=4,
+                                    maxnreg=maxnreg)
 
 
-def aot(consumers=2):
+def aot(consumers=2, split_scales=True):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from aot_sm90 import main_loop, resource_usage
@@ -263,16 +285,17 @@ def aot(consumers=2):
         "x_desc": f"tensordesc<bf16[{TOKENS}, {BLOCK_K}],{x_layout!r}>",
         "out_ptr": "*bf16", "gscale_ptr": "*fp32", "N": "i32", "K": "i32",
         "num_experts": "i32", "stride_om": "i32", "STAGES": "constexpr",
-        "CONSUMERS": "constexpr", "CONSUMER_REGS": "constexpr"}
+        "CONSUMERS": "constexpr", "CONSUMER_REGS": "constexpr", "SPLIT": "constexpr"}
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om")}
-    consts = {"STAGES": STAGES, "CONSUMERS": consumers, "CONSUMER_REGS": consumer_regs}
+    consts = {"STAGES": STAGES, "CONSUMERS": consumers, "CONSUMER_REGS": consumer_regs,
+              "SPLIT": split_scales}
     kernel = triton.compile(GluonASTSource(fn=fp4_decode_kernel, signature=signature,
                                            constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=4, maxnreg=maxnreg))
     loop = main_loop(kernel)
-    print(f"{consumers} consumers: {resource_usage(kernel)}, shared {kernel.metadata.shared} B; "
+    print(f"{consumers} consumers, split scales {split_scales}: {resource_usage(kernel)}, shared {kernel.metadata.shared} B; "
           f"longest loop "
           f"{len(loop)} SASS instructions for {BLOCK_K * ROWS // 128} weight values a thread "
           f"a K step ({len(loop) / (BLOCK_K * ROWS / 128):.2f} a value, the tile loop included)")
@@ -334,7 +357,8 @@ def main():
     args = ap.parse_args()
     if args.aot:
         for consumers in CONSUMER_CONFIGS:
-            aot(consumers)
+            for split in (True, False):
+                aot(consumers, split)
         return
     from triton.testing import do_bench
     dev = torch.device("cuda")
@@ -357,6 +381,9 @@ def main():
             ("gluon 4 consumers", lambda: launch(pb["w_packed"], pb["w_scale"], pb["x"], out,
                                                  pb["gscale"], consumers=4),
              lambda: out.float()[live]),
+            ("gluon 2 consumers unsplit scales",
+             lambda: launch(pb["w_packed"], pb["w_scale"], pb["x"], out, pb["gscale"],
+                            consumers=2, split_scales=False), lambda: out.float()[live]),
             ("ours", lambda: run_ours(pb, out_pairs), lambda: out_pairs.float()))
         for variant, fn, result in variants:
             try:
