@@ -295,8 +295,8 @@ def aot(consumers=2, split_scales=True):
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=4, maxnreg=maxnreg))
     loop = main_loop(kernel)
-    print(f"{consumers} consumers, split scales {split_scales}: {resource_usage(kernel)}, shared {kernel.metadata.shared} B; "
-          f"longest loop "
+    print(f"{consumers} consumers, split scales {split_scales}: {resource_usage(kernel)}, "
+          f"shared {kernel.metadata.shared} B; longest loop "
           f"{len(loop)} SASS instructions for {BLOCK_K * ROWS // 128} weight values a thread "
           f"a K step ({len(loop) / (BLOCK_K * ROWS / 128):.2f} a value, the tile loop included)")
     return kernel
