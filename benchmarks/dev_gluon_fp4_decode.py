@@ -168,7 +168,8 @@ def _consumer(descs, smem, sizes, HALF: gl.constexpr, out_ptr, gscale_ptr, strid
             weights = _decode_step(packed, scales, P2, P4, DOT)
             acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc,
                                 is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            # the register operand stays live until the MMA has read it
+            acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
             mbarrier.arrive(empty.index(index), count=1)
             index += 1
             if index == STAGES:
