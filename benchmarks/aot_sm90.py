@@ -138,8 +138,9 @@ def nvidia_tool(name: str, kernel, asm: str, *args: str, check: bool = True) -> 
     return result.stdout + result.stderr
 
 
-def main_loop(kernel) -> list[str]:
-    """The SASS instructions of the kernel's longest loop (the K loop), from nvdisasm."""
+def loops(kernel) -> list[list[str]]:
+    """The SASS instructions of each of the kernel's loops (a backward branch and what it
+    jumps back over), from nvdisasm."""
     text = nvidia_tool("nvdisasm", kernel, "cubin", "-c")
     instructions, labels = [], {}
     for line in text.splitlines():
@@ -150,16 +151,20 @@ def main_loop(kernel) -> list[str]:
         found = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
         if found:
             instructions.append(found.group(1).strip())
-    best = (0, -1)
+    found_loops = []
     for end, instruction in enumerate(instructions):
         branch = re.search(r"BRA\s+(?:`\()?(\.L_x_\d+)", instruction)
         if branch and labels.get(branch.group(1), end + 1) <= end:
-            start = labels[branch.group(1)]
-            if end - start > best[1] - best[0]:
-                best = (start, end)
-    if best[1] < 0:
+            found_loops.append(instructions[labels[branch.group(1)]:end + 1])
+    return found_loops
+
+
+def main_loop(kernel) -> list[str]:
+    """The SASS instructions of the kernel's longest loop (the K loop), from nvdisasm."""
+    found = loops(kernel)
+    if not found:
         raise RuntimeError("no loop (backward branch) found in the kernel's SASS")
-    return instructions[best[0]:best[1] + 1]
+    return max(found, key=len)
 
 
 def resource_usage(kernel) -> str:

@@ -246,15 +246,3 @@ def test_padding_halves_skip_their_mmas(quant, monkeypatch):
     assert torch.isfinite(outs[0]).all(), "a pair's row was not written"
     assert torch.equal(outs[0], outs[1])
 
-
-def test_fp4_decode_prototype_builds():
-    """benchmarks/dev_gluon_fp4_decode.py (the Gluon nvfp4 decode GEMM awaiting its GPU run)
-    builds for sm_90 in each form without spills: its layout conversions into wgmma's register
-    operand are asserted trivial at compile time."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "dev_gluon_fp4_decode.py")
-    done = subprocess.run([sys.executable, script, "--aot"], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    builds = [line for line in done.stdout.splitlines() if "consumers" in line]
-    assert len(builds) == 4 and all("stack 0 B" in line for line in builds), done.stdout

@@ -28,7 +28,7 @@ import torch
 
 from moe_ops.kernels.act_quant import act_quant
 from moe_ops.kernels.align import moe_align
-from moe_ops.kernels import ws_gemm
+from moe_ops.kernels import ws_fp4, ws_gemm
 from moe_ops.kernels.combine import combine_pair_rows
 from moe_ops.kernels.common import is_gated, pdl_early_launch, upcast_dots
 from moe_ops.quant import FP4_K_ALIGN
@@ -92,6 +92,13 @@ WS_ROWS_TILE_MIN_ROWS = 256
 # epilogue): built and tested, not yet measured against the Triton kernels on a GPU, so off
 # unless MOE_OPS_WS_FP8=1.
 WS_FP8 = ws_gemm.env_choice("MOE_OPS_WS_FP8", "0", ("0", "1")) == "1"
+# nvfp4 decode (up to WS_FP4_MAX_ROWS routed rows an expert) on the warp-specialized Gluon
+# kernel of ws_fp4 (the packed weights decoded straight into wgmma's register operand; 3.3
+# instructions a weight value against 5.1 at build time): built and CPU-tested, its GPU tests
+# and timings not yet run, so off unless MOE_OPS_WS_FP4=1. It needs a dispatch (16-row blocks):
+# calls it takes never use direct mode.
+WS_FP4 = ws_gemm.env_choice("MOE_OPS_WS_FP4", "0", ("0", "1")) == "1"
+WS_FP4_MAX_ROWS = 16
 
 
 def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool) -> Optional[str]:
@@ -206,6 +213,12 @@ def triton_experts(
 
     x = x.contiguous()
     direct = use_direct_dispatch(T, top_k, E)
+    fp4_decode = (WS_FP4 and quant == "nvfp4" and T * top_k <= WS_FP4_MAX_ROWS * E
+                  and w13_global_scale is not None and w2_global_scale is not None)
+    ws_fp4_1 = fp4_decode and ws_fp4.applies(quant, activation, w13.shape[1], x, w13)
+    ws_fp4_2 = fp4_decode and ws_fp4.applies(quant, "none", H, x, w2)
+    if ws_fp4_1 or ws_fp4_2:
+        direct = False
     tile = ws_tile(quant, T * top_k, E, direct)
     # x quantized is [T, H] e4m3 like the intermediate's [slots, I]: the same checks hold
     ws1 = tile is not None and config1.persistent and ws_gemm.applies(
@@ -221,6 +234,8 @@ def triton_experts(
         align_block_m = max(config1.block_m, config2.block_m)
         if ws1 or ws2:
             align_block_m = max(align_block_m, ws_gemm.block_m(tile))
+        if ws_fp4_1 or ws_fp4_2:
+            align_block_m = max(align_block_m, ws_fp4.BLOCK_M)
         aligned = moe_align(topk_ids, E, align_block_m, local_expert_offset)
         routing.sorted_pair_ids = aligned.sorted_pair_ids
         routing.block_expert_ids = aligned.block_expert_ids
@@ -234,7 +249,12 @@ def triton_experts(
     else:
         a1, a1_scale = act_quant(x, quant)
     intermediate = torch.empty((routing.num_slots, I), dtype=x.dtype, device=x.device)
-    if ws1:
+    if ws_fp4_1:
+        rows, _ = gather_rows(x, None, routing)
+        ws_fp4.gemm(rows, w13, w13_scale, w13_global_scale, b13, intermediate, routing, gemm=1,
+                    activation=activation, alpha=alpha, limit=limit)
+        del rows
+    elif ws1:
         rows, row_scales = gather_rows(a1, a1_scale, routing)
         ws_gemm.gemm(rows, row_scales, w13, w13_scale, b13, intermediate, routing, gemm=1,
                      activation=activation, alpha=alpha, limit=limit, tile=tile, quant=quant)
@@ -252,21 +272,24 @@ def triton_experts(
     combine = COMBINE
     if combine == "auto":
         pair_rows_bytes = routing.num_pairs * H * x.element_size()
-        if ws2 or use_persistent(config2, routing, a2, w2):
+        if ws2 or ws_fp4_2 or use_persistent(config2, routing, a2, w2):
             combine = "rows"
         else:
             combine = "atomic" if pair_rows_bytes >= ATOMIC_COMBINE_MIN_BYTES else "rows"
-    if config2.split_k > 1 and not ws2:
+    if config2.split_k > 1 and not (ws2 or ws_fp4_2):
         combine = "atomic"  # split-K partial products meet in the fp32 output
-    if ws2:
-        combine = "rows"    # the warp-specialized kernel writes one row per pair
+    if ws2 or ws_fp4_2:
+        combine = "rows"    # the warp-specialized kernels write one row per pair
     if combine == "atomic":
         out32 = torch.zeros((T, H), dtype=torch.float32, device=x.device)
         gemm2(a2, a2_scale, w2, w2_scale, b2, out32, routing, config2, quant=quant,
               atomic_out=True, interpret_upcast=upcast, w2_global_scale=w2_global_scale)
         return out32 if x.dtype == torch.float32 else out32.to(x.dtype)
     pair_out = torch.empty((routing.num_pairs, H), dtype=x.dtype, device=x.device)
-    if ws2:
+    if ws_fp4_2:
+        ws_fp4.gemm(a2, w2, w2_scale, w2_global_scale, b2, pair_out, routing, gemm=2,
+                    activation="none")
+    elif ws2:
         ws_gemm.gemm(a2, a2_scale, w2, w2_scale, b2, pair_out, routing, gemm=2,
                      activation="none", tile=tile, quant=quant)
     else:

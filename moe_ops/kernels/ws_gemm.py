@@ -100,7 +100,7 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
 @gluon.jit
 def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
-              HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, COALESCED: gl.constexpr,
+              HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty = smem
@@ -136,7 +136,7 @@ def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
 @gluon.jit
 def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
-              HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, COALESCED: gl.constexpr,
+              HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, HALF: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty = smem
@@ -160,7 +160,6 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                                                   instr_shape=[16, COLS, 32])
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
-    out_ty: gl.constexpr = out_ptr.dtype.element_ty
     num_m = gl.load(num_padded_ptr) // BM
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
@@ -242,25 +241,36 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                    * gl.load(w_scale_ptr + expert * stride_wse + cols * stride_wsn)[None, :])
         if HAS_BIAS:
             acc += gl.load(bias_ptr + expert * stride_be + cols)[None, :]
-        if ACTIVATION == 0:
-            if MUL_ROUTED_WEIGHT:
-                acc = acc * gl.load(topk_weights_ptr + pair_ids, mask=row_ok, other=0.0)[:, None]
-            _store_rows(out_ptr, round_to_dtype(acc, out_ty), pair_ids.to(gl.int64), row_ok,
-                        col0, stride_om, COALESCED)
-        else:
-            if GATED:
-                gate, up = gl.split(gl.reshape(acc, [ROWS, COLS // 2, 2]))
-                if ACTIVATION == 1:
-                    h = apply_activation(gate, up, alpha, limit, "swiglu")
-                elif ACTIVATION == 2:
-                    h = apply_activation(gate, up, alpha, limit, "geglu")
-                else:
-                    h = apply_activation(gate, up, alpha, limit, "swiglu_oai")
+        write_rows(acc, slots, pair_ids, row_ok, col0, topk_weights_ptr, out_ptr, stride_om,
+                   alpha, limit, ACTIVATION, COALESCED)
+
+@gluon.jit
+def write_rows(values, slots, pair_ids, row_ok, first_col, topk_weights_ptr, out_ptr, stride_om,
+               alpha, limit, ACTIVATION: gl.constexpr, COALESCED: gl.constexpr):
+    """A finished tile [slots, C] (fp32, scales and bias applied; slots, pair_ids, row_ok along
+    its rows) -> GEMM2 (ACTIVATION 0): times each pair's routing weight into out[pair]; GEMM1:
+    act(gate, up) of the interleaved gate/up columns (or relu2 of all) into out[slot], from
+    column first_col (halved when gated). Rows with row_ok False are not written."""
+    out_ty: gl.constexpr = out_ptr.dtype.element_ty
+    if ACTIVATION == 0:
+        values = values * gl.load(topk_weights_ptr + pair_ids, mask=row_ok, other=0.0)[:, None]
+        _store_rows(out_ptr, round_to_dtype(values, out_ty), pair_ids.to(gl.int64), row_ok,
+                    first_col, stride_om, COALESCED)
+    else:
+        C: gl.constexpr = values.type.shape[1]
+        if ACTIVATION >= 1 and ACTIVATION <= 3:
+            gate, up = gl.split(gl.reshape(values, [values.type.shape[0], C // 2, 2]))
+            if ACTIVATION == 1:
+                h = apply_activation(gate, up, alpha, limit, "swiglu")
+            elif ACTIVATION == 2:
+                h = apply_activation(gate, up, alpha, limit, "geglu")
             else:
-                h = apply_activation(acc, acc, alpha, limit, "relu2")
-            H_COLS: gl.constexpr = h.type.shape[1]
-            _store_rows(out_ptr, round_to_dtype(h, out_ty), slots.to(gl.int64), row_ok,
-                        col0 // (COLS // H_COLS), stride_om, COALESCED)
+                h = apply_activation(gate, up, alpha, limit, "swiglu_oai")
+        else:
+            h = apply_activation(values, values, alpha, limit, "relu2")
+        H_COLS: gl.constexpr = h.type.shape[1]
+        _store_rows(out_ptr, round_to_dtype(h, out_ty), slots.to(gl.int64), row_ok,
+                    first_col // (C // H_COLS), stride_om, COALESCED)
 
 
 @gluon.jit
@@ -283,11 +293,10 @@ def _store_rows(out_ptr, values, rows, row_ok, first_col, stride_om, COALESCED: 
 @gluon.jit
 def _consumer_second(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                      ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr,
-                     COALESCED: gl.constexpr, BLOCK_SCALES: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr, BLOCK_SCALES: gl.constexpr,
                      SKIP_PADDING: gl.constexpr):
     _consumer(descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-              HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, BLOCK_SCALES, SKIP_PADDING, 1)
+              HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, 1)
 
 
 @gluon.jit
@@ -296,7 +305,7 @@ def _ws_fp8_block_kernel(
     block_expert_ptr, num_padded_ptr, topk_weights_ptr,
     N, K, num_pairs, stride_as, stride_wse, stride_wsn, stride_be, stride_om, alpha, limit,
     ALIGN_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_N: gl.constexpr,
-    ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr,
+    ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
     BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
 ):
@@ -319,12 +328,12 @@ def _ws_fp8_block_kernel(
     # into tensors)
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-                     HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, BLOCK_SCALES, SKIP_PADDING, 0)),
+                     HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, 0)),
         (_consumer_second, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N,
-                            ACTIVATION, HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED,
+                            ACTIVATION, HAS_BIAS, COALESCED,
                             BLOCK_SCALES, SKIP_PADDING)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-                     HAS_BIAS, MUL_ROUTED_WEIGHT, COALESCED, BLOCK_SCALES, SKIP_PADDING)),
+                     HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -399,7 +408,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         alpha, limit,
         ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=STAGES,
         SPLIT_N=int(tile == "cols"), ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
-        HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=gemm == 2, CONSUMER_REGS=CONSUMER_REGS,
+        HAS_BIAS=bias is not None, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
         BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(SKIP_PADDING), num_warps=4,
         maxnreg=MAXNREG)
@@ -425,7 +434,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "alpha": "fp32", "limit": "fp32"}
     consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=STAGES, SPLIT_N=int(tile == "cols"),
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
-                  HAS_BIAS=has_bias, MUL_ROUTED_WEIGHT=gemm == 2, CONSUMER_REGS=CONSUMER_REGS,
+                  HAS_BIAS=has_bias, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
                   BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(SKIP_PADDING))
     signature.update({name: "constexpr" for name in consts})

@@ -1,0 +1,341 @@
+"""nvfp4 (W4A16) decode GEMMs on Hopper, warp-specialized (Gluon). Experimental: off unless
+experts.WS_FP4 (MOE_OPS_WS_FP4=1); built and CPU-tested, its GPU tests and timings not yet run.
+
+Why: grouped_gemm's Triton W4A16 decode loop spends 5.1 SASS instructions a weight value, of
+which the e2m1 decode itself is about 3; the rest is what Triton wraps around it (per-wgmma
+fences, layout bookkeeping, address arithmetic), and one warpgroup both streams and decodes.
+Here the schedule is explicit:
+  producer   1 warp: TMA loads of each K step (256 columns) of 128 weight rows' packed bytes
+             (quant.py's kernel order, a 3-D box over [rows, 4 runs, Kp/8]), their e4m3 block
+             scales and the 16 activation rows (slots) of the tile, into a ring of STAGES slots
+  consumers  2 (or 4) warpgroups, 64 weight rows each: the packed tile is read from shared memory in
+             the layout of wgmma's A fragment (each thread its two rows' runs), decoded with
+             grouped_gemm's inline PTX and given to `warpgroup_mma` as its register operand;
+             the layout conversions are proved trivial at compile time (assert_trivial). The
+             four threads sharing a row pair convert a quarter of its block scales each and
+             exchange them.
+Swap-AB: the weight rows are the MMA's M side, the dispatch's 16-slot blocks its N side (decode:
+up to 16 routed rows an expert). Its sm_90 K loop: 3.3 instructions a weight value
+(benchmarks/dev_gluon_fp4_decode.py --aot), against 5.1.
+
+Contract (grouped_gemm's, dispatch mode only): activation rows [slots, K] in dispatch order
+(GEMM1's gathered by grouped_gemm.gather_rows), bf16; weights [E, N, Kp/2] kernel-order packed
+with e4m3 scales [E, N, Kp/16] and the global scale per row [E, N]; bias [E, N] or None. GEMM1
+writes act(.) into intermediate[slot] (gate/up rows interleaved), GEMM2 writes
+topk_weight * (.) into out[pair]; padding slots are never written.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from moe_ops.kernels.common import device_properties
+from moe_ops.kernels.grouped_gemm import _E2M1_BF16_ASM_NVFP4, _E4M3_TO_BF16_P117, _launcher
+from moe_ops.kernels.ws_gemm import ACTIVATIONS, available, env_choice, write_rows
+
+ROWS = 64                  # weight rows a consumer warpgroup (the MMA's M)
+BLOCK_M = 16               # dispatch slots a tile (the MMA's N)
+BLOCK_K = 256              # columns a K step: 4 runs of 32 bytes a row
+STAGES = 4
+# consumer warpgroups -> registers a consumer thread, a producer thread, the launch's maxnreg.
+# Four (a tile of 256 weight rows) give the schedulers more warps to hide the decode's
+# dependent integer chains, with fewer registers each; which is faster is for the GPU to say
+# (benchmarks/dev_gluon_fp4_decode.py); MOE_OPS_WS_FP4_CONSUMERS=4 picks four.
+REGISTERS = {2: (232, 40, 168), 4: (112, 24, 102)}
+CONSUMERS = int(env_choice("MOE_OPS_WS_FP4_CONSUMERS", "2", ("2", "4")))
+
+# One K step's packed bytes of a warpgroup's 64 rows, [64, 128] (byte j = 32t + 2c + q of a row:
+# run t, slice c, pair q): each thread holds its two rows' (r, r + 8) run t, the bytes wgmma's A
+# fragment needs (rows 16w + l/4 and + 8, columns 16c + 2t + q and + 8).
+PACKED_LAYOUT = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
+    lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, 128])
+# the same positions as [row, t, c, q]
+PACKED_LAYOUT_4D = gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 8, 0],
+               [8, 0, 0, 0]],
+    lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+    warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[ROWS, 4, 16, 2])
+# A K step's scale bytes [64 rows, 16 slices], a quarter of each row pair's per thread
+SCALES_LAYOUT = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [8, 0]],
+    lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, 16])
+
+
+@gluon.jit
+def decode_step(packed, scales, P2: gl.constexpr, P4: gl.constexpr, DOT: gl.constexpr):
+    """Packed bytes [64, 128] (P2) and e4m3 scale bytes [64, 16] (SCALES_LAYOUT) -> the weight
+    tile [64, 256] bf16 / 512 (NVFP4_FAST_EPILOGUE) in wgmma's A-operand layout (DOT)."""
+    # block scales * 2^117 by bit moves, four a register; then every thread of a row pair gets
+    # all 16 (a warp-local exchange)
+    factor = gl.inline_asm_elementwise(_E4M3_TO_BF16_P117, "=r,=r,r", [scales],
+                                       dtype=gl.bfloat16, is_pure=True, pack=4)
+    factor = gl.convert_layout(factor, gl.SliceLayout(2, gl.SliceLayout(1, P4)))
+    # each code's factor: [row, c] -> [row, t, c, q] -> the packed bytes' positions
+    factor = gl.expand_dims(gl.expand_dims(factor, 2), 1)
+    factor = gl.broadcast(factor, gl.full([64, 4, 16, 2], 0.0, gl.bfloat16, P4))[0]
+    factor = gl.convert_layout(gl.reshape(factor, [64, 128]), P2, assert_trivial=True)
+    low, high = gl.inline_asm_elementwise(
+        _E2M1_BF16_ASM_NVFP4, "=r,=r,=r,=r,r,r,r", [packed, factor],
+        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    # byte j = 32t + 2c + q holds columns 16c + 2t + q (low nibble) and + 8 (high)
+    values = gl.reshape(gl.join(low, high), [64, 4, 16, 2, 2])          # [row, t, c, q, h]
+    values = gl.reshape(gl.permute(values, [0, 2, 4, 1, 3]), [64, 256])  # k = 16c+8h+2t+q
+    return gl.convert_layout(values, DOT, assert_trivial=True)
+
+
+@gluon.jit
+def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
+              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr):
+    w_desc, s_desc, x_desc = descs
+    w_bufs, s_bufs, x_bufs, ready, empty = smem
+    block_expert_ptr = ptrs[5]
+    num_padded_ptr = ptrs[6]
+    N, KP = sizes[0], sizes[1]
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    BN: gl.constexpr = w_bufs.type.shape[1]
+    BM: gl.constexpr = x_bufs.type.shape[1]
+    num_m = gl.load(num_padded_ptr) // BM
+    num_n = N // BN
+    k_steps = KP // 256
+    index = 0
+    phase = 1  # a fresh mbarrier counts as having completed the phase before its first
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m = tile // num_n
+        expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
+        row0 = expert * N + (tile % num_n) * BN
+        for kb in range(k_steps):
+            mbarrier.wait(empty.index(index), phase)
+            bar = ready.index(index)
+            mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes
+                            + x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [row0, 0, kb * 32], bar, w_bufs.index(index))
+            tma.async_copy_global_to_shared(s_desc, [row0, kb * 16], bar, s_bufs.index(index))
+            tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kb * 256], bar,
+                                            x_bufs.index(index))
+            index += 1
+            if index == STAGES:
+                index = 0
+                phase ^= 1
+
+
+@gluon.jit
+def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
+              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr):
+    w_desc, s_desc, x_desc = descs
+    w_bufs, s_bufs, x_bufs, ready, empty = smem
+    (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
+     num_padded_ptr) = ptrs
+    N, KP, num_pairs, alpha, limit = sizes
+    stride_ge, stride_be, stride_om = strides
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    BN: gl.constexpr = w_bufs.type.shape[1]
+    BM: gl.constexpr = x_bufs.type.shape[1]
+    P2: gl.constexpr = PACKED_LAYOUT
+    P4: gl.constexpr = PACKED_LAYOUT_4D
+    SCALES: gl.constexpr = SCALES_LAYOUT
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 16, 16])
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    # ACTIVATION: an index into ws_gemm.ACTIVATIONS (0 none: GEMM2)
+    num_m = gl.load(num_padded_ptr) // BM
+    num_n = N // BN
+    k_steps = KP // 256
+    index = 0
+    phase = 0
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m = tile // num_n
+        expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
+        n0 = (tile % num_n) * BN + HALF * 64
+        acc = gl.zeros([64, BM], gl.float32, mma)
+        for kb in range(k_steps):
+            mbarrier.wait(ready.index(index), phase)
+            packed = w_bufs.index(index).reshape([BN, 128]).slice(HALF * 64, 64, dim=0).load(P2)
+            scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).load(SCALES)
+            weights = decode_step(packed, scales, P2, P4, DOT)
+            acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc,
+                                is_async=True)
+            # the register operand stays live until the MMA has read it
+            acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
+            mbarrier.arrive(empty.index(index), count=1)
+            index += 1
+            if index == STAGES:
+                index = 0
+                phase ^= 1
+
+        # Epilogue: acc [weight rows, slots] * global scale * 512 (+ bias), transposed to
+        # [slots, columns]; GEMM1's activation into intermediate[slot], GEMM2's routing weight
+        # into out[pair]; padding slots (pair id >= num_pairs) are not written.
+        w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+        acc = acc * (gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0)[:, None]
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)[:, None]
+        # slots along the rows, two adjacent columns (gate/up) in one thread
+        vals = gl.convert_layout(gl.permute(acc, [1, 0]),
+                                 gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0]))
+        slots = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, vals.type.layout))
+        pair_ids = gl.load(sorted_pair_ids_ptr + slots)
+        row_ok = pair_ids < num_pairs
+        write_rows(vals, slots, pair_ids, row_ok, n0, topk_weights_ptr, out_ptr, stride_om, alpha,
+                   limit, ACTIVATION, True)
+
+
+@gluon.jit
+def _consumer_0(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
+                ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr):
+    _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0)
+
+
+@gluon.jit
+def _consumer_1(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
+                ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr):
+    _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1)
+
+
+@gluon.jit
+def _consumer_2(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
+                ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr):
+    _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2)
+
+
+@gluon.jit
+def _consumer_3(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
+                ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr):
+    _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3)
+
+
+@gluon.jit
+def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr,
+                   topk_weights_ptr, block_expert_ptr, num_padded_ptr,
+                   N, KP, num_pairs, stride_ge, stride_be, stride_om, alpha, limit,
+                   ALIGN_M: gl.constexpr, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                   PRODUCER_REGS: gl.constexpr):
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
+                                       w_desc.layout)
+    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape,
+                                       s_desc.layout)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
+                                       x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)   # one arrive from each consumer
+    descs = (w_desc, s_desc, x_desc)
+    smem = (w_bufs, s_bufs, x_bufs, ready, empty)
+    ptrs = (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr,
+            block_expert_ptr, num_padded_ptr)
+    sizes = (N, KP, num_pairs, alpha, limit)
+    strides = (stride_ge, stride_be, stride_om)
+    # (the constexprs spelled out in each tuple: a tuple held in a variable would turn them into
+    # tensors)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer_0, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
+            (_consumer_1, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
+            (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer_0, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
+            (_consumer_1, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
+            (_consumer_2, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
+            (_consumer_3, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
+            (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
+        ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _layouts():
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
+    s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+    return w_layout, s_layout, x_layout
+
+
+def block_n(consumers: int) -> int:
+    """Weight rows a tile."""
+    return consumers * ROWS
+
+
+def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether this kernel can run a launch: nvfp4 weights with bf16 activations on a Hopper
+    GPU, whole tiles of N, weights contiguous and 16-byte aligned (TMA over [E * N, 4, Kp/8]
+    and [E * N, Kp/16]); the activation rows' stride 16-byte aligned."""
+    return (quant == "nvfp4" and activation in ACTIVATIONS and available(a.device)
+            and a.dtype == torch.bfloat16 and n % block_n(CONSUMERS) == 0 and w.is_contiguous()
+            and w.data_ptr() % 16 == 0 and (a.shape[1] * 2) % 16 == 0)
+
+
+def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activation: str,
+         alpha: float = 0.0, limit: float = 0.0, programs: Optional[int] = None,
+         consumers: Optional[int] = None) -> None:
+    """One nvfp4 GEMM over the dispatch's live 16-slot blocks (see the module docstring)."""
+    consumers = consumers or CONSUMERS
+    bn = block_n(consumers)
+    consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
+    if gemm == 1 and activation == "none":
+        raise ValueError("gemm=1 needs an activation (GEMM1's epilogue applies it)")
+    if routing.direct or routing.align_block_m % BLOCK_M:
+        raise ValueError(f"the nvfp4 decode kernel needs a dispatch aligned to {BLOCK_M} rows")
+    a = a.contiguous() if a.stride(-1) != 1 else a
+    E, N, half_kp = w.shape
+    kp = half_kp * 2
+    w_layout, s_layout, x_layout = _layouts()
+    w_desc = TensorDescriptor(w.view(E * N, 4, kp // 8), [E * N, 4, kp // 8],
+                              [4 * (kp // 8), kp // 8, 1], [bn, 4, 32], w_layout)
+    scales = w_scale.view(torch.uint8).view(E * N, kp // 16)
+    s_desc = TensorDescriptor(scales, [E * N, kp // 16], [kp // 16, 1], [bn, 16], s_layout)
+    x_desc = TensorDescriptor(a, [a.shape[0], a.shape[1]], [a.stride(0), 1],
+                              [BLOCK_M, BLOCK_K], x_layout)
+    if programs is None:
+        programs = device_properties(a.device).multi_processor_count
+    dummy = routing.topk_weights
+    _launcher((programs, ), _ws_fp4_kernel)(
+        w_desc, s_desc, x_desc, w_global_scale, bias if bias is not None else dummy, out,
+        routing.sorted_pair_ids, routing.topk_weights, routing.block_expert_ids,
+        routing.num_padded, N, kp, routing.num_pairs, w_global_scale.stride(0),
+        bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
+        ALIGN_M=routing.align_block_m, STAGES=STAGES,
+        ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
+        HAS_BIAS=bias is not None, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=maxnreg)
+
+
+def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = False,
+                 consumers: int = 2):
+    """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    w_layout, s_layout, x_layout = _layouts()
+    bn = block_n(consumers)
+    consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
+    signature = {
+        "w_desc": f"tensordesc<u8[{bn}, 4, 32],{w_layout!r}>",
+        "s_desc": f"tensordesc<u8[{bn}, 16],{s_layout!r}>",
+        "x_desc": f"tensordesc<bf16[{BLOCK_M}, {BLOCK_K}],{x_layout!r}>",
+        "gscale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+        "sorted_pair_ids_ptr": "*i32", "topk_weights_ptr": "*fp32", "block_expert_ptr": "*i32",
+        "num_padded_ptr": "*i32", "N": "i32", "KP": "i32", "num_pairs": "i32",
+        "stride_ge": "i32", "stride_be": "i32", "stride_om": "i32", "alpha": "fp32",
+        "limit": "fp32"}
+    consts = dict(ALIGN_M=BLOCK_M, STAGES=STAGES,
+                  ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
+                  HAS_BIAS=has_bias, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
+                  PRODUCER_REGS=producer_regs)
+    signature.update({name: "constexpr" for name in consts})
+    attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+             if name.endswith("_ptr") or name in ("N", "KP")}
+    return triton.compile(GluonASTSource(fn=_ws_fp4_kernel, signature=signature,
+                                         constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=maxnreg))

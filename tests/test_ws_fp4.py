@@ -1,0 +1,102 @@
+"""The warp-specialized nvfp4 decode GEMM (moe_ops.kernels.ws_fp4, Gluon; off unless
+experts.WS_FP4).
+
+On a CPU: its sm_90 builds (Gluon has no interpreter) and that the experts stage leaves it
+alone; on an H200: the experts call with it against the float64 oracle and the reference of
+test_kernels_fp4, outputs NaN-poisoned first.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_ops.kernels import experts as experts_mod
+from moe_ops.kernels import ws_fp4
+
+from test_kernels_fp4 import make_case, run_and_check
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[:2] == (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel runs on sm_90 only")
+
+
+@pytest.fixture
+def ws_fp4_calls(monkeypatch):
+    """The `gemm` argument (1 or 2) of each ws_fp4.gemm call, in order."""
+    calls = []
+    launch = ws_fp4.gemm
+
+    def counting(*args, gemm, **kwargs):
+        calls.append(gemm)
+        return launch(*args, gemm=gemm, **kwargs)
+
+    monkeypatch.setattr(ws_fp4, "gemm", counting)
+    return calls
+
+
+@pytest.mark.parametrize("gemm,activation,bias,consumers", [
+    (1, "swiglu", False, 2), (2, "none", True, 2), (1, "swiglu_oai", True, 2),
+    (1, "relu2", False, 2), (2, "none", False, 4)])
+def test_builds_for_sm90(gemm, activation, bias, consumers):
+    """Every epilogue form builds for sm_90 (in a fresh process without TRITON_INTERPRET:
+    the Triton helpers it calls are interpreter objects under it): bf16 wgmmas with a register
+    operand, no spill, the layout conversions into that operand asserted trivial."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; from moe_ops.kernels import ws_fp4; "
+            f"k = ws_fp4.compile_sm90(gemm={gemm}, activation={activation!r}, has_bias={bias}, "
+            f"consumers={consumers}); "
+            "json.dump(k.asm['ptx'], sys.stdout)")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = json.loads(done.stdout)
+    assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in ptx
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{ws_fp4.REGISTERS[consumers][0]}" in ptx
+    assert "cp.async.bulk.tensor.3d" in ptx and "mul.rn.bf16x2" in ptx
+
+
+def test_off_by_default_and_off_hopper(monkeypatch, ws_fp4_calls, poisoned_empty):
+    """Off by default; switched on, still never used without an sm_90 GPU."""
+    assert experts_mod.WS_FP4 is (os.environ.get("MOE_OPS_WS_FP4") == "1")
+    if HOPPER:
+        pytest.skip("the kernel applies on this GPU")
+    monkeypatch.setattr(experts_mod, "WS_FP4", True)
+    ckpt, kernel, x, ids, weights = make_case("nvfp4", 8, 256, 192, 8, 2, seed=4)
+    run_and_check("nvfp4", ckpt, kernel, x, ids, weights)
+    assert ws_fp4_calls == []
+
+
+def test_bad_calls_are_refused():
+    with pytest.raises(ValueError, match="gemm=1 needs an activation"):
+        ws_fp4.gemm(None, None, None, None, None, None, None, gemm=1, activation="none")
+
+
+@needs_hopper
+@pytest.mark.parametrize("activation,bias,I,tokens", [
+    ("swiglu", False, 192, 20), ("swiglu_oai", True, 192, 40), ("relu2", False, 256, 20),
+    ("geglu", False, 320, 1)])
+def test_experts_on_ws_fp4(activation, bias, I, tokens, monkeypatch, ws_fp4_calls,
+                           poisoned_empty):
+    """Decode-sized calls (up to 16 routed rows an expert; T = 1 forced off direct mode) run
+    both GEMMs on the kernel: expert-parallel ids, ids of no local expert, several K steps
+    (H = 768: three 256-column steps)."""
+    monkeypatch.setattr(experts_mod, "WS_FP4", True)
+    ckpt, kernel, x, ids, weights = make_case("nvfp4", tokens, 768, I, 8, 2,
+                                              activation=activation, bias=bias, seed=11,
+                                              offset=2, num_global=12, invalid_ids=tokens > 1)
+    run_and_check("nvfp4", ckpt, kernel, x, ids, weights, activation=activation, offset=2)
+    assert ws_fp4_calls == [1, 2]
+
+
+def test_decode_benchmark_builds():
+    """benchmarks/dev_gluon_fp4_decode.py --aot (the kernel's sm_90 K loop, both consumer
+    counts) runs without a GPU, no spill."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "dev_gluon_fp4_decode.py")
+    done = subprocess.run([sys.executable, script, "--aot"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    builds = [line for line in done.stdout.splitlines() if "consumers" in line]
+    assert len(builds) == 2 and all("stack 0 B" in line for line in builds), done.stdout
