@@ -11,9 +11,9 @@
 # nvfp4 / mxfp4 layers; about 2 minutes).
 # ws: the warp-specialized Gluon GEMM (kernels/ws_gemm.py): its GPU tests, the GEMM A/Bs of
 # dev_ws_fp8_block.py (DeepSeek-V3 fp8_block with the padding-half skip, Mixtral fp8 per tensor
-# against the Triton kernels), the nvfp4 decode GEMM prototype in Gluon
-# (dev_gluon_fp4_decode.py), and the experts call kernel by kernel with fp8 per tensor on it
-# and off (about 7 minutes).
+# against the Triton kernels), the Gluon nvfp4 decode GEMM (kernels/ws_fp4.py: its GPU tests,
+# dev_gluon_fp4_decode.py, DeepSeek-V3 nvfp4 decode with MOE_OPS_WS_FP4 off and on), and the
+# experts call kernel by kernel with fp8 per tensor on the fp8 kernel and off (about 8 min).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -60,7 +60,8 @@ if [[ "$what" == prep ]]; then
   tail -n 12 "$out/prepare_fp4.log"
 fi
 if [[ "$what" == ws ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_ws_gemm.py > "$out/pytest_ws.log" 2>&1 || status=1
+  python3 -m pytest -q -p no:cacheprovider tests/test_ws_gemm.py tests/test_ws_fp4.py \
+    > "$out/pytest_ws.log" 2>&1 || status=1
   tail -n 3 "$out/pytest_ws.log"
   python3 benchmarks/dev_ws_fp8_block.py --variants package --tokens 4096 16384 --out "$out" \
     > "$out/ws_fp8_block.log" 2>&1 || status=1
@@ -71,6 +72,12 @@ if [[ "$what" == ws ]]; then
   python3 benchmarks/dev_gluon_fp4_decode.py --out "$out" > "$out/gluon_fp4_decode.log" 2>&1 \
     || status=1
   tail -n 9 "$out/gluon_fp4_decode.log"
+  for on in 0 1; do
+    MOE_OPS_WS_FP4=$on python3 benchmarks/bench.py --models deepseek_v3 --quant nvfp4 \
+      --tokens 1 4 16 64 --no-baseline --no-bf16-peer --no-plot --deadline-s 60 \
+      --out "$out/bench_ws_fp4_$on.json" > "$out/bench_ws_fp4_$on.log" 2>&1 || status=1
+    grep -A5 '^ *model' "$out/bench_ws_fp4_$on.log" | cut -c1-110
+  done
   for on in 0 1; do
     MOE_OPS_PDL=0 MOE_OPS_WS_FP8=$on python3 benchmarks/profile_layer.py --models mixtral_8x7b \
       llama4_scout --quant fp8 --tokens 4096 16384 --out "$out/profile_ws_fp8_$on.json" \
