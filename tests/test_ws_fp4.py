@@ -71,18 +71,37 @@ def test_off_by_default_and_off_hopper(monkeypatch, ws_fp4_calls, poisoned_empty
 def test_bad_calls_are_refused():
     with pytest.raises(ValueError, match="gemm=1 needs an activation"):
         ws_fp4.gemm(None, None, None, None, None, None, None, gemm=1, activation="none")
+    w = torch.zeros(2, 192, 128, dtype=torch.uint8)     # N = 192: not a whole 128-row tile
+    with pytest.raises(ValueError, match="N a multiple of 128"):
+        ws_fp4.gemm(None, w, None, None, None, None, None, gemm=2, activation="none",
+                    consumers=2)
+
+
+@pytest.mark.parametrize("consumers", sorted(ws_fp4.REGISTERS))
+def test_register_budget_fits_a_block(consumers):
+    """maxnreg for every warp of the launch (the producer's warp padded to a warpgroup) within
+    the 65536 registers of a block, in the 8-register steps Hopper allocates; the workers'
+    setmaxnreg budgets within it."""
+    consumer_regs, producer_regs, maxnreg = ws_fp4.REGISTERS[consumers]
+    warps = 4 * consumers + 4
+    assert maxnreg % 8 == 0 and consumer_regs % 8 == 0 and producer_regs % 8 == 0
+    assert maxnreg * 32 * warps <= 65536
+    workers = 128 * (consumer_regs * (consumers - 1) + producer_regs)
+    default_regs = (maxnreg * 32 * warps - workers) // 128
+    assert default_regs >= consumer_regs - 8, default_regs
 
 
 @needs_hopper
-@pytest.mark.parametrize("activation,bias,I,tokens", [
-    ("swiglu", False, 192, 20), ("swiglu_oai", True, 192, 40), ("relu2", False, 256, 20),
-    ("geglu", False, 320, 1)])
-def test_experts_on_ws_fp4(activation, bias, I, tokens, monkeypatch, ws_fp4_calls,
+@pytest.mark.parametrize("activation,bias,I,tokens,consumers", [
+    ("swiglu", False, 192, 20, 2), ("swiglu_oai", True, 192, 40, 2), ("relu2", False, 256, 20, 2),
+    ("geglu", False, 320, 1, 2), ("swiglu", True, 256, 30, 4)])
+def test_experts_on_ws_fp4(activation, bias, I, tokens, consumers, monkeypatch, ws_fp4_calls,
                            poisoned_empty):
     """Decode-sized calls (up to 16 routed rows an expert; T = 1 forced off direct mode) run
     both GEMMs on the kernel: expert-parallel ids, ids of no local expert, several K steps
-    (H = 768: three 256-column steps)."""
+    (H = 768: three 256-column steps); four consumer warpgroups with N a multiple of 256."""
     monkeypatch.setattr(experts_mod, "WS_FP4", True)
+    monkeypatch.setattr(ws_fp4, "CONSUMERS", consumers)
     ckpt, kernel, x, ids, weights = make_case("nvfp4", tokens, 768, I, 8, 2,
                                               activation=activation, bias=bias, seed=11,
                                               offset=2, num_global=12, invalid_ids=tokens > 1)

@@ -213,7 +213,9 @@ def triton_experts(
 
     x = x.contiguous()
     direct = use_direct_dispatch(T, top_k, E)
+    # (explicit configs, the tuner's candidates among them, run what they name)
     fp4_decode = (WS_FP4 and quant == "nvfp4" and T * top_k <= WS_FP4_MAX_ROWS * E
+                  and gemm1_config is None and gemm2_config is None
                   and w13_global_scale is not None and w2_global_scale is not None)
     ws_fp4_1 = fp4_decode and ws_fp4.applies(quant, activation, w13.shape[1], x, w13)
     ws_fp4_2 = fp4_decode and ws_fp4.applies(quant, "none", H, x, w2)

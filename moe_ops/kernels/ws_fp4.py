@@ -43,11 +43,15 @@ ROWS = 64                  # weight rows a consumer warpgroup (the MMA's M)
 BLOCK_M = 16               # dispatch slots a tile (the MMA's N)
 BLOCK_K = 256              # columns a K step: 4 runs of 32 bytes a row
 STAGES = 4
-# consumer warpgroups -> registers a consumer thread, a producer thread, the launch's maxnreg.
-# Four (a tile of 256 weight rows) give the schedulers more warps to hide the decode's
+# consumer warpgroups -> registers a worker consumer thread, a producer thread, the launch's
+# maxnreg (the default partition, consumer 0, gets what is left). The launch holds maxnreg a
+# thread for all its warps, the producer's padded to a warpgroup: 12 warps x 168 = 64512 and
+# 20 x 96 = 61440 of the 65536 registers a block, multiples of 8 (registers are allocated 256
+# a warp: a budget over 65536 fails the launch, and setmaxnreg could not balance). Four
+# consumers (a tile of 256 weight rows) give the schedulers more warps to hide the decode's
 # dependent integer chains, with fewer registers each; which is faster is for the GPU to say
 # (benchmarks/dev_gluon_fp4_decode.py); MOE_OPS_WS_FP4_CONSUMERS=4 picks four.
-REGISTERS = {2: (232, 40, 168), 4: (112, 24, 102)}
+REGISTERS = {2: (232, 40, 168), 4: (112, 24, 96)}
 CONSUMERS = int(env_choice("MOE_OPS_WS_FP4_CONSUMERS", "2", ("2", "4")))
 
 # One K step's packed bytes of a warpgroup's 64 rows, [64, 128] (byte j = 32t + 2c + q of a row:
@@ -279,16 +283,23 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
          alpha: float = 0.0, limit: float = 0.0, programs: Optional[int] = None,
          consumers: Optional[int] = None) -> None:
     """One nvfp4 GEMM over the dispatch's live 16-slot blocks (see the module docstring)."""
+    if gemm == 1 and activation == "none":
+        raise ValueError("gemm=1 needs an activation (GEMM1's epilogue applies it)")
     consumers = consumers or CONSUMERS
     bn = block_n(consumers)
     consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
-    if gemm == 1 and activation == "none":
-        raise ValueError("gemm=1 needs an activation (GEMM1's epilogue applies it)")
+    E, N, half_kp = w.shape
+    kp = half_kp * 2
+    if N % bn or kp % BLOCK_K:
+        raise ValueError(f"w: the kernel needs N a multiple of {bn} and packed rows of a "
+                         f"multiple of {BLOCK_K} columns, got N={N}, {kp} columns")
+    if w_scale.shape != (E, N, kp // 16) or w_global_scale.shape != (E, N):
+        raise ValueError(f"w_scale / w_global_scale: expected [E, N, Kp/16] = {(E, N, kp // 16)}"
+                         f" and [E, N], got {tuple(w_scale.shape)}, "
+                         f"{tuple(w_global_scale.shape)}")
     if routing.direct or routing.align_block_m % BLOCK_M:
         raise ValueError(f"the nvfp4 decode kernel needs a dispatch aligned to {BLOCK_M} rows")
     a = a.contiguous() if a.stride(-1) != 1 else a
-    E, N, half_kp = w.shape
-    kp = half_kp * 2
     w_layout, s_layout, x_layout = _layouts()
     w_desc = TensorDescriptor(w.view(E * N, 4, kp // 8), [E * N, 4, kp // 8],
                               [4 * (kp // 8), kp // 8, 1], [bn, 4, 32], w_layout)
