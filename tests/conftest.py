@@ -49,3 +49,20 @@ def poisoned_empty(monkeypatch):
         return t
 
     monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.fixture
+def gemm_calls(monkeypatch):
+    """gemm_calls(module, name) replaces module.name (a launcher taking a `gemm=` keyword) by
+    a wrapper that records each call's `gemm` (1 or 2) and returns the list, in call order."""
+    def count(module, name):
+        calls = []
+        launch = getattr(module, name)
+
+        def counting(*args, gemm, **kwargs):
+            calls.append(gemm)
+            return launch(*args, gemm=gemm, **kwargs)
+
+        monkeypatch.setattr(module, name, counting)
+        return calls
+    return count

@@ -447,7 +447,7 @@ def test_experts_combine_modes(combine, dtype, monkeypatch, poisoned_empty):
     ("fp8", "relu2", False, "atomic", 32), ("fp8_block", "swiglu", True, "auto", 256),
     ("fp8_block", "relu2", False, "rows", 256)])
 def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, monkeypatch,
-                                poisoned_empty):
+                                gemm_calls, poisoned_empty):
     """The persistent TMA kernel (GemmConfig.persistent) on both GEMMs, GEMM1's rows gathered
     into dispatch order first: K not a multiple of block_k (TMA's zero fill), N not a multiple
     of block_n (tiles straddling two experts' weights), more tiles than programs, expert-
@@ -459,14 +459,7 @@ def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, mon
     monkeypatch.setattr(experts_mod, "COMBINE", combine)
     monkeypatch.setattr(experts_mod, "ATOMIC_COMBINE_MIN_BYTES", 0)
     monkeypatch.setattr(gg, "FP8_PROMOTE_K", promote_k)
-    persistent_gemms = []
-    launch = gg._launch_persistent
-
-    def counting_launch(*args, gemm, **kwargs):
-        persistent_gemms.append(gemm)
-        return launch(*args, gemm=gemm, **kwargs)
-
-    monkeypatch.setattr(gg, "_launch_persistent", counting_launch)
+    persistent_gemms = gemm_calls(gg, "_launch_persistent")
     # fp8_block: several 128-column scale groups along both K (H = 272, I = 160) and weight
     # blocks along N, so a wrong scale index shows
     H, I = (272, 160) if quant == "fp8_block" else (80, 48)

@@ -23,17 +23,9 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel runs 
 
 
 @pytest.fixture
-def ws_fp4_calls(monkeypatch):
+def ws_fp4_calls(gemm_calls):
     """The `gemm` argument (1 or 2) of each ws_fp4.gemm call, in order."""
-    calls = []
-    launch = ws_fp4.gemm
-
-    def counting(*args, gemm, **kwargs):
-        calls.append(gemm)
-        return launch(*args, gemm=gemm, **kwargs)
-
-    monkeypatch.setattr(ws_fp4, "gemm", counting)
-    return calls
+    return gemm_calls(ws_fp4, "gemm")
 
 
 @pytest.mark.parametrize("gemm,activation,bias,consumers", [

@@ -24,17 +24,9 @@ from moe_ops.kernels.grouped_gemm import GemmConfig
 from test_kernels_experts import FP8_TOL, check_experts, make_problem
 
 @pytest.fixture
-def ws_gemm_calls(monkeypatch):
+def ws_gemm_calls(gemm_calls):
     """The `gemm` argument (1 or 2) of each ws_gemm.gemm call, in order."""
-    calls = []
-    launch = ws_gemm.gemm
-
-    def counting(*args, gemm, **kwargs):
-        calls.append(gemm)
-        return launch(*args, gemm=gemm, **kwargs)
-
-    monkeypatch.setattr(ws_gemm, "gemm", counting)
-    return calls
+    return gemm_calls(ws_gemm, "gemm")
 
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[:2] == (9, 0)

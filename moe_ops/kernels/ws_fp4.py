@@ -37,7 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moe_ops.kernels.common import device_properties
 from moe_ops.kernels.grouped_gemm import _E2M1_BF16_ASM_NVFP4, _E4M3_TO_BF16_P117, _launcher
-from moe_ops.kernels.ws_gemm import ACTIVATIONS, available, env_choice, write_rows
+from moe_ops.kernels.ws_gemm import ACTIVATIONS, available, env_choice, ring_next, write_rows
 
 ROWS = 64                  # weight rows a consumer warpgroup (the MMA's M)
 BLOCK_M = 16               # dispatch slots a tile (the MMA's N)
@@ -125,10 +125,7 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
             tma.async_copy_global_to_shared(s_desc, [row0, kb * 16], bar, s_bufs.index(index))
             tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kb * 256], bar,
                                             x_bufs.index(index))
-            index += 1
-            if index == STAGES:
-                index = 0
-                phase ^= 1
+            index, phase = ring_next(index, phase, STAGES)
 
 
 @gluon.jit
@@ -170,10 +167,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
             # the register operand stays live until the MMA has read it
             acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
             mbarrier.arrive(empty.index(index), count=1)
-            index += 1
-            if index == STAGES:
-                index = 0
-                phase ^= 1
+            index, phase = ring_next(index, phase, STAGES)
 
         # Epilogue: acc [weight rows, slots] * global scale * 512 (+ bias), transposed to
         # [slots, columns]; GEMM1's activation into intermediate[slot], GEMM2's routing weight

@@ -89,6 +89,17 @@ ENABLED = env_choice("MOE_OPS_WS_GEMM", "1", ("0", "1")) == "1"
 
 
 @gluon.jit
+def ring_next(index, phase, STAGES: gl.constexpr):
+    """The next slot of a STAGES-slot ring and the mbarrier phase to wait for there (it flips
+    each time the ring wraps)."""
+    index += 1
+    if index == STAGES:
+        index = 0
+        phase ^= 1
+    return index, phase
+
+
+@gluon.jit
 def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
     """As grouped_gemm._tile_coords: GROUP_M row blocks walk the column blocks together."""
     per_group = GROUP_M * num_n
@@ -127,10 +138,7 @@ def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
             tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kb * BK], bar,
                                             a_bufs.index(index))
             tma.async_copy_global_to_shared(w_desc, [w_row, kb * BK], bar, w_bufs.index(index))
-            index += 1
-            if index == STAGES:
-                index = 0
-                phase ^= 1
+            index, phase = ring_next(index, phase, STAGES)
 
 
 @gluon.jit
@@ -225,10 +233,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                     acc += part * scale
                 else:
                     acc += part * s[:, None]
-            index += 1
-            if index == STAGES:
-                index = 0
-                phase ^= 1
+            index, phase = ring_next(index, phase, STAGES)
 
         # Epilogue: bias, then GEMM1's activation into intermediate[slot] or GEMM2's routing
         # weight into out[pair]; padding slots (pair id >= num_pairs) are not written.
