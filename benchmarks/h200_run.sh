@@ -2,18 +2,19 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
 # mxfp4 models, compute-sanitizer on the small layers, dev_fp4_gpu timings, bench_prepare).
 # prep: the fp4 weight preparation alone (its tests on the GPU, bench_prepare of the bf16 ->
 # nvfp4 / mxfp4 layers; about 2 minutes).
-# ws: the warp-specialized Gluon GEMM (kernels/ws_gemm.py): its GPU tests, the GEMM A/Bs of
-# dev_ws_fp8_block.py (DeepSeek-V3 fp8_block with the padding-half skip, Mixtral fp8 per tensor
-# against the Triton kernels), the Gluon nvfp4 decode GEMM (kernels/ws_fp4.py: its GPU tests,
-# dev_gluon_fp4_decode.py, DeepSeek-V3 nvfp4 decode with MOE_OPS_WS_FP4 off and on), and the
-# experts call kernel by kernel with fp8 per tensor on the fp8 kernel and off (about 8 min).
+# ws: the warp-specialized Gluon GEMMs' GPU tests (kernels/ws_gemm.py, ws_fp4.py) and the fp8
+# GEMM A/Bs of dev_ws_fp8_block.py (DeepSeek-V3 fp8_block with the padding-half skip, Mixtral
+# fp8 per tensor against the Triton kernels); about 6 minutes.
+# ws4: the Gluon nvfp4 decode GEMM timed (dev_gluon_fp4_decode.py; DeepSeek-V3 nvfp4 decode
+# with MOE_OPS_WS_FP4 off and on) and the fp8 experts call kernel by kernel with fp8 per tensor
+# on the Gluon kernel and off; about 4 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -69,9 +70,11 @@ if [[ "$what" == ws ]]; then
   python3 benchmarks/dev_ws_fp8_block.py --model mixtral_8x7b --variants ours package \
     --tokens 4096 16384 --out "$out" > "$out/ws_fp8.log" 2>&1 || status=1
   tail -n 19 "$out/ws_fp8.log"
+fi
+if [[ "$what" == ws4 ]]; then
   python3 benchmarks/dev_gluon_fp4_decode.py --out "$out" > "$out/gluon_fp4_decode.log" 2>&1 \
     || status=1
-  tail -n 9 "$out/gluon_fp4_decode.log"
+  tail -n 10 "$out/gluon_fp4_decode.log"
   for on in 0 1; do
     MOE_OPS_WS_FP4=$on python3 benchmarks/bench.py --models deepseek_v3 --quant nvfp4 \
       --tokens 1 4 16 64 --no-baseline --no-bf16-peer --no-plot --deadline-s 60 \
