@@ -27,7 +27,8 @@ if [[ "$what" == check || "$what" == all ]]; then
   python3 benchmarks/gpu_check.py --json "$out/gpu_check.json" > "$out/gpu_check.log" 2>&1 || status=1
   tail -n 45 "$out/gpu_check.log"
   python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_routing.py \
-    tests/test_kernels_experts.py tests/test_triton_layer.py > "$out/pytest_gpu.log" 2>&1 || status=1
+    tests/test_kernels_experts.py tests/test_triton_layer.py tests/test_ws_gemm.py \
+    tests/test_ws_fp4.py > "$out/pytest_gpu.log" 2>&1 || status=1
   tail -n 3 "$out/pytest_gpu.log"
   compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/gpu_check.py --sanitize \
     > "$out/sanitize.log" 2>&1 || status=1
