@@ -5,7 +5,6 @@ On a CPU: its sm_90 builds (Gluon has no interpreter) and that the experts stage
 alone; on an H200: the experts call with it against the float64 oracle and the reference of
 test_kernels_fp4, outputs NaN-poisoned first.
 """
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from moe_ops.kernels import experts as experts_mod
 from moe_ops.kernels import ws_fp4
 
 from test_kernels_fp4 import make_case, run_and_check
+from test_ws_gemm import sm90_ptx
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[:2] == (9, 0)
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel runs on sm_90 only")
@@ -35,15 +35,8 @@ def test_builds_for_sm90(gemm, activation, bias, consumers):
     """Every epilogue form builds for sm_90 (in a fresh process without TRITON_INTERPRET:
     the Triton helpers it calls are interpreter objects under it): bf16 wgmmas with a register
     operand, no spill, the layout conversions into that operand asserted trivial."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json, sys; from moe_ops.kernels import ws_fp4; "
-            f"k = ws_fp4.compile_sm90(gemm={gemm}, activation={activation!r}, has_bias={bias}, "
-            f"consumers={consumers}); "
-            "json.dump(k.asm['ptx'], sys.stdout)")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ptx = json.loads(done.stdout)
+    ptx = sm90_ptx("ws_fp4", f"gemm={gemm}, activation={activation!r}, has_bias={bias}, "
+                             f"consumers={consumers}")
     assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in ptx
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{ws_fp4.REGISTERS[consumers][0]}" in ptx
     assert "cp.async.bulk.tensor.3d" in ptx and "mul.rn.bf16x2" in ptx

@@ -23,6 +23,20 @@ from moe_ops.kernels.grouped_gemm import GemmConfig
 
 from test_kernels_experts import FP8_TOL, check_experts, make_problem
 
+def sm90_ptx(module: str, arguments: str, **environment) -> str:
+    """The PTX of moe_ops.kernels.<module>.compile_sm90(<arguments>), built in a fresh process
+    (with `environment` set): under TRITON_INTERPRET, set for the whole CPU test run, the
+    Triton helpers the Gluon kernels call are interpreter objects, which Gluon cannot compile."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(environment)
+    code = (f"import json, sys; from moe_ops.kernels import {module}; "
+            f"json.dump({module}.compile_sm90({arguments}).asm['ptx'], sys.stdout)")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 @pytest.fixture
 def ws_gemm_calls(gemm_calls):
     """The `gemm` argument (1 or 2) of each ws_gemm.gemm call, in order."""
@@ -47,18 +61,9 @@ def test_builds_for_sm90(tile, gemm, activation, bias, store, quant, skip):
     """Every epilogue form compiles for sm_90 with the schedule it is written for: two consumer
     warpgroups on e4m3 m64n128k32 wgmmas, register budgets moved by setmaxnreg, mbarrier
     waits; the coalesced stores through shared memory, each consumer in its own region."""
-    # In a fresh process: under TRITON_INTERPRET (set for the whole CPU test run) the Triton
-    # helpers the kernel calls are interpreter objects, which Gluon cannot compile.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["MOE_OPS_WS_STORE"] = store
-    env["MOE_OPS_WS_SKIP_PADDING"] = skip
-    code = ("import json, sys; from moe_ops.kernels import ws_gemm; "
-            f"k = ws_gemm.compile_sm90(tile={tile!r}, gemm={gemm}, activation={activation!r}, "
-            f"has_bias={bias}, quant={quant!r}); json.dump(k.asm['ptx'], sys.stdout)")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ptx = json.loads(done.stdout)
+    ptx = sm90_ptx("ws_gemm", f"tile={tile!r}, gemm={gemm}, activation={activation!r}, "
+                              f"has_bias={bias}, quant={quant!r}",
+                   MOE_OPS_WS_STORE=store, MOE_OPS_WS_SKIP_PADDING=skip)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{ws_gemm.CONSUMER_REGS}" in ptx
     assert f"setmaxnreg.dec.sync.aligned.u32 \t{ws_gemm.PRODUCER_REGS}" in ptx

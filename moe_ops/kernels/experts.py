@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -272,16 +271,16 @@ def triton_experts(
         a2, a2_scale = act_quant(intermediate, quant, routing.sorted_pair_ids, routing.num_pairs)
 
     combine = COMBINE
-    if combine == "auto":
+    if ws2 or ws_fp4_2:
+        combine = "rows"    # the warp-specialized kernels write one row per pair
+    elif config2.split_k > 1:
+        combine = "atomic"  # split-K partial products meet in the fp32 output
+    elif combine == "auto":
         pair_rows_bytes = routing.num_pairs * H * x.element_size()
-        if ws2 or ws_fp4_2 or use_persistent(config2, routing, a2, w2):
+        if use_persistent(config2, routing, a2, w2):
             combine = "rows"
         else:
             combine = "atomic" if pair_rows_bytes >= ATOMIC_COMBINE_MIN_BYTES else "rows"
-    if config2.split_k > 1 and not (ws2 or ws_fp4_2):
-        combine = "atomic"  # split-K partial products meet in the fp32 output
-    if ws2 or ws_fp4_2:
-        combine = "rows"    # the warp-specialized kernels write one row per pair
     if combine == "atomic":
         out32 = torch.zeros((T, H), dtype=torch.float32, device=x.device)
         gemm2(a2, a2_scale, w2, w2_scale, b2, out32, routing, config2, quant=quant,

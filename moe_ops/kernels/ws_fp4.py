@@ -37,7 +37,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moe_ops.kernels.common import device_properties
 from moe_ops.kernels.grouped_gemm import _E2M1_BF16_ASM_NVFP4, _E4M3_TO_BF16_P117, _launcher
-from moe_ops.kernels.ws_gemm import ACTIVATIONS, available, env_choice, ring_next, write_rows
+from moe_ops.kernels.ws_gemm import (
+    ACTIVATIONS, available, env_choice, ring_barriers, ring_next, write_rows)
 
 ROWS = 64                  # weight rows a consumer warpgroup (the MMA's M)
 BLOCK_M = 16               # dispatch slots a tile (the MMA's N)
@@ -187,30 +188,6 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
 
 
 @gluon.jit
-def _consumer_0(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
-                ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr):
-    _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0)
-
-
-@gluon.jit
-def _consumer_1(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
-                ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr):
-    _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1)
-
-
-@gluon.jit
-def _consumer_2(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
-                ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr):
-    _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2)
-
-
-@gluon.jit
-def _consumer_3(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
-                ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr):
-    _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3)
-
-
-@gluon.jit
 def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr,
                    topk_weights_ptr, block_expert_ptr, num_padded_ptr,
                    N, KP, num_pairs, stride_ge, stride_be, stride_om, alpha, limit,
@@ -223,11 +200,7 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                                        s_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
                                        x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)   # one arrive from each consumer
+    ready, empty = ring_barriers(STAGES, CONSUMERS)
     descs = (w_desc, s_desc, x_desc)
     smem = (w_bufs, s_bufs, x_bufs, ready, empty)
     ptrs = (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr,
@@ -238,16 +211,16 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
     # tensors)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer_0, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
-            (_consumer_1, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0)),
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer_0, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
-            (_consumer_1, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
-            (_consumer_2, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
-            (_consumer_3, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0)),
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1)),
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2)),
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 

@@ -89,6 +89,19 @@ ENABLED = env_choice("MOE_OPS_WS_GEMM", "1", ("0", "1")) == "1"
 
 
 @gluon.jit
+def ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The mbarriers of a STAGES-slot operand ring: ready[s] completes when the producer's
+    expected TMA bytes have landed, empty[s] when each of the CONSUMERS warpgroups has released
+    the slot (one arrive each)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return ready, empty
+
+
+@gluon.jit
 def ring_next(index, phase, STAGES: gl.constexpr):
     """The next slot of a STAGES-slot ring and the mbarrier phase to wait for there (it flips
     each time the ring wraps)."""
@@ -296,15 +309,6 @@ def _store_rows(out_ptr, values, rows, row_ok, first_col, stride_om, COALESCED: 
 
 
 @gluon.jit
-def _consumer_second(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
-                     ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr, BLOCK_SCALES: gl.constexpr,
-                     SKIP_PADDING: gl.constexpr):
-    _consumer(descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-              HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, 1)
-
-
-@gluon.jit
 def _ws_fp8_block_kernel(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr,
     block_expert_ptr, num_padded_ptr, topk_weights_ptr,
@@ -318,11 +322,7 @@ def _ws_fp8_block_kernel(
                                        a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                        w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)   # the producer's expect + the TMA bytes
-        mbarrier.init(empty.index(i), count=2)   # one arrive from each consumer warpgroup
+    ready, empty = ring_barriers(STAGES, 2)
     descs = (a_desc, w_desc)
     smem = (a_bufs, w_bufs, ready, empty)
     ptrs = (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
@@ -334,9 +334,8 @@ def _ws_fp8_block_kernel(
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, 0)),
-        (_consumer_second, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N,
-                            ACTIVATION, HAS_BIAS, COALESCED,
-                            BLOCK_SCALES, SKIP_PADDING)),
+        (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
+                     HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, 1)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -346,7 +345,8 @@ def available(device: torch.device) -> bool:
     """Gluon's wgmma path: sm_90 (Hopper) only; off with MOE_OPS_WS_GEMM=0."""
     if not ENABLED or device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device)[:2] == (9, 0)
+    props = device_properties(device)
+    return (props.major, props.minor) == (9, 0)
 
 
 def applies(quant: str, activation: str, n: int, k: int, a: torch.Tensor, w: torch.Tensor,
