@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
-import time
 
 import torch
 
@@ -152,12 +150,8 @@ def main():
                 rows.append(dict(case=name, variant=variant, error=repr(exc)[:600]))
             print(rows[-1], flush=True)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gluon_fp4_decode.json"), "w") as f:
-            json.dump(dict(command="python " + " ".join(sys.argv),
-                           gpu=torch.cuda.get_device_name(),
-                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=rows),
-                      f, indent=1)
+        import bench
+        bench.write_records(os.path.join(args.out, "gluon_fp4_decode.json"), rows)
     print(f"{'case':18} {'variant':20} {'us':>9} {'TB/s':>6} {'rel_err':>9}")
     for r in rows:
         if "error" in r:

@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
-import time
 
 import torch
 
@@ -219,12 +217,9 @@ def main():
             del ref_rows, out_pairs, pb
             torch.cuda.empty_cache()
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"ws_{quant}.json"), "w") as f:
-            json.dump(dict(command="python " + " ".join(sys.argv), model=args.model, quant=quant,
-                           gpu=torch.cuda.get_device_name(),
-                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=rows),
-                      f, indent=1)
+        import bench
+        bench.write_records(os.path.join(args.out, f"ws_{quant}.json"),
+                            [dict(r, model=args.model, quant=quant) for r in rows])
     print(f"{'T':>6} {'gemm':6} {'variant':24} {'ms':>8} {'TFLOP/s':>8} {'rel_err':>9}")
     for r in rows:
         if "error" in r:
