@@ -151,7 +151,7 @@ def run_package(pb, out_pairs, tile, coalesced=True, skip_padding=False):
         block_expert_ids=pb["block_expert_ids"], align_block_m=BLOCK_M,
         num_padded=pb["num_padded"])
     saved = ws_gemm.COALESCED_STORE, ws_gemm.SKIP_PADDING
-    ws_gemm.COALESCED_STORE, ws_gemm.SKIP_PADDING = coalesced, skip_padding
+    ws_gemm.COALESCED_STORE, ws_gemm.SKIP_PADDING = coalesced, "1" if skip_padding else "0"
     try:
         ws_gemm.gemm(pb["a"], pb["a_scale"], pb["w"], pb["w_scale"], None, out_pairs, routing,
                      gemm=2, activation="none", tile=tile, quant=pb["quant"])

@@ -42,15 +42,26 @@ def test_builds_for_sm90(gemm, activation, bias, consumers):
     assert "cp.async.bulk.tensor.3d" in ptx and "mul.rn.bf16x2" in ptx
 
 
-def test_off_by_default_and_off_hopper(monkeypatch, ws_fp4_calls, poisoned_empty):
-    """Off by default; switched on, still never used without an sm_90 GPU."""
-    assert experts_mod.WS_FP4 is (os.environ.get("MOE_OPS_WS_FP4") == "1")
+def test_default_and_off_hopper(monkeypatch, ws_fp4_calls, poisoned_empty):
+    """Both GEMMs by default; still never used without an sm_90 GPU."""
+    assert experts_mod.WS_FP4 == os.environ.get("MOE_OPS_WS_FP4", "1")
     if HOPPER:
         pytest.skip("the kernel applies on this GPU")
-    monkeypatch.setattr(experts_mod, "WS_FP4", True)
+    monkeypatch.setattr(experts_mod, "WS_FP4", "1")
     ckpt, kernel, x, ids, weights = make_case("nvfp4", 8, 256, 192, 8, 2, seed=4)
     run_and_check("nvfp4", ckpt, kernel, x, ids, weights)
     assert ws_fp4_calls == []
+
+
+@needs_hopper
+@pytest.mark.parametrize("tokens,expected", [(16, [1, 2]), (17, [])])
+def test_rows_an_expert_threshold(tokens, expected, ws_fp4_calls, poisoned_empty):
+    """The defaults: up to WS_FP4_MAX_ROWS routed rows an expert on average, both GEMMs on the
+    kernel; one pair more, grouped_gemm's."""
+    assert experts_mod.WS_FP4_MAX_ROWS * 8 == 32
+    ckpt, kernel, x, ids, weights = make_case("nvfp4", tokens, 512, 256, 8, 2, seed=5)
+    run_and_check("nvfp4", ckpt, kernel, x, ids, weights)
+    assert ws_fp4_calls == expected
 
 
 def test_bad_calls_are_refused():
@@ -77,21 +88,25 @@ def test_register_budget_fits_a_block(consumers):
 
 
 @needs_hopper
-@pytest.mark.parametrize("activation,bias,I,tokens,consumers", [
-    ("swiglu", False, 192, 20, 2), ("swiglu_oai", True, 192, 40, 2), ("relu2", False, 256, 20, 2),
-    ("geglu", False, 320, 1, 2), ("swiglu", True, 256, 30, 4)])
-def test_experts_on_ws_fp4(activation, bias, I, tokens, consumers, monkeypatch, ws_fp4_calls,
-                           poisoned_empty):
+@pytest.mark.parametrize("activation,bias,I,tokens,consumers,which", [
+    ("swiglu", False, 192, 20, 2, "1"), ("swiglu_oai", True, 192, 40, 2, "1"),
+    ("relu2", False, 256, 20, 2, "1"), ("geglu", False, 320, 1, 2, "1"),
+    ("swiglu", True, 256, 30, 4, "1"), ("swiglu", False, 256, 20, 2, "gemm1"),
+    ("swiglu_oai", True, 192, 1, 2, "gemm1")])
+def test_experts_on_ws_fp4(activation, bias, I, tokens, consumers, which, monkeypatch,
+                           ws_fp4_calls, poisoned_empty):
     """Decode-sized calls (up to 16 routed rows an expert; T = 1 forced off direct mode) run
-    both GEMMs on the kernel: expert-parallel ids, ids of no local expert, several K steps
-    (H = 768: three 256-column steps); four consumer warpgroups with N a multiple of 256."""
-    monkeypatch.setattr(experts_mod, "WS_FP4", True)
+    both GEMMs on the kernel (MOE_OPS_WS_FP4=1), or GEMM1 on it and GEMM2 on grouped_gemm's on
+    the same dispatch (the default): expert-parallel ids, ids of no local expert, several K
+    steps (H = 768: three 256-column steps); four consumer warpgroups with N a multiple of 256."""
+    monkeypatch.setattr(experts_mod, "WS_FP4", which)
+    monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)     # full 16-row blocks too
     monkeypatch.setattr(ws_fp4, "CONSUMERS", consumers)
     ckpt, kernel, x, ids, weights = make_case("nvfp4", tokens, 768, I, 8, 2,
                                               activation=activation, bias=bias, seed=11,
                                               offset=2, num_global=12, invalid_ids=tokens > 1)
     run_and_check("nvfp4", ckpt, kernel, x, ids, weights, activation=activation, offset=2)
-    assert ws_fp4_calls == [1, 2]
+    assert ws_fp4_calls == ([1, 2] if which == "1" else [1])
 
 
 def test_decode_benchmark_builds():

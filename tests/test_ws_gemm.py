@@ -56,7 +56,8 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel runs 
     ("rows", 1, "swiglu", True, "coalesced", "fp8", "0"),
     ("cols", 1, "geglu", False, "coalesced", "fp8", "0"),
     ("rows", 1, "swiglu", False, "coalesced", "fp8_block", "1"),
-    ("rows", 2, "none", False, "coalesced", "fp8", "1")])
+    ("rows", 2, "none", False, "coalesced", "fp8", "1"),
+    ("rows", 2, "none", False, "coalesced", "fp8_block", "gemm2")])
 def test_builds_for_sm90(tile, gemm, activation, bias, store, quant, skip):
     """Every epilogue form compiles for sm_90 with the schedule it is written for: two consumer
     warpgroups on e4m3 m64n128k32 wgmmas, register budgets moved by setmaxnreg, mbarrier
@@ -194,9 +195,11 @@ def test_gemm2_matches_the_triton_persistent_kernel(tile, programs, quant):
 
 def test_tile_rule(monkeypatch):
     """fp8_block calls with a dispatch take the 128-row tiles from 256 routed rows an expert on
-    and the 256-column ones below; fp8 only with WS_FP8; other modes, direct dispatch or the
-    override "none" never take the kernel."""
+    and the 256-column ones below; fp8 per tensor likewise unless WS_FP8 is off (on by
+    default); other modes, direct dispatch or the override "none" never take the kernel."""
+    assert experts_mod.WS_FP8 is (os.environ.get("MOE_OPS_WS_FP8", "1") == "1")
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "auto")
+    monkeypatch.setattr(experts_mod, "WS_FP8", False)
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) == "rows"
     assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, False) == "cols"
     assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, True) is None
@@ -235,7 +238,7 @@ def test_padding_halves_skip_their_mmas(quant, monkeypatch):
                else torch.rand(E, N, device=dev)) * 0.01 + 1e-3
     outs = []
     for skip in (True, False):
-        monkeypatch.setattr(ws_gemm, "SKIP_PADDING", skip)
+        monkeypatch.setattr(ws_gemm, "SKIP_PADDING", "1" if skip else "0")
         out = torch.full((T, N), float("nan"), device=dev, dtype=torch.bfloat16)
         ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=2, activation="none",
                      tile="rows", quant=quant, programs=7)

@@ -88,16 +88,19 @@ WS_FP8_BLOCK_TILE: Optional[str] = ws_gemm.env_choice(
     "MOE_OPS_WS_FP8_BLOCK_TILE", "auto", ("auto", "rows", "cols", "none"))
 WS_ROWS_TILE_MIN_ROWS = 256
 # fp8 per tensor on the same kernel (its partial sums promoted every K step, the scales in the
-# epilogue): built and tested, not yet measured against the Triton kernels on a GPU, so off
-# unless MOE_OPS_WS_FP8=1.
-WS_FP8 = ws_gemm.env_choice("MOE_OPS_WS_FP8", "0", ("0", "1")) == "1"
-# nvfp4 decode (up to WS_FP4_MAX_ROWS routed rows an expert) on the warp-specialized Gluon
-# kernel of ws_fp4 (the packed weights decoded straight into wgmma's register operand; 3.3
-# instructions a weight value against 5.1 at build time): built and CPU-tested, its GPU tests
-# and timings not yet run, so off unless MOE_OPS_WS_FP4=1. It needs a dispatch (16-row blocks):
-# calls it takes never use direct mode.
-WS_FP4 = ws_gemm.env_choice("MOE_OPS_WS_FP4", "0", ("0", "1")) == "1"
-WS_FP4_MAX_ROWS = 16
+# epilogue). Measured on an H200 (results/h200_ws_fp8_profile_*.json, 2026-12-01), the experts
+# call's kernels without PDL: Mixtral-8x7B T = 4096 / 16384 3.04 -> 2.79 / 12.34 -> 11.10 ms,
+# Llama 4 Scout 1.34 -> 1.28 / 4.39 -> 4.16 ms; so on (MOE_OPS_WS_FP8=0: the Triton kernels).
+WS_FP8 = ws_gemm.env_choice("MOE_OPS_WS_FP8", "1", ("0", "1")) == "1"
+# nvfp4 decode (up to WS_FP4_MAX_ROWS routed rows an expert on average) on the warp-specialized
+# Gluon kernel of ws_fp4 (the packed weights decoded straight into wgmma's register operand).
+# Measured on an H200 (results/h200_ws_fp4_layer_*.json, 2026-12-01), DeepSeek-V3 nvfp4 layer,
+# CUDA-graph replays, Triton / GEMM1 on Gluon / both: T = 64 2012 / 1843 / 1803 us, T = 128
+# (4 rows an expert) 2587 / 2360 / 2211, but T = 256 (8 rows) 3414 / 4133 / 4611; so both GEMMs
+# up to 4 rows an expert. MOE_OPS_WS_FP4=gemm1: GEMM1 only, 0: never. Calls it takes need a
+# dispatch (16-row blocks), so never use direct mode.
+WS_FP4 = ws_gemm.env_choice("MOE_OPS_WS_FP4", "1", ("0", "gemm1", "1"))
+WS_FP4_MAX_ROWS = 4
 
 
 def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool) -> Optional[str]:
@@ -213,11 +216,11 @@ def triton_experts(
     x = x.contiguous()
     direct = use_direct_dispatch(T, top_k, E)
     # (explicit configs, the tuner's candidates among them, run what they name)
-    fp4_decode = (WS_FP4 and quant == "nvfp4" and T * top_k <= WS_FP4_MAX_ROWS * E
+    fp4_decode = (WS_FP4 != "0" and quant == "nvfp4" and T * top_k <= WS_FP4_MAX_ROWS * E
                   and gemm1_config is None and gemm2_config is None
                   and w13_global_scale is not None and w2_global_scale is not None)
     ws_fp4_1 = fp4_decode and ws_fp4.applies(quant, activation, w13.shape[1], x, w13)
-    ws_fp4_2 = fp4_decode and ws_fp4.applies(quant, "none", H, x, w2)
+    ws_fp4_2 = fp4_decode and WS_FP4 == "1" and ws_fp4.applies(quant, "none", H, x, w2)
     if ws_fp4_1 or ws_fp4_2:
         direct = False
     tile = ws_tile(quant, T * top_k, E, direct)

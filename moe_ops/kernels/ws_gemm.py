@@ -1,5 +1,5 @@
 """The fp8 grouped GEMMs for prefill on Hopper, warp-specialized (Gluon): fp8_block, and fp8
-per tensor (behind experts.WS_FP8 until measured).
+per tensor (experts.WS_FP8).
 
 Why a second GEMM kernel: fp8_block scales each 128-column partial product before it joins the
 fp32 accumulator (`acc += (a @ w) * a_scale * w_scale`, every K step). In grouped_gemm's Triton
@@ -81,9 +81,18 @@ def env_choice(name: str, default: str, choices: tuple) -> str:
 # The epilogue's stores through a row-contiguous layout (_store_rows); MOE_OPS_WS_STORE=mma
 # stores from the MMA's layout directly (for A/B).
 COALESCED_STORE = env_choice("MOE_OPS_WS_STORE", "coalesced", ("coalesced", "mma")) == "coalesced"
-# A consumer warpgroup whose rows are all padding skips its MMAs (MOE_OPS_WS_SKIP_PADDING=1).
-# Off until its GPU test and A/B have run (written after this session's device time was spent).
-SKIP_PADDING = env_choice("MOE_OPS_WS_SKIP_PADDING", "0", ("0", "1")) == "1"
+# A consumer warpgroup whose rows are all padding skips its MMAs. Measured on an H200 with
+# 128-row tiles (results/h200_ws_fp8_block_skip.json, h200_ws_fp8_mixtral.json, 2026-12-01):
+# GEMM2's shapes gain (DeepSeek-V3 fp8_block T = 16384 726 -> 737 TFLOP/s, Mixtral-8x7B fp8
+# 1028 -> 1065) but GEMM1's lose (817 -> 690, 932 -> 862), so GEMM2 only by default;
+# MOE_OPS_WS_SKIP_PADDING=1: both GEMMs, 0: neither.
+SKIP_PADDING = env_choice("MOE_OPS_WS_SKIP_PADDING", "gemm2", ("0", "gemm2", "1"))
+
+
+def skip_padding(gemm: int) -> bool:
+    return SKIP_PADDING == "1" or (SKIP_PADDING == "gemm2" and gemm == 2)
+
+
 # MOE_OPS_WS_GEMM=0 turns the kernel off (every launch then runs grouped_gemm's kernels).
 ENABLED = env_choice("MOE_OPS_WS_GEMM", "1", ("0", "1")) == "1"
 
@@ -415,8 +424,8 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         SPLIT_N=int(tile == "cols"), ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
-        BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(SKIP_PADDING), num_warps=4,
-        maxnreg=MAXNREG)
+        BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
+        num_warps=4, maxnreg=MAXNREG)
 
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
@@ -441,7 +450,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
-                  BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(SKIP_PADDING))
+                  BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om")}
