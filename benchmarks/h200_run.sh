@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -15,6 +15,10 @@
 # ws4: the Gluon nvfp4 decode GEMM timed (dev_gluon_fp4_decode.py; DeepSeek-V3 nvfp4 decode
 # with MOE_OPS_WS_FP4 off and on) and the fp8 experts call kernel by kernel with fp8 per tensor
 # on the Gluon kernel and off; about 4 minutes.
+# ab: the Gluon kernels' GPU tests, then the A/Bs that may widen their rules, DeepSeek-V3 nvfp4
+# at T = 64-512 with MOE_OPS_WS_FP4_MAX_ROWS 4 (default) and 16, and the fp8 prefill buckets
+# whose tables' configs are not persistent (Qwen3 fp8, DeepSeek fp8_block T = 1024 / 2048)
+# with MOE_OPS_WS_MIN_ROWS unset and 32; about 6 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -87,6 +91,24 @@ if [[ "$what" == ws4 ]]; then
       llama4_scout --quant fp8 --tokens 4096 16384 --out "$out/profile_ws_fp8_$on.json" \
       > "$out/profile_ws_fp8_$on.log" 2>&1 || status=1
     grep -A5 '^model' "$out/profile_ws_fp8_$on.log" | cut -c1-160
+  done
+fi
+if [[ "$what" == ab ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_ws_gemm.py tests/test_ws_fp4.py \
+    > "$out/pytest_ws.log" 2>&1 || status=1
+  tail -n 3 "$out/pytest_ws.log"
+  ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
+  for rows in 4 16; do
+    MOE_OPS_WS_FP4_MAX_ROWS=$rows $ab --deadline-s 70 --models deepseek_v3 --quant nvfp4 \
+      --tokens 64 128 256 512 --out "$out/ab_fp4_rows_$rows.json" > "$out/ab_fp4_rows_$rows.log" 2>&1 \
+      || status=1
+    echo "MOE_OPS_WS_FP4_MAX_ROWS=$rows"; grep -A5 '^ *model' "$out/ab_fp4_rows_$rows.log" | cut -c1-100
+  done
+  for rows in 0 32; do
+    MOE_OPS_WS_MIN_ROWS=$rows $ab --deadline-s 100 --models qwen3_30b_a3b deepseek_v3 \
+      --quant fp8 fp8_block --listed-only --tokens 1024 2048 4096 16384 \
+      --out "$out/ab_ws_min_rows_$rows.json" > "$out/ab_ws_min_rows_$rows.log" 2>&1 || status=1
+    echo "MOE_OPS_WS_MIN_ROWS=$rows"; grep -A9 '^ *model' "$out/ab_ws_min_rows_$rows.log" | cut -c1-100
   done
 fi
 if [[ "$what" == tune ]]; then

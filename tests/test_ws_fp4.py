@@ -119,3 +119,38 @@ def test_decode_benchmark_builds():
     assert done.returncode == 0, done.stderr[-3000:]
     builds = [line for line in done.stdout.splitlines() if "consumers" in line]
     assert len(builds) == 2 and all("stack 0 B" in line for line in builds), done.stdout
+
+
+@needs_hopper
+@pytest.mark.parametrize("align", [16, 64])
+def test_padding_blocks_are_skipped(align):
+    """GEMM2 on a dispatch aligned to more rows than the kernel's 16-slot blocks (what a larger
+    grouped_gemm block_m for the other GEMM gives): the blocks of padding only are skipped by
+    every partition (a producer and consumers out of step would hang or mix tiles), every
+    pair's row is written and matches grouped_gemm's kernel on the same dispatch, and no
+    padding row is touched (the output has a poisoned row per slot)."""
+    from moe_ops.kernels import grouped_gemm as gg
+    from moe_ops.kernels.align import moe_align
+    E, k, T, H, I = 8, 2, 24, 512, 256
+    _, kernel, _, ids, weights = make_case("nvfp4", T, H, I, E, k, seed=9)
+    dev = ids.device
+    dispatch = moe_align(ids.to(torch.int32), E, align, 0)
+    routing = gg.Routing(ids.reshape(-1).to(torch.int32), weights.reshape(-1), k, E, 0,
+                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, align,
+                         dispatch.num_padded)
+    rows = torch.randn(dispatch.sorted_pair_ids.numel(), I, device=dev, dtype=torch.bfloat16)
+    outs = []
+    for use_ws in (True, False):
+        out = torch.full((T * k + 1, H), float("nan"), device=dev, dtype=torch.bfloat16)
+        if use_ws:
+            ws_fp4.gemm(rows, kernel["w2"], kernel["w2_scale"], kernel["w2_global_scale"], None,
+                        out, routing, gemm=2, activation="none", programs=5)
+        else:
+            gg.gemm2(rows, None, kernel["w2"], kernel["w2_scale"], None, out, routing,
+                     gg.GemmConfig(16, 64, 128, 1, 4, 3), quant="nvfp4", atomic_out=False,
+                     w2_global_scale=kernel["w2_global_scale"])
+        outs.append(out.float())
+    assert torch.isfinite(outs[0][:T * k]).all(), "a pair's row was not written"
+    assert torch.isnan(outs[0][T * k]).all(), "a row past the pairs was written"
+    err = ((outs[0][:T * k] - outs[1][:T * k]).norm() / outs[1][:T * k].norm()).item()
+    assert err < 2e-3, err

@@ -90,6 +90,13 @@ def test_bad_settings_are_refused(monkeypatch):
     monkeypatch.setenv("MOE_OPS_WS_GEMM", "off")
     with pytest.raises(ValueError, match="MOE_OPS_WS_GEMM"):
         ws_gemm.env_choice("MOE_OPS_WS_GEMM", "1", ("0", "1"))
+    monkeypatch.setenv("MOE_OPS_WS_MIN_ROWS", "64 rows")
+    with pytest.raises(ValueError, match="MOE_OPS_WS_MIN_ROWS"):
+        ws_gemm.env_int("MOE_OPS_WS_MIN_ROWS", 0)
+    monkeypatch.setenv("MOE_OPS_WS_MIN_ROWS", "64")
+    assert ws_gemm.env_int("MOE_OPS_WS_MIN_ROWS", 0) == 64
+    monkeypatch.delenv("MOE_OPS_WS_MIN_ROWS")
+    assert ws_gemm.env_int("MOE_OPS_WS_MIN_ROWS", 0) == 0
     with pytest.raises(ValueError, match="gemm=1 needs an activation"):
         ws_gemm.gemm(None, None, None, None, None, None, None, gemm=1, activation="none")
     with pytest.raises(ValueError, match="quant"):
@@ -136,6 +143,20 @@ def test_experts_on_ws_gemm(tile, quant, activation, bias, monkeypatch, ws_gemm_
     config = GemmConfig(64, 128, 128, 8, 4, 3, persistent=True)
     check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
     assert ws_gemm_calls == [1, 2]
+
+
+@needs_hopper
+@pytest.mark.parametrize("min_rows,expected", [(0, []), (64, [1, 2])])
+def test_min_rows_widens_the_rule(min_rows, expected, monkeypatch, ws_gemm_calls,
+                                  poisoned_empty):
+    """Without explicit configs the default (not persistent) configs keep the Triton kernels;
+    MOE_OPS_WS_MIN_ROWS puts both GEMMs on this kernel from that many routed rows an expert
+    (here 150), the results the same."""
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "auto")
+    monkeypatch.setattr(experts_mod, "WS_MIN_ROWS", min_rows)
+    tensors, kwargs = make_problem(300, 512, 384, 4, 2, quant="fp8", seed=45)
+    check_experts(tensors, kwargs, FP8_TOL)
+    assert ws_gemm_calls == expected
 
 
 @needs_hopper

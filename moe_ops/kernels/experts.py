@@ -87,6 +87,11 @@ FP8_SWAP_AB = False
 WS_FP8_BLOCK_TILE: Optional[str] = ws_gemm.env_choice(
     "MOE_OPS_WS_FP8_BLOCK_TILE", "auto", ("auto", "rows", "cols", "none"))
 WS_ROWS_TILE_MIN_ROWS = 256
+# The kernel applies where the tuned config is persistent (the tables' prefill choice). Some
+# tables never pick a persistent config (Qwen3-30B-A3B fp8: its prefill runs the Triton tile
+# kernel); MOE_OPS_WS_MIN_ROWS=n applies it also from n routed rows an expert whatever the
+# config, for the A/B that decides whether the rule should widen (unset: persistent only).
+WS_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_MIN_ROWS", 0)
 # fp8 per tensor on the same kernel (its partial sums promoted every K step, the scales in the
 # epilogue). Measured on an H200 (results/h200_ws_fp8_profile_*.json, 2026-12-01), the experts
 # call's kernels without PDL: Mixtral-8x7B T = 4096 / 16384 3.04 -> 2.79 / 12.34 -> 11.10 ms,
@@ -98,9 +103,12 @@ WS_FP8 = ws_gemm.env_choice("MOE_OPS_WS_FP8", "1", ("0", "1")) == "1"
 # CUDA-graph replays, Triton / GEMM1 on Gluon / both: T = 64 2012 / 1843 / 1803 us, T = 128
 # (4 rows an expert) 2587 / 2360 / 2211, but T = 256 (8 rows) 3414 / 4133 / 4611; so both GEMMs
 # up to 4 rows an expert. MOE_OPS_WS_FP4=gemm1: GEMM1 only, 0: never. Calls it takes need a
-# dispatch (16-row blocks), so never use direct mode.
+# dispatch (16-row blocks), so never use direct mode. (Those T = 256 figures ran on a dispatch
+# aligned to 32 rows, the tables' block_m there, of which the kernel computed both 16-row
+# halves; it now skips blocks of padding only and the dispatch is aligned to the kernels that
+# run: MOE_OPS_WS_FP4_MAX_ROWS=16 is the A/B that may widen the rule.)
 WS_FP4 = ws_gemm.env_choice("MOE_OPS_WS_FP4", "1", ("0", "gemm1", "1"))
-WS_FP4_MAX_ROWS = 4
+WS_FP4_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_MAX_ROWS", 4)
 
 
 def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool) -> Optional[str]:
@@ -225,21 +233,23 @@ def triton_experts(
         direct = False
     tile = ws_tile(quant, T * top_k, E, direct)
     # x quantized is [T, H] e4m3 like the intermediate's [slots, I]: the same checks hold
-    ws1 = tile is not None and config1.persistent and ws_gemm.applies(
+    rows_ok = (WS_MIN_ROWS > 0 and T * top_k >= WS_MIN_ROWS * E
+               and gemm1_config is None and gemm2_config is None)
+    ws1 = tile is not None and (config1.persistent or rows_ok) and ws_gemm.applies(
         quant, activation, w13.shape[1], H, x, w13, tile, activations_quantized=False)
-    ws2 = tile is not None and config2.persistent and ws_gemm.applies(
+    ws2 = tile is not None and (config2.persistent or rows_ok) and ws_gemm.applies(
         quant, "none", H, I, x, w2, tile, activations_quantized=False)
     flat_ids = topk_ids.reshape(-1).contiguous()
     flat_weights = topk_weights.reshape(-1).contiguous()
     routing = Routing(flat_ids, flat_weights, top_k, E, local_expert_offset)
     if not direct:
-        # One dispatch serves both GEMMs: its block_m is the larger one, the other GEMM's
-        # block_m divides it (powers of two), so no GEMM block straddles two experts.
-        align_block_m = max(config1.block_m, config2.block_m)
-        if ws1 or ws2:
-            align_block_m = max(align_block_m, ws_gemm.block_m(tile))
-        if ws_fp4_1 or ws_fp4_2:
-            align_block_m = max(align_block_m, ws_fp4.BLOCK_M)
+        # One dispatch serves both GEMMs: its block_m is the larger of the two kernels' that
+        # run, the other's divides it (powers of two), so no GEMM block straddles two experts.
+        # (A config's block_m counts only where its Triton kernel runs: a larger one would pad
+        # every expert's rows further, decode's 16-row blocks to 32 or 64.)
+        align_block_m = max(
+            ws_gemm.block_m(tile) if ws1 else ws_fp4.BLOCK_M if ws_fp4_1 else config1.block_m,
+            ws_gemm.block_m(tile) if ws2 else ws_fp4.BLOCK_M if ws_fp4_2 else config2.block_m)
         aligned = moe_align(topk_ids, E, align_block_m, local_expert_offset)
         routing.sorted_pair_ids = aligned.sorted_pair_ids
         routing.block_expert_ids = aligned.block_expert_ids

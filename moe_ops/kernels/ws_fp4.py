@@ -100,13 +100,24 @@ def decode_step(packed, scales, P2: gl.constexpr, P4: gl.constexpr, DOT: gl.cons
 
 
 @gluon.jit
+def live_block(sorted_pair_ids_ptr, pid_m, num_pairs, BM: gl.constexpr):
+    """Whether dispatch block pid_m (BM slots) holds a routed pair: each expert's padding comes
+    after its pairs, so a block whose first slot holds none is padding throughout. Such blocks
+    arise when the dispatch is aligned to more than BM rows (grouped_gemm's config for the other
+    GEMM): the producer loads nothing for them and the consumers compute and write nothing,
+    each partition reading the same slot, so their rings stay in step."""
+    return gl.load(sorted_pair_ids_ptr + pid_m * BM) < num_pairs
+
+
+@gluon.jit
 def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
+    sorted_pair_ids_ptr = ptrs[3]
     block_expert_ptr = ptrs[5]
     num_padded_ptr = ptrs[6]
-    N, KP = sizes[0], sizes[1]
+    N, KP, num_pairs = sizes[0], sizes[1], sizes[2]
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     BN: gl.constexpr = w_bufs.type.shape[1]
     BM: gl.constexpr = x_bufs.type.shape[1]
@@ -117,18 +128,22 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     phase = 1  # a fresh mbarrier counts as having completed the phase before its first
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         pid_m = tile // num_n
-        expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
-        row0 = expert * N + (tile % num_n) * BN
-        for kb in range(k_steps):
-            mbarrier.wait(empty.index(index), phase)
-            bar = ready.index(index)
-            mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes
-                            + x_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [row0, 0, kb * 32], bar, w_bufs.index(index))
-            tma.async_copy_global_to_shared(s_desc, [row0, kb * 16], bar, s_bufs.index(index))
-            tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kb * 256], bar,
-                                            x_bufs.index(index))
-            index, phase = ring_next(index, phase, STAGES)
+        # blocks of padding only are skipped by every partition alike (see live_block)
+        if live_block(sorted_pair_ids_ptr, pid_m, num_pairs, BM):
+            expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
+            row0 = expert * N + (tile % num_n) * BN
+            for kb in range(k_steps):
+                mbarrier.wait(empty.index(index), phase)
+                bar = ready.index(index)
+                mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes
+                                + x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [row0, 0, kb * 32], bar,
+                                                w_bufs.index(index))
+                tma.async_copy_global_to_shared(s_desc, [row0, kb * 16], bar,
+                                                s_bufs.index(index))
+                tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kb * 256], bar,
+                                                x_bufs.index(index))
+                index, phase = ring_next(index, phase, STAGES)
 
 
 @gluon.jit
@@ -157,36 +172,38 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     phase = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         pid_m = tile // num_n
-        expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
-        n0 = (tile % num_n) * BN + HALF * 64
-        acc = gl.zeros([64, BM], gl.float32, mma)
-        for kb in range(k_steps):
-            mbarrier.wait(ready.index(index), phase)
-            packed = w_bufs.index(index).reshape([BN, 128]).slice(HALF * 64, 64, dim=0).load(P2)
-            scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).load(SCALES)
-            weights = decode_step(packed, scales, P2, P4, DOT)
-            acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc,
-                                is_async=True)
-            # the register operand stays live until the MMA has read it
-            acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
-            mbarrier.arrive(empty.index(index), count=1)
-            index, phase = ring_next(index, phase, STAGES)
+        if live_block(sorted_pair_ids_ptr, pid_m, num_pairs, BM):
+            expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
+            n0 = (tile % num_n) * BN + HALF * 64
+            acc = gl.zeros([64, BM], gl.float32, mma)
+            for kb in range(k_steps):
+                mbarrier.wait(ready.index(index), phase)
+                packed = w_bufs.index(index).reshape([BN, 128]).slice(HALF * 64, 64, dim=0)
+                packed = packed.load(P2)
+                scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).load(SCALES)
+                weights = decode_step(packed, scales, P2, P4, DOT)
+                acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc,
+                                    is_async=True)
+                # the register operand stays live until the MMA has read it
+                acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
+                mbarrier.arrive(empty.index(index), count=1)
+                index, phase = ring_next(index, phase, STAGES)
 
-        # Epilogue: acc [weight rows, slots] * global scale * 512 (+ bias), transposed to
-        # [slots, columns]; GEMM1's activation into intermediate[slot], GEMM2's routing weight
-        # into out[pair]; padding slots (pair id >= num_pairs) are not written.
-        w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-        acc = acc * (gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0)[:, None]
-        if HAS_BIAS:
-            acc += gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)[:, None]
-        # slots along the rows, two adjacent columns (gate/up) in one thread
-        vals = gl.convert_layout(gl.permute(acc, [1, 0]),
-                                 gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0]))
-        slots = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, vals.type.layout))
-        pair_ids = gl.load(sorted_pair_ids_ptr + slots)
-        row_ok = pair_ids < num_pairs
-        write_rows(vals, slots, pair_ids, row_ok, n0, topk_weights_ptr, out_ptr, stride_om, alpha,
-                   limit, ACTIVATION, True)
+            # Epilogue: acc [weight rows, slots] * global scale * 512 (+ bias), transposed to
+            # [slots, columns]; GEMM1's activation into intermediate[slot], GEMM2's routing
+            # weight into out[pair]; padding slots (pair id >= num_pairs) are not written.
+            w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+            acc = acc * (gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0)[:, None]
+            if HAS_BIAS:
+                acc += gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)[:, None]
+            # slots along the rows, two adjacent columns (gate/up) in one thread
+            vals = gl.convert_layout(gl.permute(acc, [1, 0]),
+                                     gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0]))
+            slots = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, vals.type.layout))
+            pair_ids = gl.load(sorted_pair_ids_ptr + slots)
+            row_ok = pair_ids < num_pairs
+            write_rows(vals, slots, pair_ids, row_ok, n0, topk_weights_ptr, out_ptr, stride_om,
+                       alpha, limit, ACTIVATION, True)
 
 
 @gluon.jit

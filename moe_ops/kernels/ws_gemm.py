@@ -78,6 +78,16 @@ def env_choice(name: str, default: str, choices: tuple) -> str:
     return value
 
 
+def env_int(name: str, default: int) -> int:
+    """The value of environment variable `name` as a non-negative integer (default when unset)."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if not value.isdigit():
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
 # The epilogue's stores through a row-contiguous layout (_store_rows); MOE_OPS_WS_STORE=mma
 # stores from the MMA's layout directly (for A/B).
 COALESCED_STORE = env_choice("MOE_OPS_WS_STORE", "coalesced", ("coalesced", "mma")) == "coalesced"
