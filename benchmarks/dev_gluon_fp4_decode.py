@@ -5,7 +5,8 @@ The problem (one GEMM of a decode step, GEMM2's form so both kernels compute the
 E experts, `tokens` rows each in a dispatch of 16-slot blocks (rows bf16, the unused slots
 zero), nvfp4 weights W_e [N, K] (kernel-order packed bytes, e4m3 block scales per 16 columns, a
 global scale per row); out[pair] = x[slot] . W_e (routing weight 1). Variants: "gluon 2
-consumers" / "gluon 4 consumers" (ws_fp4 with 2 or 4 consumer warpgroups), "ours"
+consumers" / "gluon 4 consumers" (ws_fp4 with 2 or 4 consumer warpgroups; "pipelined": each
+decoding step k + 1 while its wgmma of step k runs, ws_fp4.PIPELINE), "ours"
 (grouped_gemm.gemm2 with the default 4-bit decode config). Each is compared with a float32
 reference (dequantized weights) on random data, outputs NaN-poisoned first; times by
 triton.testing.do_bench (median); TB/s over the packed weights and their scales.
@@ -32,21 +33,30 @@ SLOTS = 16   # dispatch block (ws_fp4.BLOCK_M)
 
 
 def k_loop(kernel):
-    """The SASS instructions of the kernel's innermost loop holding its wgmmas."""
+    """The SASS instructions of the kernel's K loop: the shortest loop holding wgmmas and no
+    epilogue arithmetic (ptxas may lay a tile loop's peeled steps and epilogue out as a shorter
+    loop of their own)."""
     from aot_sm90 import loops
-    return min((body for body in loops(kernel) if any("GMMA" in i for i in body)), key=len)
+    return min((body for body in loops(kernel) if any("GMMA" in i for i in body)
+                and not any(i.split()[0].startswith(("FADD", "FMUL", "FFMA")) for i in body)),
+               key=len)
 
 
 def aot():
     from aot_sm90 import resource_usage
     from moe_ops.kernels import ws_fp4
-    for consumers in ws_fp4.REGISTERS:
-        kernel = ws_fp4.compile_sm90(gemm=2, activation="none", consumers=consumers)
+    for consumers, pipeline in ((2, False), (4, False), (2, True), (4, True)):
+        kernel = ws_fp4.compile_sm90(gemm=2, activation="none", consumers=consumers,
+                                     pipeline=pipeline)
         loop = k_loop(kernel)
         ops = collections.Counter(
             (i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in loop)
-        values = ws_fp4.BLOCK_K * ws_fp4.ROWS // 128   # weight values a thread a K step
-        print(f"{consumers} consumers: {resource_usage(kernel)}, shared "
+        # weight values a thread a K step, times the steps the loop body holds (16 wgmmas of
+        # k = 16 a step; the pipelined form runs two steps an iteration)
+        steps = ops["HGMMA"] // (ws_fp4.BLOCK_K // 16)
+        values = steps * ws_fp4.BLOCK_K * ws_fp4.ROWS // 128
+        print(f"{consumers} consumers{', pipelined' if pipeline else ''}: "
+              f"{resource_usage(kernel)}, shared "
               f"{kernel.metadata.shared} B; K loop {len(loop)} SASS instructions for {values} "
               f"weight values a thread ({len(loop) / values:.2f} a value): "
               f"{dict(ops.most_common(8))}", flush=True)
@@ -105,10 +115,14 @@ def run_ours(pb, routing, out_pairs):
              w2_global_scale=pb["gscale"])
 
 
-def run_gluon(pb, routing, out_pairs, consumers):
+def run_gluon(pb, routing, out_pairs, consumers, pipeline=False):
     from moe_ops.kernels import ws_fp4
-    ws_fp4.gemm(pb["x"], pb["w_packed"], pb["w_scale"], pb["gscale"], None, out_pairs, routing,
-                gemm=2, activation="none", consumers=consumers)
+    saved, ws_fp4.PIPELINE = ws_fp4.PIPELINE, pipeline
+    try:
+        ws_fp4.gemm(pb["x"], pb["w_packed"], pb["w_scale"], pb["gscale"], None, out_pairs,
+                    routing, gemm=2, activation="none", consumers=consumers)
+    finally:
+        ws_fp4.PIPELINE = saved
 
 
 def main():
@@ -134,6 +148,8 @@ def main():
         out_pairs = torch.empty((E * tokens, N), dtype=torch.bfloat16, device=dev)
         variants = (("gluon 2 consumers", lambda: run_gluon(pb, routing, out_pairs, 2)),
                     ("gluon 4 consumers", lambda: run_gluon(pb, routing, out_pairs, 4)),
+                    ("gluon 2 pipelined", lambda: run_gluon(pb, routing, out_pairs, 2, True)),
+                    ("gluon 4 pipelined", lambda: run_gluon(pb, routing, out_pairs, 4, True)),
                     ("ours", lambda: run_ours(pb, routing, out_pairs)))
         for variant, fn in variants:
             try:

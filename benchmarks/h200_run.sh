@@ -15,10 +15,11 @@
 # ws4: the Gluon nvfp4 decode GEMM timed (dev_gluon_fp4_decode.py; DeepSeek-V3 nvfp4 decode
 # with MOE_OPS_WS_FP4 off and on) and the fp8 experts call kernel by kernel with fp8 per tensor
 # on the Gluon kernel and off; about 4 minutes.
-# ab: the Gluon kernels' GPU tests, then the A/Bs that may widen their rules, DeepSeek-V3 nvfp4
-# at T = 64-512 with MOE_OPS_WS_FP4_MAX_ROWS 4 (default) and 16, and the fp8 prefill buckets
-# whose tables' configs are not persistent (Qwen3 fp8, DeepSeek fp8_block T = 1024 / 2048)
-# with MOE_OPS_WS_MIN_ROWS unset and 32; about 6 minutes.
+# ab: the Gluon kernels' GPU tests, then the A/Bs that may widen their rules: the nvfp4 decode
+# GEMMs alone with the pipelined consumers (dev_gluon_fp4_decode.py), DeepSeek-V3 nvfp4 at
+# T = 64-512 with MOE_OPS_WS_FP4_MAX_ROWS 4 (default) and 16, and 16 pipelined; the fp8
+# prefill buckets whose tables' configs are not persistent (Qwen3 fp8, DeepSeek fp8_block
+# T = 1024 / 2048) with MOE_OPS_WS_MIN_ROWS unset and 32; about 7 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -97,12 +98,18 @@ if [[ "$what" == ab ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_ws_gemm.py tests/test_ws_fp4.py \
     > "$out/pytest_ws.log" 2>&1 || status=1
   tail -n 3 "$out/pytest_ws.log"
+  python3 benchmarks/dev_gluon_fp4_decode.py --out "$out" > "$out/gluon_fp4_decode.log" 2>&1 \
+    || status=1
+  tail -n 16 "$out/gluon_fp4_decode.log"
   ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
-  for rows in 4 16; do
-    MOE_OPS_WS_FP4_MAX_ROWS=$rows $ab --deadline-s 70 --models deepseek_v3 --quant nvfp4 \
-      --tokens 64 128 256 512 --out "$out/ab_fp4_rows_$rows.json" > "$out/ab_fp4_rows_$rows.log" 2>&1 \
+  for arm in 4:0 16:0 16:1; do
+    rows=${arm%:*} pipe=${arm#*:}
+    MOE_OPS_WS_FP4_MAX_ROWS=$rows MOE_OPS_WS_FP4_PIPELINE=$pipe $ab --deadline-s 70 \
+      --models deepseek_v3 --quant nvfp4 --tokens 16 64 128 256 512 \
+      --out "$out/ab_fp4_rows_${rows}_pipe_$pipe.json" > "$out/ab_fp4_rows_${rows}_pipe_$pipe.log" 2>&1 \
       || status=1
-    echo "MOE_OPS_WS_FP4_MAX_ROWS=$rows"; grep -A5 '^ *model' "$out/ab_fp4_rows_$rows.log" | cut -c1-100
+    echo "MOE_OPS_WS_FP4_MAX_ROWS=$rows MOE_OPS_WS_FP4_PIPELINE=$pipe"
+    grep -A6 '^ *model' "$out/ab_fp4_rows_${rows}_pipe_$pipe.log" | cut -c1-100
   done
   for rows in 0 32; do
     MOE_OPS_WS_MIN_ROWS=$rows $ab --deadline-s 100 --models qwen3_30b_a3b deepseek_v3 \

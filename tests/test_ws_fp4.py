@@ -28,15 +28,17 @@ def ws_fp4_calls(gemm_calls):
     return gemm_calls(ws_fp4, "gemm")
 
 
-@pytest.mark.parametrize("gemm,activation,bias,consumers", [
-    (1, "swiglu", False, 2), (2, "none", True, 2), (1, "swiglu_oai", True, 2),
-    (1, "relu2", False, 2), (2, "none", False, 4)])
-def test_builds_for_sm90(gemm, activation, bias, consumers):
+@pytest.mark.parametrize("gemm,activation,bias,consumers,pipeline", [
+    (1, "swiglu", False, 2, False), (2, "none", True, 2, False), (1, "swiglu_oai", True, 2, False),
+    (1, "relu2", False, 2, False), (2, "none", False, 4, False), (1, "swiglu", True, 2, True),
+    (2, "none", False, 4, True)])
+def test_builds_for_sm90(gemm, activation, bias, consumers, pipeline):
     """Every epilogue form builds for sm_90 (in a fresh process without TRITON_INTERPRET:
     the Triton helpers it calls are interpreter objects under it): bf16 wgmmas with a register
-    operand, no spill, the layout conversions into that operand asserted trivial."""
+    operand, no spill, the layout conversions into that operand asserted trivial; the pipelined
+    consumer (PIPELINE) too."""
     ptx = sm90_ptx("ws_fp4", f"gemm={gemm}, activation={activation!r}, has_bias={bias}, "
-                             f"consumers={consumers}")
+                             f"consumers={consumers}, pipeline={pipeline}")
     assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in ptx
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{ws_fp4.REGISTERS[consumers][0]}" in ptx
     assert "cp.async.bulk.tensor.3d" in ptx and "mul.rn.bf16x2" in ptx
@@ -111,19 +113,37 @@ def test_experts_on_ws_fp4(activation, bias, I, tokens, consumers, which, monkey
 
 def test_decode_benchmark_builds():
     """benchmarks/dev_gluon_fp4_decode.py --aot (the kernel's sm_90 K loop, both consumer
-    counts) runs without a GPU, no spill."""
+    counts, serial and pipelined) runs without a GPU; no spill but in the pipelined four-consumer
+    form (two decoded operands in 112 registers: 16 bytes of stack)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "dev_gluon_fp4_decode.py")
     done = subprocess.run([sys.executable, script, "--aot"], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     builds = [line for line in done.stdout.splitlines() if "consumers" in line]
-    assert len(builds) == 2 and all("stack 0 B" in line for line in builds), done.stdout
+    assert len(builds) == 4, done.stdout
+    assert all("stack 0 B" in line for line in builds if not line.startswith("4 consumers, pipe"))
 
 
 @needs_hopper
-@pytest.mark.parametrize("align", [16, 64])
-def test_padding_blocks_are_skipped(align):
+@pytest.mark.parametrize("H", [512, 768, 1024, 1280])
+@pytest.mark.parametrize("consumers", [2, 4])
+def test_pipelined_consumers(H, consumers, monkeypatch, ws_fp4_calls, poisoned_empty):
+    """The pipelined consumer (two K steps an iteration, a tail step when the count is even,
+    the last step after the loop) for GEMM1's K = H of 2, 3, 4 and 5 steps and GEMM2's single
+    step (I = 256), against the oracle and the reference."""
+    monkeypatch.setattr(experts_mod, "WS_FP4", "1")
+    monkeypatch.setattr(ws_fp4, "PIPELINE", True)
+    monkeypatch.setattr(ws_fp4, "CONSUMERS", consumers)
+    ckpt, kernel, x, ids, weights = make_case("nvfp4", 12, H, 256, 8, 2, bias=True, seed=13,
+                                              activation="swiglu")
+    run_and_check("nvfp4", ckpt, kernel, x, ids, weights)
+    assert ws_fp4_calls == [1, 2]
+
+
+@needs_hopper
+@pytest.mark.parametrize("align,pipeline", [(16, False), (64, False), (64, True)])
+def test_padding_blocks_are_skipped(align, pipeline, monkeypatch):
     """GEMM2 on a dispatch aligned to more rows than the kernel's 16-slot blocks (what a larger
     grouped_gemm block_m for the other GEMM gives): the blocks of padding only are skipped by
     every partition (a producer and consumers out of step would hang or mix tiles), every
@@ -131,6 +151,7 @@ def test_padding_blocks_are_skipped(align):
     padding row is touched (the output has a poisoned row per slot)."""
     from moe_ops.kernels import grouped_gemm as gg
     from moe_ops.kernels.align import moe_align
+    monkeypatch.setattr(ws_fp4, "PIPELINE", pipeline)
     E, k, T, H, I = 8, 2, 24, 512, 256
     _, kernel, _, ids, weights = make_case("nvfp4", T, H, I, E, k, seed=9)
     dev = ids.device

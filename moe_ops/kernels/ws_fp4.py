@@ -56,6 +56,10 @@ STAGES = 4
 # (benchmarks/dev_gluon_fp4_decode.py); MOE_OPS_WS_FP4_CONSUMERS=4 picks four.
 REGISTERS = {2: (232, 40, 168), 4: (112, 24, 96)}
 CONSUMERS = int(env_choice("MOE_OPS_WS_FP4_CONSUMERS", "2", ("2", "4")))
+# A consumer's decode of K step k + 1 while its wgmma of step k runs (a second register operand)
+# instead of decode, MMA, wait in turn: built, not yet measured, so off unless
+# MOE_OPS_WS_FP4_PIPELINE=1.
+PIPELINE = env_choice("MOE_OPS_WS_FP4_PIPELINE", "0", ("0", "1")) == "1"
 
 # One K step's packed bytes of a warpgroup's 64 rows, [64, 128] (byte j = 32t + 2c + q of a row:
 # run t, slice c, pair q): each thread holds its two rows' (r, r + 8) run t, the bytes wgmma's A
@@ -147,8 +151,39 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
 
 
 @gluon.jit
+def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.constexpr):
+    """Ring slot `index`'s weight tile for consumer HALF, decoded into wgmma's A operand, once
+    its loads have landed."""
+    BN: gl.constexpr = w_bufs.type.shape[1]
+    P2: gl.constexpr = PACKED_LAYOUT
+    P4: gl.constexpr = PACKED_LAYOUT_4D
+    SCALES: gl.constexpr = SCALES_LAYOUT
+    mbarrier.wait(ready.index(index), phase)
+    packed = w_bufs.index(index).reshape([BN, 128]).slice(HALF * 64, 64, dim=0).load(P2)
+    scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).load(SCALES)
+    return decode_step(packed, scales, P2, P4, DOT)
+
+
+@gluon.jit
+def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
+                          HALF: gl.constexpr, DOT: gl.constexpr):
+    """One K step of the pipelined consumer: its wgmma issued on `weights`, the next slot's
+    tile decoded meanwhile, then the wait (the register operand stays live until the MMA has
+    read it) and the slot released. Returns the accumulator, the next step's operand and
+    slot."""
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc, is_async=True)
+    nxt, nxt_phase = ring_next(index, phase, STAGES)
+    upcoming = _decoded(w_bufs, s_bufs, ready, nxt, nxt_phase, HALF, DOT)
+    acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
+    mbarrier.arrive(empty.index(index), count=1)
+    return acc, upcoming, nxt, nxt_phase
+
+
+@gluon.jit
 def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
-              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr):
+              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr,
+              PIPELINE: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
@@ -158,9 +193,6 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     BN: gl.constexpr = w_bufs.type.shape[1]
     BM: gl.constexpr = x_bufs.type.shape[1]
-    P2: gl.constexpr = PACKED_LAYOUT
-    P4: gl.constexpr = PACKED_LAYOUT_4D
-    SCALES: gl.constexpr = SCALES_LAYOUT
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 16, 16])
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -176,18 +208,34 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
             expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
             n0 = (tile % num_n) * BN + HALF * 64
             acc = gl.zeros([64, BM], gl.float32, mma)
-            for kb in range(k_steps):
-                mbarrier.wait(ready.index(index), phase)
-                packed = w_bufs.index(index).reshape([BN, 128]).slice(HALF * 64, 64, dim=0)
-                packed = packed.load(P2)
-                scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).load(SCALES)
-                weights = decode_step(packed, scales, P2, P4, DOT)
-                acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc,
+            if PIPELINE:
+                # Step k + 1's decode runs while step k's wgmma does, into a second register
+                # operand: the warpgroup's integer work no longer waits for its own MMA. Two
+                # steps an iteration, so the two operands keep their registers (one step an
+                # iteration would copy the decoded tile back every step).
+                w0 = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT)
+                for kb in range((k_steps - 1) // 2):
+                    acc, w1, index, phase = _mma_then_decode_next(
+                        acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT)
+                    acc, w0, index, phase = _mma_then_decode_next(
+                        acc, w1, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT)
+                if (k_steps - 1) % 2 == 1:
+                    acc, w0, index, phase = _mma_then_decode_next(
+                        acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT)
+                acc = warpgroup_mma(w0, x_bufs.index(index).permute((1, 0)), acc,
                                     is_async=True)
-                # the register operand stays live until the MMA has read it
-                acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
+                acc, w0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0))
                 mbarrier.arrive(empty.index(index), count=1)
                 index, phase = ring_next(index, phase, STAGES)
+            else:
+                for kb in range(k_steps):
+                    weights = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT)
+                    acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc,
+                                        is_async=True)
+                    # the register operand stays live until the MMA has read it
+                    acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
+                    mbarrier.arrive(empty.index(index), count=1)
+                    index, phase = ring_next(index, phase, STAGES)
 
             # Epilogue: acc [weight rows, slots] * global scale * 512 (+ bias), transposed to
             # [slots, columns]; GEMM1's activation into intermediate[slot], GEMM2's routing
@@ -212,7 +260,7 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                    N, KP, num_pairs, stride_ge, stride_be, stride_om, alpha, limit,
                    ALIGN_M: gl.constexpr, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                    HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   PRODUCER_REGS: gl.constexpr):
+                   PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr):
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                        w_desc.layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape,
@@ -230,16 +278,22 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
     # tensors)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0)),
-            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1)),
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
+                           PIPELINE)),
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
+                           PIPELINE)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0)),
-            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1)),
-            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2)),
-            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3)),
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
+                           PIPELINE)),
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
+                           PIPELINE)),
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
+                           PIPELINE)),
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3,
+                           PIPELINE)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
@@ -304,11 +358,11 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         ALIGN_M=routing.align_block_m, STAGES=STAGES,
         ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=maxnreg)
+        PRODUCER_REGS=producer_regs, PIPELINE=int(PIPELINE), num_warps=4, maxnreg=maxnreg)
 
 
 def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = False,
-                 consumers: int = 2):
+                 consumers: int = 2, pipeline: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -328,7 +382,8 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
     consts = dict(ALIGN_M=BLOCK_M, STAGES=STAGES,
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
-                  PRODUCER_REGS=producer_regs)
+                  PRODUCER_REGS=producer_regs,
+                  PIPELINE=int(PIPELINE if pipeline is None else pipeline))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "KP")}
