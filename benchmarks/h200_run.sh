@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -15,11 +15,13 @@
 # ws4: the Gluon nvfp4 decode GEMM timed (dev_gluon_fp4_decode.py; DeepSeek-V3 nvfp4 decode
 # with MOE_OPS_WS_FP4 off and on) and the fp8 experts call kernel by kernel with fp8 per tensor
 # on the Gluon kernel and off; about 4 minutes.
-# ab: the Gluon kernels' GPU tests, then the A/Bs that may widen their rules: the nvfp4 decode
-# GEMMs alone with the pipelined consumers (dev_gluon_fp4_decode.py), DeepSeek-V3 nvfp4 at
-# T = 64-512 with MOE_OPS_WS_FP4_MAX_ROWS 4 (default) and 16, and 16 pipelined; the fp8
-# prefill buckets whose tables' configs are not persistent (Qwen3 fp8, DeepSeek fp8_block
-# T = 1024 / 2048) with MOE_OPS_WS_MIN_ROWS unset and 32; about 7 minutes.
+# ab: the Gluon kernels' GPU tests, then the A/Bs that may widen the nvfp4 decode kernel's rule:
+# its GEMMs alone with the pipelined consumers (dev_gluon_fp4_decode.py), DeepSeek-V3 nvfp4 at
+# T = 16-512 with MOE_OPS_WS_FP4_MAX_ROWS 4 (default) and 16, and 16 pipelined; about 6 minutes.
+# ab8: the fp8 A/Bs: the padding skip (now tested once a tile) on both GEMM shapes of DeepSeek-V3
+# fp8_block and Mixtral fp8 at T = 16384 (dev_ws_fp8_block.py), and the prefill buckets whose
+# tables' configs are not persistent (Qwen3 fp8, DeepSeek fp8_block T = 1024 / 2048) with
+# MOE_OPS_WS_MIN_ROWS unset and 32; about 5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -111,6 +113,14 @@ if [[ "$what" == ab ]]; then
     echo "MOE_OPS_WS_FP4_MAX_ROWS=$rows MOE_OPS_WS_FP4_PIPELINE=$pipe"
     grep -A6 '^ *model' "$out/ab_fp4_rows_${rows}_pipe_$pipe.log" | cut -c1-100
   done
+fi
+if [[ "$what" == ab8 ]]; then
+  for model in deepseek_v3 mixtral_8x7b; do
+    python3 benchmarks/dev_ws_fp8_block.py --model $model --variants package --tokens 16384 \
+      --out "$out" > "$out/ab_skip_$model.log" 2>&1 || status=1
+    tail -n 11 "$out/ab_skip_$model.log"
+  done
+  ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
   for rows in 0 32; do
     MOE_OPS_WS_MIN_ROWS=$rows $ab --deadline-s 100 --models qwen3_30b_a3b deepseek_v3 \
       --quant fp8 fp8_block --listed-only --tokens 1024 2048 4096 16384 \

@@ -174,6 +174,61 @@ def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
 
 
 @gluon.jit
+def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
+               w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED: gl.constexpr,
+               BLOCK_SCALES: gl.constexpr, SPLIT_N: gl.constexpr, ROW0: gl.constexpr,
+               COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """A consumer's K loop over one tile: each step waits for its ring slot, multiplies its
+    half of the tile (use_acc False: the step's partial product alone), releases the slot and
+    promotes the partial product into the fp32 accumulator (fp8_block: times the step's row and
+    weight block scales). Returns the accumulator and the ring position after the tile."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    mma: gl.constexpr = acc.type.layout
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    # fp8_block: the weight scale rows of this half's 128 columns: one 128-row block, or
+    # with gate/up interleaved (2i, 2i+1) 64 gate rows of gate block col0 // 256 and 64 up
+    # rows of the matching up block, whose scale rows are interleaved the same way.
+    if GATED:
+        w_scale_gate = (w_scale_ptr + expert * stride_wse
+                        + (2 * (col0 // 256)) * stride_wsn)
+        w_scale_up = w_scale_gate + stride_wsn
+    else:
+        w_scale_row = w_scale_ptr + expert * stride_wse + (col0 // 128) * stride_wsn
+    for kb in range(k_steps):
+        if BLOCK_SCALES:
+            a_s = gl.load(a_scale_rows + kb)
+            if GATED:
+                s_g = a_s * gl.load(w_scale_gate + kb)
+                s_u = a_s * gl.load(w_scale_up + kb)
+            else:
+                s = a_s * gl.load(w_scale_row + kb)
+        mbarrier.wait(ready.index(index), phase)
+        a_tile = a_bufs.index(index)
+        w_tile = w_bufs.index(index)
+        if SPLIT_N:
+            w_tile = w_tile.slice(COL0, COLS, dim=0)
+        else:
+            a_tile = a_tile.slice(ROW0, ROWS, dim=0)
+        part = warpgroup_mma(a_tile, w_tile.permute((1, 0)), acc, use_acc=False,
+                             is_async=True)
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+        mbarrier.arrive(empty.index(index), count=1)
+        if not BLOCK_SCALES:
+            # fp8 per tensor: the partial sum still joins an fp32 accumulator every K step
+            # (Hopper's fp8 MMA accumulates with few bits); the scales wait for the epilogue
+            acc += part
+        elif GATED:
+            # even columns are gate rows, odd ones up rows: their scales differ
+            cols_in = gl.arange(0, COLS, layout=col_l)
+            scale = gl.where((cols_in % 2 == 0)[None, :], s_g[:, None], s_u[:, None])
+            acc += part * scale
+        else:
+            acc += part * s[:, None]
+        index, phase = ring_next(index, phase, STAGES)
+    return acc, index, phase
+
+
+@gluon.jit
 def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
@@ -211,61 +266,30 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
         slots = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=row_l)
         col0 = pid_n * BN + COL0          # first weight row (output column) of this half
         a_scale_rows = a_scale_ptr + slots * stride_as
-        # fp8_block: the weight scale rows of this half's 128 columns: one 128-row block, or
-        # with gate/up interleaved (2i, 2i+1) 64 gate rows of gate block col0 // 256 and 64 up
-        # rows of the matching up block, whose scale rows are interleaved the same way.
-        if GATED:
-            w_scale_gate = (w_scale_ptr + expert * stride_wse
-                            + (2 * (col0 // 256)) * stride_wsn)
-            w_scale_up = w_scale_gate + stride_wsn
-        else:
-            w_scale_row = w_scale_ptr + expert * stride_wse + (col0 // 128) * stride_wsn
         acc = gl.zeros([ROWS, COLS], gl.float32, mma)
         # A warpgroup whose 64 rows are all padding (its first slot holds no pair: each
         # expert's padding comes after its pairs) issues no MMAs: the other's run alone, and
         # the 128-row tiles waste half as much on padding (SKIP_PADDING 0: compute them anyway).
+        # The test is made once a tile, so the K loop of a live half is the loop without it.
         if SKIP_PADDING:
-            live = gl.load(sorted_pair_ids_ptr + pid_m * BM + ROW0) < num_pairs
-        else:
-            live = True
-        for kb in range(k_steps):
-            if not live:
-                # the slot's loads are waited for before it is released: an early arrive would
-                # count toward the slot's current phase and free it under the other warpgroup
-                mbarrier.wait(ready.index(index), phase)
-                mbarrier.arrive(empty.index(index), count=1)
+            if gl.load(sorted_pair_ids_ptr + pid_m * BM + ROW0) < num_pairs:
+                acc, index, phase = _mma_steps(
+                    acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
+                    w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED, BLOCK_SCALES,
+                    SPLIT_N, ROW0, COL0, ROWS, COLS)
             else:
-                if BLOCK_SCALES:
-                    a_s = gl.load(a_scale_rows + kb)
-                    if GATED:
-                        s_g = a_s * gl.load(w_scale_gate + kb)
-                        s_u = a_s * gl.load(w_scale_up + kb)
-                    else:
-                        s = a_s * gl.load(w_scale_row + kb)
-                mbarrier.wait(ready.index(index), phase)
-                a_tile = a_bufs.index(index)
-                w_tile = w_bufs.index(index)
-                if SPLIT_N:
-                    w_tile = w_tile.slice(COL0, COLS, dim=0)
-                else:
-                    a_tile = a_tile.slice(ROW0, ROWS, dim=0)
-                part = warpgroup_mma(a_tile, w_tile.permute((1, 0)), acc, use_acc=False,
-                                     is_async=True)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-                mbarrier.arrive(empty.index(index), count=1)
-                if not BLOCK_SCALES:
-                    # fp8 per tensor: the partial sum still joins an fp32 accumulator every K
-                    # step (Hopper's fp8 MMA accumulates with few bits); the scales wait for the
-                    # epilogue
-                    acc += part
-                elif GATED:
-                    # even columns are gate rows, odd ones up rows: their scales differ
-                    cols_in = gl.arange(0, COLS, layout=col_l)
-                    scale = gl.where((cols_in % 2 == 0)[None, :], s_g[:, None], s_u[:, None])
-                    acc += part * scale
-                else:
-                    acc += part * s[:, None]
-            index, phase = ring_next(index, phase, STAGES)
+                for kb in range(k_steps):
+                    # the slot's loads are waited for before it is released: an early arrive
+                    # would count toward the slot's current phase and free it under the other
+                    # warpgroup
+                    mbarrier.wait(ready.index(index), phase)
+                    mbarrier.arrive(empty.index(index), count=1)
+                    index, phase = ring_next(index, phase, STAGES)
+        else:
+            acc, index, phase = _mma_steps(
+                acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
+                w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED, BLOCK_SCALES,
+                SPLIT_N, ROW0, COL0, ROWS, COLS)
 
         # Epilogue: bias, then GEMM1's activation into intermediate[slot] or GEMM2's routing
         # weight into out[pair]; padding slots (pair id >= num_pairs) are not written.
