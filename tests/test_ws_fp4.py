@@ -114,7 +114,8 @@ def test_experts_on_ws_fp4(activation, bias, I, tokens, consumers, which, monkey
 def test_decode_benchmark_builds():
     """benchmarks/dev_gluon_fp4_decode.py --aot (the kernel's sm_90 K loop, both consumer
     counts, serial and pipelined) runs without a GPU; no spill but in the pipelined four-consumer
-    form (two decoded operands in 112 registers: 16 bytes of stack)."""
+    form (two decoded operands in 112 registers: 16 bytes of stack in GEMM2's build, 56 in
+    GEMM1's)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "dev_gluon_fp4_decode.py")
     done = subprocess.run([sys.executable, script, "--aot"], env=env, capture_output=True,
@@ -142,20 +143,29 @@ def test_pipelined_consumers(H, consumers, monkeypatch, ws_fp4_calls, poisoned_e
 
 
 @needs_hopper
-@pytest.mark.parametrize("align,pipeline", [(16, False), (64, False), (64, True)])
-def test_padding_blocks_are_skipped(align, pipeline, monkeypatch):
+@pytest.mark.parametrize("align,pipeline,large_path", [
+    (16, False, False), (32, False, True), (64, False, False), (64, True, True),
+    (128, False, False)])
+def test_padding_blocks_are_skipped(align, pipeline, large_path, monkeypatch):
     """GEMM2 on a dispatch aligned to more rows than the kernel's 16-slot blocks (what a larger
     grouped_gemm block_m for the other GEMM gives): the blocks of padding only are skipped by
     every partition (a producer and consumers out of step would hang or mix tiles), every
     pair's row is written and matches grouped_gemm's kernel on the same dispatch, and no
-    padding row is touched (the output has a poisoned row per slot)."""
+    padding row is touched (the output has a poisoned row past the pairs). Two experts get
+    17-40 pairs (live 16-slot blocks past a region's first), on both of moe_align's paths."""
     from moe_ops.kernels import grouped_gemm as gg
     from moe_ops.kernels.align import moe_align
     monkeypatch.setattr(ws_fp4, "PIPELINE", pipeline)
     E, k, T, H, I = 8, 2, 24, 512, 256
     _, kernel, _, ids, weights = make_case("nvfp4", T, H, I, E, k, seed=9)
     dev = ids.device
-    dispatch = moe_align(ids.to(torch.int32), E, align, 0)
+    ids = ids.clone()
+    ids[:20, 0] = 3        # expert 3: 20 pairs and more; expert 5: 17 and more
+    ids[:17, 1] = 5
+    ids[17:20, 1] = 6
+    assert (ids[:, 0] != ids[:, 1]).all()
+    dispatch = moe_align(ids.to(torch.int32), E, align, 0,
+                         small_path_max_pairs=0 if large_path else None)
     routing = gg.Routing(ids.reshape(-1).to(torch.int32), weights.reshape(-1), k, E, 0,
                          dispatch.sorted_pair_ids, dispatch.block_expert_ids, align,
                          dispatch.num_padded)

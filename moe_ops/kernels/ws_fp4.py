@@ -330,7 +330,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
     E, N, half_kp = w.shape
     kp = half_kp * 2
-    if N % bn or kp % BLOCK_K:
+    if N % bn or kp % BLOCK_K or kp == 0:
         raise ValueError(f"w: the kernel needs N a multiple of {bn} and packed rows of a "
                          f"multiple of {BLOCK_K} columns, got N={N}, {kp} columns")
     if w_scale.shape != (E, N, kp // 16) or w_global_scale.shape != (E, N):
