@@ -19,7 +19,8 @@
 # its GEMMs alone with the pipelined consumers (dev_gluon_fp4_decode.py), DeepSeek-V3 nvfp4 at
 # T = 16-512 with MOE_OPS_WS_FP4_MAX_ROWS 4 (default) and 16, and 16 pipelined; about 6 minutes.
 # ab8: the fp8 A/Bs: the padding skip (now tested once a tile) on both GEMM shapes of DeepSeek-V3
-# fp8_block and Mixtral fp8 at T = 16384 (dev_ws_fp8_block.py), and the prefill buckets whose
+# fp8_block (its block scales loaded before and after the wgmmas, MOE_OPS_WS_SCALE_LOADS) and
+# Mixtral fp8 at T = 16384 (dev_ws_fp8_block.py), and the prefill buckets whose
 # tables' configs are not persistent (Qwen3 fp8, DeepSeek fp8_block T = 1024 / 2048) with
 # MOE_OPS_WS_MIN_ROWS unset and 32; about 5 minutes.
 set -uo pipefail
@@ -115,10 +116,13 @@ if [[ "$what" == ab ]]; then
   done
 fi
 if [[ "$what" == ab8 ]]; then
-  for model in deepseek_v3 mixtral_8x7b; do
-    python3 benchmarks/dev_ws_fp8_block.py --model $model --variants package --tokens 16384 \
-      --out "$out" > "$out/ab_skip_$model.log" 2>&1 || status=1
-    tail -n 11 "$out/ab_skip_$model.log"
+  for arm in deepseek_v3:before deepseek_v3:after mixtral_8x7b:after; do
+    model=${arm%:*} loads=${arm#*:}
+    mkdir -p "$out/ab_${model}_$loads"
+    MOE_OPS_WS_SCALE_LOADS=$loads python3 benchmarks/dev_ws_fp8_block.py --model $model \
+      --variants package --tokens 16384 --out "$out/ab_${model}_$loads" \
+      > "$out/ab_${model}_$loads.log" 2>&1 || status=1
+    echo "$model MOE_OPS_WS_SCALE_LOADS=$loads"; tail -n 11 "$out/ab_${model}_$loads.log"
   done
   ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
   for rows in 0 32; do

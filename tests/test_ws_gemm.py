@@ -81,6 +81,39 @@ def test_builds_for_sm90(tile, gemm, activation, bias, store, quant, skip):
         assert max(staged) - min(staged) >= 8192, staged
 
 
+K_LOOP_OPCODES = """
+import sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops
+from moe_ops.kernels import ws_gemm
+kernel = ws_gemm.compile_sm90(tile="rows", gemm=1, activation="swiglu", quant="fp8_block")
+body = min((b for b in loops(kernel) if any("QGMMA" in i for i in b)), key=len)
+print(" ".join((i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in body))
+"""
+
+
+@pytest.mark.parametrize("scale_loads", ["before", "after"])
+def test_block_scale_loads_placement(scale_loads):
+    """fp8_block's K loop in sm_90 SASS: with the scales loaded after the wgmmas' issue
+    (the default) the step's four wgmmas issue back to back and the scale products follow them;
+    loaded before (the form measured through the sixth session), ptxas puts some of the
+    products between the first and second wgmma."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(MOE_OPS_WS_SCALE_LOADS=scale_loads, MOE_OPS_WS_SKIP_PADDING="0")
+    done = subprocess.run([sys.executable, "-c", K_LOOP_OPCODES], env=env, capture_output=True,
+                          text=True, timeout=600,
+                          cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ops = done.stdout.split()
+    wgmmas = [i for i, op in enumerate(ops) if op == "QGMMA"]
+    products = [i for i, op in enumerate(ops) if op == "FMUL"]
+    assert len(wgmmas) == 4 and products, ops
+    if scale_loads == "after":
+        assert min(products) > max(wgmmas), ops
+    else:
+        assert any(wgmmas[0] < i < wgmmas[1] for i in products), ops
+
+
 def test_bad_settings_are_refused(monkeypatch):
     """A mistyped switch names itself instead of being read as a default; GEMM1 without an
     activation (it would run GEMM2's epilogue) is refused before anything launches."""

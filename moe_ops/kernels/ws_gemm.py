@@ -99,6 +99,14 @@ COALESCED_STORE = env_choice("MOE_OPS_WS_STORE", "coalesced", ("coalesced", "mma
 SKIP_PADDING = env_choice("MOE_OPS_WS_SKIP_PADDING", "gemm2", ("0", "gemm2", "1"))
 
 
+# fp8_block: each K step's block scales loaded after its wgmmas are issued ("after"), so their
+# latency overlaps the MMAs, or before them ("before": ptxas then places their products between
+# the step's first and second wgmma, whose issue waits for the loads; what was measured through
+# the sixth session). "after" is built (its SASS: the four wgmmas issued back to back, the
+# products after them) but not yet measured.
+SCALES_AFTER_MMA = env_choice("MOE_OPS_WS_SCALE_LOADS", "after", ("before", "after")) == "after"
+
+
 def skip_padding(gemm: int) -> bool:
     return SKIP_PADDING == "1" or (SKIP_PADDING == "gemm2" and gemm == 2)
 
@@ -177,7 +185,8 @@ def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
 def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
                w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED: gl.constexpr,
                BLOCK_SCALES: gl.constexpr, SPLIT_N: gl.constexpr, ROW0: gl.constexpr,
-               COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+               COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
+               SCALES_AFTER_MMA: gl.constexpr):
     """A consumer's K loop over one tile: each step waits for its ring slot, multiplies its
     half of the tile (use_acc False: the step's partial product alone), releases the slot and
     promotes the partial product into the fp32 accumulator (fp8_block: times the step's row and
@@ -195,7 +204,7 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
     else:
         w_scale_row = w_scale_ptr + expert * stride_wse + (col0 // 128) * stride_wsn
     for kb in range(k_steps):
-        if BLOCK_SCALES:
+        if BLOCK_SCALES and not SCALES_AFTER_MMA:
             a_s = gl.load(a_scale_rows + kb)
             if GATED:
                 s_g = a_s * gl.load(w_scale_gate + kb)
@@ -211,6 +220,16 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
             a_tile = a_tile.slice(ROW0, ROWS, dim=0)
         part = warpgroup_mma(a_tile, w_tile.permute((1, 0)), acc, use_acc=False,
                              is_async=True)
+        # SCALES_AFTER_MMA: the step's scales are loaded while its MMAs run. (Loaded before
+        # them, ptxas puts their products between the step's first and second wgmma, whose
+        # issue then waits for the loads.)
+        if BLOCK_SCALES and SCALES_AFTER_MMA:
+            a_s = gl.load(a_scale_rows + kb)
+            if GATED:
+                s_g = a_s * gl.load(w_scale_gate + kb)
+                s_u = a_s * gl.load(w_scale_up + kb)
+            else:
+                s = a_s * gl.load(w_scale_row + kb)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
         mbarrier.arrive(empty.index(index), count=1)
         if not BLOCK_SCALES:
@@ -232,7 +251,8 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
 def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
-              BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, HALF: gl.constexpr):
+              BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
+              SCALES_AFTER_MMA: gl.constexpr, HALF: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
@@ -276,7 +296,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                 acc, index, phase = _mma_steps(
                     acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
                     w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED, BLOCK_SCALES,
-                    SPLIT_N, ROW0, COL0, ROWS, COLS)
+                    SPLIT_N, ROW0, COL0, ROWS, COLS, SCALES_AFTER_MMA)
             else:
                 for kb in range(k_steps):
                     # the slot's loads are waited for before it is released: an early arrive
@@ -289,7 +309,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
             acc, index, phase = _mma_steps(
                 acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
                 w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED, BLOCK_SCALES,
-                SPLIT_N, ROW0, COL0, ROWS, COLS)
+                SPLIT_N, ROW0, COL0, ROWS, COLS, SCALES_AFTER_MMA)
 
         # Epilogue: bias, then GEMM1's activation into intermediate[slot] or GEMM2's routing
         # weight into out[pair]; padding slots (pair id >= num_pairs) are not written.
@@ -359,7 +379,7 @@ def _ws_fp8_block_kernel(
     ALIGN_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_N: gl.constexpr,
     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
-    BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
+    BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
@@ -376,9 +396,9 @@ def _ws_fp8_block_kernel(
     # into tensors)
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-                     HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, 0)),
+                     HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA, 0)),
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
-                     HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, 1)),
+                     HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA, 1)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -459,7 +479,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         HAS_BIAS=bias is not None, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
         BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
-        num_warps=4, maxnreg=MAXNREG)
+        SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), num_warps=4, maxnreg=MAXNREG)
 
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
@@ -484,7 +504,8 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
-                  BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)))
+                  BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
+                  SCALES_AFTER_MMA=int(SCALES_AFTER_MMA))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om")}
