@@ -17,7 +17,8 @@
 # on the Gluon kernel and off; about 4 minutes.
 # ab: the Gluon kernels' GPU tests, then the A/Bs that may widen the nvfp4 decode kernel's rule:
 # its GEMMs alone with the pipelined consumers (dev_gluon_fp4_decode.py), DeepSeek-V3 nvfp4 at
-# T = 16-512 with MOE_OPS_WS_FP4_MAX_ROWS 4 (default) and 16, and 16 pipelined; about 6 minutes.
+# T = 16-512 with MOE_OPS_WS_FP4_MAX_ROWS 4 (default) and 16, and 16 pipelined; gpt-oss-120b
+# mxfp4 decode with the kernel (MOE_OPS_WS_MXFP4=1) and without; about 7 minutes.
 # ab8: the fp8 A/Bs: the padding skip (now tested once a tile) on both GEMM shapes of DeepSeek-V3
 # fp8_block (its block scales loaded before and after the wgmmas, MOE_OPS_WS_SCALE_LOADS) and
 # Mixtral fp8 at T = 16384 (dev_ws_fp8_block.py), and the prefill buckets whose
@@ -113,6 +114,12 @@ if [[ "$what" == ab ]]; then
       || status=1
     echo "MOE_OPS_WS_FP4_MAX_ROWS=$rows MOE_OPS_WS_FP4_PIPELINE=$pipe"
     grep -A6 '^ *model' "$out/ab_fp4_rows_${rows}_pipe_$pipe.log" | cut -c1-100
+  done
+  for mx in 0 1; do
+    MOE_OPS_WS_MXFP4=$mx $ab --deadline-s 60 --models gpt_oss_120b --quant mxfp4 \
+      --tokens 1 4 16 64 128 --out "$out/ab_mxfp4_$mx.json" > "$out/ab_mxfp4_$mx.log" 2>&1 \
+      || status=1
+    echo "MOE_OPS_WS_MXFP4=$mx"; grep -A6 '^ *model' "$out/ab_mxfp4_$mx.log" | cut -c1-100
   done
 fi
 if [[ "$what" == ab8 ]]; then

@@ -28,17 +28,19 @@ def ws_fp4_calls(gemm_calls):
     return gemm_calls(ws_fp4, "gemm")
 
 
-@pytest.mark.parametrize("gemm,activation,bias,consumers,pipeline", [
-    (1, "swiglu", False, 2, False), (2, "none", True, 2, False), (1, "swiglu_oai", True, 2, False),
-    (1, "relu2", False, 2, False), (2, "none", False, 4, False), (1, "swiglu", True, 2, True),
-    (2, "none", False, 4, True)])
-def test_builds_for_sm90(gemm, activation, bias, consumers, pipeline):
+@pytest.mark.parametrize("gemm,activation,bias,consumers,pipeline,quant", [
+    (1, "swiglu", False, 2, False, "nvfp4"), (2, "none", True, 2, False, "nvfp4"),
+    (1, "swiglu_oai", True, 2, False, "nvfp4"), (1, "relu2", False, 2, False, "nvfp4"),
+    (2, "none", False, 4, False, "nvfp4"), (1, "swiglu", True, 2, True, "nvfp4"),
+    (2, "none", False, 4, True, "nvfp4"), (1, "swiglu_oai", True, 2, False, "mxfp4"),
+    (2, "none", False, 2, True, "mxfp4")])
+def test_builds_for_sm90(gemm, activation, bias, consumers, pipeline, quant):
     """Every epilogue form builds for sm_90 (in a fresh process without TRITON_INTERPRET:
     the Triton helpers it calls are interpreter objects under it): bf16 wgmmas with a register
     operand, no spill, the layout conversions into that operand asserted trivial; the pipelined
     consumer (PIPELINE) too."""
     ptx = sm90_ptx("ws_fp4", f"gemm={gemm}, activation={activation!r}, has_bias={bias}, "
-                             f"consumers={consumers}, pipeline={pipeline}")
+                             f"consumers={consumers}, pipeline={pipeline}, quant={quant!r}")
     assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in ptx
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{ws_fp4.REGISTERS[consumers][0]}" in ptx
     assert "cp.async.bulk.tensor.3d" in ptx and "mul.rn.bf16x2" in ptx
@@ -73,6 +75,21 @@ def test_bad_calls_are_refused():
     with pytest.raises(ValueError, match="N a multiple of 128"):
         ws_fp4.gemm(None, w, None, None, None, None, None, gemm=2, activation="none",
                     consumers=2)
+    with pytest.raises(ValueError, match="quant"):
+        ws_fp4.gemm(None, w, None, None, None, None, None, gemm=2, activation="none",
+                    quant="fp8")
+    # mxfp4 with Kp = 256: 8 scale bytes a row, under the 16 its loads need
+    w = torch.zeros(2, 128, 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="whole 16 bytes"):
+        ws_fp4.gemm(None, w, torch.zeros(2, 128, 8, dtype=torch.uint8), None, None, None, None,
+                    gemm=2, activation="none", consumers=2, quant="mxfp4")
+    w = torch.zeros(2, 128, 256, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="w_global_scale"):
+        ws_fp4.gemm(None, w, torch.zeros(2, 128, 16, dtype=torch.uint8), torch.ones(2, 128),
+                    None, None, None, gemm=2, activation="none", consumers=2, quant="mxfp4")
+    with pytest.raises(ValueError, match="w_global_scale"):
+        ws_fp4.gemm(None, w, torch.zeros(2, 128, 32, dtype=torch.uint8), None, None, None,
+                    None, gemm=2, activation="none", consumers=2, quant="nvfp4")
 
 
 @pytest.mark.parametrize("consumers", sorted(ws_fp4.REGISTERS))
@@ -124,6 +141,32 @@ def test_decode_benchmark_builds():
     builds = [line for line in done.stdout.splitlines() if "consumers" in line]
     assert len(builds) == 4, done.stdout
     assert all("stack 0 B" in line for line in builds if not line.startswith("4 consumers, pipe"))
+
+
+@needs_hopper
+@pytest.mark.parametrize("activation,bias,H,tokens,pipeline,which", [
+    ("swiglu_oai", True, 512, 20, False, "1"), ("swiglu", False, 1024, 1, False, "1"),
+    ("geglu", True, 1536, 30, True, "1"), ("swiglu_oai", True, 1024, 12, False, "gemm1")])
+def test_experts_on_ws_fp4_mxfp4(activation, bias, H, tokens, pipeline, which, monkeypatch,
+                                 ws_fp4_calls, poisoned_empty):
+    """mxfp4 on the kernel (MOE_OPS_WS_MXFP4=1): e8m0 scales loaded 16 bytes a row (two K
+    steps') and the first 8 used, no global scale; gpt-oss's swiglu_oai with biases; K of 1-3
+    512-column rows of scales (H = 512-1536), the pipelined consumer, GEMM1 alone."""
+    monkeypatch.setattr(experts_mod, "WS_FP4", which)
+    monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
+    monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)
+    monkeypatch.setattr(ws_fp4, "PIPELINE", pipeline)
+    ckpt, kernel, x, ids, weights = make_case("mxfp4", tokens, H, 512, 8, 2,
+                                              activation=activation, bias=bias, seed=17,
+                                              offset=1, num_global=10, invalid_ids=tokens > 1)
+    run_and_check("mxfp4", ckpt, kernel, x, ids, weights, activation=activation, offset=1)
+    assert ws_fp4_calls == ([1, 2] if which == "1" else [1])
+
+
+def test_mxfp4_off_by_default():
+    """mxfp4 stays on grouped_gemm's kernels until its GPU tests have run (MOE_OPS_WS_MXFP4)."""
+    assert experts_mod.WS_FP4_QUANTS == (
+        ("nvfp4", "mxfp4") if os.environ.get("MOE_OPS_WS_MXFP4") == "1" else ("nvfp4", ))
 
 
 @needs_hopper

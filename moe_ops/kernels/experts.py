@@ -108,6 +108,11 @@ WS_FP8 = ws_gemm.env_choice("MOE_OPS_WS_FP8", "1", ("0", "1")) == "1"
 # halves; it now skips blocks of padding only and the dispatch is aligned to the kernels that
 # run: MOE_OPS_WS_FP4_MAX_ROWS=16 is the A/B that may widen the rule.)
 WS_FP4 = ws_gemm.env_choice("MOE_OPS_WS_FP4", "1", ("0", "gemm1", "1"))
+# mxfp4 on the same kernel (its e8m0 scales decoded by a shift): built, not yet run on a GPU,
+# so nvfp4 only unless MOE_OPS_WS_MXFP4=1. (gpt-oss-120b: GEMM1 only, N = 5760; its GEMM2's
+# N = 2880 is no whole number of 128-row tiles.)
+WS_FP4_QUANTS = ("nvfp4", "mxfp4") if ws_gemm.env_choice(
+    "MOE_OPS_WS_MXFP4", "0", ("0", "1")) == "1" else ("nvfp4", )
 WS_FP4_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_MAX_ROWS", 4)
 
 
@@ -224,9 +229,11 @@ def triton_experts(
     x = x.contiguous()
     direct = use_direct_dispatch(T, top_k, E)
     # (explicit configs, the tuner's candidates among them, run what they name)
-    fp4_decode = (WS_FP4 != "0" and quant == "nvfp4" and T * top_k <= WS_FP4_MAX_ROWS * E
+    fp4_decode = (WS_FP4 != "0" and quant in WS_FP4_QUANTS
+                  and T * top_k <= WS_FP4_MAX_ROWS * E
                   and gemm1_config is None and gemm2_config is None
-                  and w13_global_scale is not None and w2_global_scale is not None)
+                  and (quant != "nvfp4" or (w13_global_scale is not None
+                                            and w2_global_scale is not None)))
     ws_fp4_1 = fp4_decode and ws_fp4.applies(quant, activation, w13.shape[1], x, w13)
     ws_fp4_2 = fp4_decode and WS_FP4 == "1" and ws_fp4.applies(quant, "none", H, x, w2)
     if ws_fp4_1 or ws_fp4_2:
@@ -266,7 +273,7 @@ def triton_experts(
     if ws_fp4_1:
         rows, _ = gather_rows(x, None, routing)
         ws_fp4.gemm(rows, w13, w13_scale, w13_global_scale, b13, intermediate, routing, gemm=1,
-                    activation=activation, alpha=alpha, limit=limit)
+                    activation=activation, alpha=alpha, limit=limit, quant=quant)
         del rows
     elif ws1:
         rows, row_scales = gather_rows(a1, a1_scale, routing)
@@ -302,7 +309,7 @@ def triton_experts(
     pair_out = torch.empty((routing.num_pairs, H), dtype=x.dtype, device=x.device)
     if ws_fp4_2:
         ws_fp4.gemm(a2, w2, w2_scale, w2_global_scale, b2, pair_out, routing, gemm=2,
-                    activation="none")
+                    activation="none", quant=quant)
     elif ws2:
         ws_gemm.gemm(a2, a2_scale, w2, w2_scale, b2, pair_out, routing, gemm=2,
                      activation="none", tile=tile, quant=quant)

@@ -1,30 +1,36 @@
-"""nvfp4 (W4A16) decode GEMMs on Hopper, warp-specialized (Gluon). Run for both GEMMs of nvfp4
-decode calls up to 4 routed rows an expert (experts.WS_FP4): measured on an H200, DeepSeek-V3's
-layer 8-15% faster than on grouped_gemm's Triton kernels at T = 4-128, slower from 8 rows an
-expert (the figures beside experts.WS_FP4).
+"""nvfp4 and mxfp4 (W4A16) decode GEMMs on Hopper, warp-specialized (Gluon). Run for both
+GEMMs of nvfp4 decode calls up to 4 routed rows an expert (experts.WS_FP4): measured on an
+H200, DeepSeek-V3's layer 8-15% faster than on grouped_gemm's Triton kernels at T = 4-128
+(the figures beside experts.WS_FP4). mxfp4 is built and CPU-tested, not yet run on a GPU
+(experts.WS_FP4_QUANTS, MOE_OPS_WS_MXFP4=1).
 
 Why: grouped_gemm's Triton W4A16 decode loop spends 5.1 SASS instructions a weight value, of
 which the e2m1 decode itself is about 3; the rest is what Triton wraps around it (per-wgmma
 fences, layout bookkeeping, address arithmetic), and one warpgroup both streams and decodes.
 Here the schedule is explicit:
   producer   1 warp: TMA loads of each K step (256 columns) of 128 weight rows' packed bytes
-             (quant.py's kernel order, a 3-D box over [rows, 4 runs, Kp/8]), their e4m3 block
-             scales and the 16 activation rows (slots) of the tile, into a ring of STAGES slots
-  consumers  2 (or 4) warpgroups, 64 weight rows each: the packed tile is read from shared memory in
-             the layout of wgmma's A fragment (each thread its two rows' runs), decoded with
-             grouped_gemm's inline PTX and given to `warpgroup_mma` as its register operand;
-             the layout conversions are proved trivial at compile time (assert_trivial). The
-             four threads sharing a row pair convert a quarter of its block scales each and
-             exchange them.
+             (quant.py's kernel order, a 3-D box over [rows, 4 runs, Kp/8]), 16 bytes a row of
+             their block scales (nvfp4: the step's 16 e4m3; mxfp4: 8 e8m0 a step, under TMA's
+             16-byte minimum, so the step's and the next's) and the 16 activation rows (slots)
+             of the tile, into a ring of STAGES slots
+  consumers  2 (or 4) warpgroups, 64 weight rows each: the packed tile is read from shared
+             memory in the layout of wgmma's A fragment (each thread its two rows' runs),
+             decoded with grouped_gemm's inline PTX and given to `warpgroup_mma` as its
+             register operand; the layout conversions are proved trivial at compile time
+             (assert_trivial). The four threads sharing a row pair convert a quarter of its
+             block scales each and exchange them. PIPELINE: each decodes step k + 1 while its
+             wgmma of step k runs.
 Swap-AB: the weight rows are the MMA's M side, the dispatch's 16-slot blocks its N side (decode:
-up to 16 routed rows an expert). Its sm_90 K loop: 3.3 instructions a weight value
-(benchmarks/dev_gluon_fp4_decode.py --aot), against 5.1.
+up to 16 routed rows an expert). Its sm_90 K loop: 3.3 instructions a weight value for nvfp4,
+3.7 for mxfp4 (two multiplies a pair: see grouped_gemm's _E2M1_BF16_ASM_MXFP4)
+(benchmarks/dev_gluon_fp4_decode.py --aot), against the Triton loop's 5.1.
 
 Contract (grouped_gemm's, dispatch mode only): activation rows [slots, K] in dispatch order
 (GEMM1's gathered by grouped_gemm.gather_rows), bf16; weights [E, N, Kp/2] kernel-order packed
-with e4m3 scales [E, N, Kp/16] and the global scale per row [E, N]; bias [E, N] or None. GEMM1
-writes act(.) into intermediate[slot] (gate/up rows interleaved), GEMM2 writes
-topk_weight * (.) into out[pair]; padding slots are never written.
+with e4m3 scales [E, N, Kp/16] and the global scale per row [E, N] (nvfp4) or e8m0 scales
+[E, N, Kp/32] (mxfp4, Kp a multiple of 512); bias [E, N] or None. GEMM1 writes act(.) into
+intermediate[slot] (gate/up rows interleaved), GEMM2 writes topk_weight * (.) into out[pair];
+padding slots are never written.
 """
 from __future__ import annotations
 
@@ -38,10 +44,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moe_ops.kernels.common import device_properties
-from moe_ops.kernels.grouped_gemm import _E2M1_BF16_ASM_NVFP4, _E4M3_TO_BF16_P117, _launcher
+from moe_ops.kernels.grouped_gemm import (
+    _E2M1_BF16_ASM_MXFP4, _E2M1_BF16_ASM_NVFP4, _E4M3_TO_BF16_P117, _launcher)
 from moe_ops.kernels.ws_gemm import (
     ACTIVATIONS, available, env_choice, ring_barriers, ring_next, write_rows)
 
+QUANTS = ("nvfp4", "mxfp4")
+GROUP = {"nvfp4": 16, "mxfp4": 32}      # columns a block scale
 ROWS = 64                  # weight rows a consumer warpgroup (the MMA's M)
 BLOCK_M = 16               # dispatch slots a tile (the MMA's N)
 BLOCK_K = 256              # columns a K step: 4 runs of 32 bytes a row
@@ -79,24 +88,43 @@ SCALES_LAYOUT = gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [8, 0]],
     lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
     warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, 16])
+# mxfp4: a K step's 8 scale bytes [64 rows, 8 groups], a quarter of each row pair's per thread
+MX_SCALES_LAYOUT = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [8, 0]],
+    lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, 8])
 
 
 @gluon.jit
-def decode_step(packed, scales, P2: gl.constexpr, P4: gl.constexpr, DOT: gl.constexpr):
-    """Packed bytes [64, 128] (P2) and e4m3 scale bytes [64, 16] (SCALES_LAYOUT) -> the weight
-    tile [64, 256] bf16 / 512 (NVFP4_FAST_EPILOGUE) in wgmma's A-operand layout (DOT)."""
-    # block scales * 2^117 by bit moves, four a register; then every thread of a row pair gets
-    # all 16 (a warp-local exchange)
-    factor = gl.inline_asm_elementwise(_E4M3_TO_BF16_P117, "=r,=r,r", [scales],
-                                       dtype=gl.bfloat16, is_pure=True, pack=4)
+def decode_step(packed, scales, P2: gl.constexpr, P4: gl.constexpr, DOT: gl.constexpr,
+                MX: gl.constexpr):
+    """Packed bytes [64, 128] (P2) and the step's scale bytes -> the weight tile [64, 256] in
+    wgmma's A-operand layout (DOT), bf16. nvfp4 (MX 0): e4m3 scales [64, 16] (SCALES_LAYOUT),
+    one per 16-column slice c, the tile's values / 512 (NVFP4_FAST_EPILOGUE). mxfp4 (MX 1):
+    e8m0 scales [64, 8] (MX_SCALES_LAYOUT), one per 32 columns (slices 2g and 2g + 1), the
+    tile's values exact."""
+    if MX:
+        # 2^(s - 127): the e8m0 byte is bf16's exponent field; slice c takes group c // 2
+        g = (scales.to(gl.int16) << 7).to(gl.bfloat16, bitcast=True)
+        factor = gl.reshape(gl.join(g, g), [64, 16])
+    else:
+        # block scales * 2^117 by bit moves, four a register
+        factor = gl.inline_asm_elementwise(_E4M3_TO_BF16_P117, "=r,=r,r", [scales],
+                                           dtype=gl.bfloat16, is_pure=True, pack=4)
+    # every thread of a row pair gets all 16 (a warp-local exchange)
     factor = gl.convert_layout(factor, gl.SliceLayout(2, gl.SliceLayout(1, P4)))
     # each code's factor: [row, c] -> [row, t, c, q] -> the packed bytes' positions
     factor = gl.expand_dims(gl.expand_dims(factor, 2), 1)
     factor = gl.broadcast(factor, gl.full([64, 4, 16, 2], 0.0, gl.bfloat16, P4))[0]
     factor = gl.convert_layout(gl.reshape(factor, [64, 128]), P2, assert_trivial=True)
-    low, high = gl.inline_asm_elementwise(
-        _E2M1_BF16_ASM_NVFP4, "=r,=r,=r,=r,r,r,r", [packed, factor],
-        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    if MX:
+        low, high = gl.inline_asm_elementwise(
+            _E2M1_BF16_ASM_MXFP4, "=r,=r,=r,=r,r,r,r", [packed, factor],
+            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    else:
+        low, high = gl.inline_asm_elementwise(
+            _E2M1_BF16_ASM_NVFP4, "=r,=r,=r,=r,r,r,r", [packed, factor],
+            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
     # byte j = 32t + 2c + q holds columns 16c + 2t + q (low nibble) and + 8 (high)
     values = gl.reshape(gl.join(low, high), [64, 4, 16, 2, 2])          # [row, t, c, q, h]
     values = gl.reshape(gl.permute(values, [0, 2, 4, 1, 3]), [64, 256])  # k = 16c+8h+2t+q
@@ -115,7 +143,7 @@ def live_block(sorted_pair_ids_ptr, pid_m, num_pairs, BM: gl.constexpr):
 
 @gluon.jit
 def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
-              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr):
+              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MX: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     sorted_pair_ids_ptr = ptrs[3]
@@ -143,7 +171,9 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                                 + x_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(w_desc, [row0, 0, kb * 32], bar,
                                                 w_bufs.index(index))
-                tma.async_copy_global_to_shared(s_desc, [row0, kb * 16], bar,
+                # 16 scale bytes a row: a step's (nvfp4), two steps' (mxfp4: 8 a step, under
+                # TMA's 16-byte box minimum; the consumers read the first 8)
+                tma.async_copy_global_to_shared(s_desc, [row0, kb * (16 - 8 * MX)], bar,
                                                 s_bufs.index(index))
                 tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kb * 256], bar,
                                                 x_bufs.index(index))
@@ -151,7 +181,8 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
 
 
 @gluon.jit
-def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.constexpr):
+def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.constexpr,
+             MX: gl.constexpr):
     """Ring slot `index`'s weight tile for consumer HALF, decoded into wgmma's A operand, once
     its loads have landed."""
     BN: gl.constexpr = w_bufs.type.shape[1]
@@ -160,13 +191,18 @@ def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.co
     SCALES: gl.constexpr = SCALES_LAYOUT
     mbarrier.wait(ready.index(index), phase)
     packed = w_bufs.index(index).reshape([BN, 128]).slice(HALF * 64, 64, dim=0).load(P2)
-    scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).load(SCALES)
-    return decode_step(packed, scales, P2, P4, DOT)
+    if MX:
+        # the first 8 of the row's 16 loaded bytes are this step's
+        scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).slice(0, 8, dim=1).load(
+            MX_SCALES_LAYOUT)
+    else:
+        scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).load(SCALES)
+    return decode_step(packed, scales, P2, P4, DOT, MX)
 
 
 @gluon.jit
 def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
-                          HALF: gl.constexpr, DOT: gl.constexpr):
+                          HALF: gl.constexpr, DOT: gl.constexpr, MX: gl.constexpr):
     """One K step of the pipelined consumer: its wgmma issued on `weights`, the next slot's
     tile decoded meanwhile, then the wait (the register operand stays live until the MMA has
     read it) and the slot released. Returns the accumulator, the next step's operand and
@@ -174,7 +210,7 @@ def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, in
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc, is_async=True)
     nxt, nxt_phase = ring_next(index, phase, STAGES)
-    upcoming = _decoded(w_bufs, s_bufs, ready, nxt, nxt_phase, HALF, DOT)
+    upcoming = _decoded(w_bufs, s_bufs, ready, nxt, nxt_phase, HALF, DOT, MX)
     acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
     mbarrier.arrive(empty.index(index), count=1)
     return acc, upcoming, nxt, nxt_phase
@@ -183,7 +219,7 @@ def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, in
 @gluon.jit
 def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr,
-              PIPELINE: gl.constexpr):
+              PIPELINE: gl.constexpr, MX: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
@@ -213,15 +249,18 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                 # operand: the warpgroup's integer work no longer waits for its own MMA. Two
                 # steps an iteration, so the two operands keep their registers (one step an
                 # iteration would copy the decoded tile back every step).
-                w0 = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT)
+                w0 = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, MX)
                 for kb in range((k_steps - 1) // 2):
                     acc, w1, index, phase = _mma_then_decode_next(
-                        acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT)
+                        acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
+                        MX)
                     acc, w0, index, phase = _mma_then_decode_next(
-                        acc, w1, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT)
+                        acc, w1, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
+                        MX)
                 if (k_steps - 1) % 2 == 1:
                     acc, w0, index, phase = _mma_then_decode_next(
-                        acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT)
+                        acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
+                        MX)
                 acc = warpgroup_mma(w0, x_bufs.index(index).permute((1, 0)), acc,
                                     is_async=True)
                 acc, w0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0))
@@ -229,7 +268,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                 index, phase = ring_next(index, phase, STAGES)
             else:
                 for kb in range(k_steps):
-                    weights = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT)
+                    weights = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, MX)
                     acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc,
                                         is_async=True)
                     # the register operand stays live until the MMA has read it
@@ -241,7 +280,8 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
             # [slots, columns]; GEMM1's activation into intermediate[slot], GEMM2's routing
             # weight into out[pair]; padding slots (pair id >= num_pairs) are not written.
             w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-            acc = acc * (gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0)[:, None]
+            if not MX:
+                acc = acc * (gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0)[:, None]
             if HAS_BIAS:
                 acc += gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)[:, None]
             # slots along the rows, two adjacent columns (gate/up) in one thread
@@ -260,7 +300,7 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                    N, KP, num_pairs, stride_ge, stride_be, stride_om, alpha, limit,
                    ALIGN_M: gl.constexpr, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                    HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr):
+                   PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, MX: gl.constexpr):
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                        w_desc.layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape,
@@ -279,22 +319,24 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE)),
+                           PIPELINE, MX)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE)),
-            (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
+                           PIPELINE, MX)),
+            (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
+                         MX)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE)),
+                           PIPELINE, MX)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE)),
+                           PIPELINE, MX)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
-                           PIPELINE)),
+                           PIPELINE, MX)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3,
-                           PIPELINE)),
-            (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS)),
+                           PIPELINE, MX)),
+            (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
+                         MX)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -311,18 +353,24 @@ def block_n(consumers: int) -> int:
 
 
 def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether this kernel can run a launch: nvfp4 weights with bf16 activations on a Hopper
-    GPU, whole tiles of N, weights contiguous and 16-byte aligned (TMA over [E * N, 4, Kp/8]
-    and [E * N, Kp/16]); the activation rows' stride 16-byte aligned."""
-    return (quant == "nvfp4" and activation in ACTIVATIONS and available(a.device)
+    """Whether this kernel can run a launch: nvfp4 or mxfp4 weights with bf16 activations on a
+    Hopper GPU, whole tiles of N, weights contiguous and 16-byte aligned (TMA over
+    [E * N, 4, Kp/8] and the scales' [E * N, Kp/16 or Kp/32], whose rows must be whole 16 bytes:
+    mxfp4 needs Kp a multiple of 512); the activation rows' stride 16-byte aligned."""
+    kp = w.shape[-1] * 2
+    return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
             and a.dtype == torch.bfloat16 and n % block_n(CONSUMERS) == 0 and w.is_contiguous()
-            and w.data_ptr() % 16 == 0 and (a.shape[1] * 2) % 16 == 0)
+            and w.data_ptr() % 16 == 0 and (a.shape[1] * 2) % 16 == 0
+            and (kp // GROUP[quant]) % 16 == 0)
 
 
 def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activation: str,
          alpha: float = 0.0, limit: float = 0.0, programs: Optional[int] = None,
-         consumers: Optional[int] = None) -> None:
-    """One nvfp4 GEMM over the dispatch's live 16-slot blocks (see the module docstring)."""
+         consumers: Optional[int] = None, quant: str = "nvfp4") -> None:
+    """One nvfp4 / mxfp4 GEMM over the dispatch's live 16-slot blocks (see the module
+    docstring); mxfp4 has no global scale (w_global_scale None)."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if gemm == 1 and activation == "none":
         raise ValueError("gemm=1 needs an activation (GEMM1's epilogue applies it)")
     consumers = consumers or CONSUMERS
@@ -333,36 +381,47 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     if N % bn or kp % BLOCK_K or kp == 0:
         raise ValueError(f"w: the kernel needs N a multiple of {bn} and packed rows of a "
                          f"multiple of {BLOCK_K} columns, got N={N}, {kp} columns")
-    if w_scale.shape != (E, N, kp // 16) or w_global_scale.shape != (E, N):
-        raise ValueError(f"w_scale / w_global_scale: expected [E, N, Kp/16] = {(E, N, kp // 16)}"
-                         f" and [E, N], got {tuple(w_scale.shape)}, "
-                         f"{tuple(w_global_scale.shape)}")
+    group = GROUP[quant]
+    if w_scale.shape != (E, N, kp // group):
+        raise ValueError(f"w_scale: expected [E, N, Kp/{group}] = {(E, N, kp // group)}, got "
+                         f"{tuple(w_scale.shape)}")
+    if (kp // group) % 16:
+        raise ValueError(f"w_scale: rows of {kp // group} bytes, the kernel's scale loads need "
+                         f"whole 16 bytes (Kp a multiple of {16 * group})")
+    if (quant == "nvfp4") != (w_global_scale is not None) or (
+            w_global_scale is not None and w_global_scale.shape != (E, N)):
+        raise ValueError(f"w_global_scale: nvfp4 needs [E, N] = {(E, N)}, mxfp4 none; got "
+                         f"{None if w_global_scale is None else tuple(w_global_scale.shape)}")
     if routing.direct or routing.align_block_m % BLOCK_M:
-        raise ValueError(f"the nvfp4 decode kernel needs a dispatch aligned to {BLOCK_M} rows")
+        raise ValueError(f"the fp4 decode kernel needs a dispatch aligned to {BLOCK_M} rows")
     a = a.contiguous() if a.stride(-1) != 1 else a
     w_layout, s_layout, x_layout = _layouts()
     w_desc = TensorDescriptor(w.view(E * N, 4, kp // 8), [E * N, 4, kp // 8],
                               [4 * (kp // 8), kp // 8, 1], [bn, 4, 32], w_layout)
-    scales = w_scale.view(torch.uint8).view(E * N, kp // 16)
-    s_desc = TensorDescriptor(scales, [E * N, kp // 16], [kp // 16, 1], [bn, 16], s_layout)
+    scales = w_scale.view(torch.uint8).view(E * N, kp // group)
+    s_desc = TensorDescriptor(scales, [E * N, kp // group], [kp // group, 1], [bn, 16],
+                              s_layout)
     x_desc = TensorDescriptor(a, [a.shape[0], a.shape[1]], [a.stride(0), 1],
                               [BLOCK_M, BLOCK_K], x_layout)
     if programs is None:
         programs = device_properties(a.device).multi_processor_count
     dummy = routing.topk_weights
+    gscale = w_global_scale if w_global_scale is not None else dummy
     _launcher((programs, ), _ws_fp4_kernel)(
-        w_desc, s_desc, x_desc, w_global_scale, bias if bias is not None else dummy, out,
+        w_desc, s_desc, x_desc, gscale, bias if bias is not None else dummy, out,
         routing.sorted_pair_ids, routing.topk_weights, routing.block_expert_ids,
-        routing.num_padded, N, kp, routing.num_pairs, w_global_scale.stride(0),
+        routing.num_padded, N, kp, routing.num_pairs,
+        w_global_scale.stride(0) if w_global_scale is not None else 0,
         bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
         ALIGN_M=routing.align_block_m, STAGES=STAGES,
         ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=producer_regs, PIPELINE=int(PIPELINE), num_warps=4, maxnreg=maxnreg)
+        PRODUCER_REGS=producer_regs, PIPELINE=int(PIPELINE), MX=int(quant == "mxfp4"),
+        num_warps=4, maxnreg=maxnreg)
 
 
 def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = False,
-                 consumers: int = 2, pipeline: Optional[bool] = None):
+                 consumers: int = 2, pipeline: Optional[bool] = None, quant: str = "nvfp4"):
     """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -383,7 +442,8 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
                   PRODUCER_REGS=producer_regs,
-                  PIPELINE=int(PIPELINE if pipeline is None else pipeline))
+                  PIPELINE=int(PIPELINE if pipeline is None else pipeline),
+                  MX=int(quant == "mxfp4"))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "KP")}
