@@ -144,23 +144,26 @@ def test_decode_benchmark_builds():
 
 
 @needs_hopper
-@pytest.mark.parametrize("activation,bias,H,tokens,pipeline,which", [
-    ("swiglu_oai", True, 512, 20, False, "1"), ("swiglu", False, 1024, 1, False, "1"),
-    ("geglu", True, 1536, 30, True, "1"), ("swiglu_oai", True, 1024, 12, False, "gemm1")])
-def test_experts_on_ws_fp4_mxfp4(activation, bias, H, tokens, pipeline, which, monkeypatch,
+@pytest.mark.parametrize("activation,bias,H,I,tokens,pipeline,which", [
+    ("swiglu_oai", True, 512, 512, 20, False, "1"), ("swiglu", False, 1024, 512, 1, False, "1"),
+    ("geglu", True, 1536, 512, 30, True, "1"), ("swiglu_oai", True, 1024, 512, 12, False, "gemm1"),
+    ("swiglu_oai", True, 2880, 2880, 8, False, "1")])
+def test_experts_on_ws_fp4_mxfp4(activation, bias, H, I, tokens, pipeline, which, monkeypatch,
                                  ws_fp4_calls, poisoned_empty):
     """mxfp4 on the kernel (MOE_OPS_WS_MXFP4=1): e8m0 scales loaded 16 bytes a row (two K
-    steps') and the first 8 used, no global scale; gpt-oss's swiglu_oai with biases; K of 1-3
-    512-column rows of scales (H = 512-1536), the pipelined consumer, GEMM1 alone."""
+    steps') and the first 8 used, no global scale; gpt-oss's swiglu_oai with biases; K of 2-6
+    steps (H = 512-1536), the pipelined consumer, GEMM1 alone; gpt-oss's own sizes (H = I =
+    2880: K padded to 3072, the last step's activation box and scale bytes partly past the
+    end; GEMM2's N = 2880 no whole tiles, so it runs grouped_gemm's)."""
     monkeypatch.setattr(experts_mod, "WS_FP4", which)
     monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
     monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)
     monkeypatch.setattr(ws_fp4, "PIPELINE", pipeline)
-    ckpt, kernel, x, ids, weights = make_case("mxfp4", tokens, H, 512, 8, 2,
+    ckpt, kernel, x, ids, weights = make_case("mxfp4", tokens, H, I, 8, 2,
                                               activation=activation, bias=bias, seed=17,
                                               offset=1, num_global=10, invalid_ids=tokens > 1)
     run_and_check("mxfp4", ckpt, kernel, x, ids, weights, activation=activation, offset=1)
-    assert ws_fp4_calls == ([1, 2] if which == "1" else [1])
+    assert ws_fp4_calls == ([1, 2] if which == "1" and H % 128 == 0 else [1])
 
 
 def test_mxfp4_off_by_default():

@@ -232,8 +232,9 @@ def triton_experts(
     fp4_decode = (WS_FP4 != "0" and quant in WS_FP4_QUANTS
                   and T * top_k <= WS_FP4_MAX_ROWS * E
                   and gemm1_config is None and gemm2_config is None
-                  and (quant != "nvfp4" or (w13_global_scale is not None
-                                            and w2_global_scale is not None)))
+                  and ((w13_global_scale is not None and w2_global_scale is not None)
+                       if quant == "nvfp4" else
+                       (w13_global_scale is None and w2_global_scale is None)))
     ws_fp4_1 = fp4_decode and ws_fp4.applies(quant, activation, w13.shape[1], x, w13)
     ws_fp4_2 = fp4_decode and WS_FP4 == "1" and ws_fp4.applies(quant, "none", H, x, w2)
     if ws_fp4_1 or ws_fp4_2:

@@ -276,9 +276,10 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                     mbarrier.arrive(empty.index(index), count=1)
                     index, phase = ring_next(index, phase, STAGES)
 
-            # Epilogue: acc [weight rows, slots] * global scale * 512 (+ bias), transposed to
-            # [slots, columns]; GEMM1's activation into intermediate[slot], GEMM2's routing
-            # weight into out[pair]; padding slots (pair id >= num_pairs) are not written.
+            # Epilogue: acc [weight rows, slots] (nvfp4: * global scale * 512) (+ bias),
+            # transposed to [slots, columns]; GEMM1's activation into intermediate[slot],
+            # GEMM2's routing weight into out[pair]; padding slots (pair id >= num_pairs) are
+            # not written.
             w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
             if not MX:
                 acc = acc * (gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0)[:, None]
