@@ -11,7 +11,8 @@ GEMM1 N = 28672, K = 4096, GEMM2 N = 4096, K = 14336; one scale per row and per 
 Each expert's rows padded to 128. Variants: "ours persistent" / "ours tile" (grouped_gemm's
 kernels with the tables' prefill config for the model), "package rows" / "package cols"
 (ws_gemm's two tile forms), the same with the epilogue's stores from the MMA layout
-("mma-store"), and the 128-row tiles with the padding-half skip (ws_gemm.SKIP_PADDING).
+("mma-store"), the 128-row tiles with the padding-half skip (ws_gemm.SKIP_PADDING), and for
+fp8_block the 128 x 256 tiles ("package wide").
 
 Every run: output poisoned with NaN, compared with an fp32 torch reference (relative Frobenius
 error over the real rows; a NaN left means an unwritten row); timing by triton.testing.do_bench,
@@ -188,6 +189,10 @@ def main():
                         ("package rows mma-store", None, "rows/mma"),
                         ("package cols mma-store", None, "cols/mma"),
                         ("package rows skip-padding", None, "rows/skip")]
+            if quant == "fp8_block":
+                # 128 x 256 tiles (ws_gemm.WIDE_BUILDS: fp8_block's GEMM2 form builds without
+                # spilling; fp8 per tensor's does not)
+                variants.append(("package wide", None, "wide"))
             if args.variants:
                 variants = [v for v in variants if v[0].split()[0] in args.variants]
             out_pairs = torch.empty((pb["pairs"], N), dtype=torch.bfloat16, device=dev)

@@ -23,7 +23,9 @@
 # fp8_block (its block scales loaded before and after the wgmmas, MOE_OPS_WS_SCALE_LOADS) and
 # Mixtral fp8 at T = 16384 (dev_ws_fp8_block.py), and the prefill buckets whose
 # tables' configs are not persistent (Qwen3 fp8, DeepSeek fp8_block T = 1024 / 2048) with
-# MOE_OPS_WS_MIN_ROWS unset and 32; about 5 minutes.
+# MOE_OPS_WS_MIN_ROWS unset and 32; DeepSeek-V3 fp8_block T = 4096 / 16384 on the tile rule's
+# forms and on the 128 x 256 "wide" tiles (dev_ws_fp8_block's "package wide" too); about 7
+# minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -137,6 +139,11 @@ if [[ "$what" == ab8 ]]; then
       --quant fp8 fp8_block --listed-only --tokens 1024 2048 4096 16384 \
       --out "$out/ab_ws_min_rows_$rows.json" > "$out/ab_ws_min_rows_$rows.log" 2>&1 || status=1
     echo "MOE_OPS_WS_MIN_ROWS=$rows"; grep -A9 '^ *model' "$out/ab_ws_min_rows_$rows.log" | cut -c1-100
+  done
+  for tile in auto wide; do
+    MOE_OPS_WS_FP8_BLOCK_TILE=$tile $ab --deadline-s 80 --models deepseek_v3 --quant fp8_block \
+      --tokens 4096 16384 --out "$out/ab_tile_$tile.json" > "$out/ab_tile_$tile.log" 2>&1 || status=1
+    echo "MOE_OPS_WS_FP8_BLOCK_TILE=$tile"; grep -A3 '^ *model' "$out/ab_tile_$tile.log" | cut -c1-100
   done
 fi
 if [[ "$what" == tune ]]; then

@@ -193,6 +193,56 @@ def test_min_rows_widens_the_rule(min_rows, expected, monkeypatch, ws_gemm_calls
 
 
 @needs_hopper
+@pytest.mark.parametrize("activation,bias,expected", [
+    ("swiglu", False, [1, 2]), ("swiglu", True, [2]), ("relu2", False, [2])])
+def test_experts_on_wide_tiles(activation, bias, expected, monkeypatch, ws_gemm_calls,
+                               poisoned_empty):
+    """MOE_OPS_WS_FP8_BLOCK_TILE=wide: 128 x 256 tiles, each warpgroup both column halves of its
+    64 rows in turn; the builds of ws_gemm.WIDE_BUILDS only (relu2's and biased swiglu's GEMM1
+    run grouped_gemm's kernel on the same 128-aligned dispatch). Several weight scale blocks along N (N13 = 768: three
+    256-column tiles) and K, expert-parallel ids, one expert with most rows."""
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "wide")
+    I = 384 if activation != "relu2" else 512
+    tensors, kwargs = make_problem(300, 512, I, 4, 2, activation=activation,
+                                   quant="fp8_block", bias=bias, local_expert_offset=2,
+                                   num_global_experts=8, invalid_ids=True, seed=47)
+    tensors[1][:250, 0] = 3
+    config = GemmConfig(64, 128, 128, 8, 4, 3, persistent=True)
+    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
+    assert ws_gemm_calls == expected
+
+
+WIDE_K_LOOP = """
+import collections, sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops
+from moe_ops.kernels import ws_gemm
+for quant, activation, bias in ws_gemm.WIDE_BUILDS:
+    gemm = 2 if activation == "none" else 1
+    kernel = ws_gemm.compile_sm90(tile="wide", gemm=gemm, activation=activation,
+                                  has_bias=bias, quant=quant)
+    body = min((b for b in loops(kernel) if any("QGMMA" in i for i in b)), key=len)
+    ops = collections.Counter(i.split()[0].split(".")[0] for i in body)
+    print(quant, activation, bias, ops["QGMMA"], ops["LDL"] + ops["STL"])
+"""
+
+
+def test_wide_builds_do_not_spill_in_their_k_loop():
+    """The "wide" builds ws_gemm admits (WIDE_BUILDS) keep their three 64-register tiles in
+    registers through the K loop (sm_90 SASS: two wgmma groups of 4 a step, at most 4 local
+    loads and stores a step: GEMM1's swiglu build spills two registers there, the others none).
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", WIDE_K_LOOP], env=env, capture_output=True,
+                          text=True, timeout=900,
+                          cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert len(rows) == len(ws_gemm.WIDE_BUILDS), done.stdout
+    assert all(row[3] == "8" and int(row[4]) <= 4 for row in rows), done.stdout
+
+
+@needs_hopper
 @pytest.mark.parametrize("tile_rule", ["auto", "rows"])
 def test_only_gemm1_on_ws_gemm(tile_rule, monkeypatch, ws_gemm_calls, poisoned_empty):
     """I = 192 (not whole 128-column K steps for GEMM2): GEMM1 runs on the kernel, GEMM2 on
@@ -206,12 +256,14 @@ def test_only_gemm1_on_ws_gemm(tile_rule, monkeypatch, ws_gemm_calls, poisoned_e
 
 
 @needs_hopper
-@pytest.mark.parametrize("tile", ["cols", "rows"])
+@pytest.mark.parametrize("tile", ["cols", "rows", "wide"])
 @pytest.mark.parametrize("programs,quant", [(3, "fp8_block"), (132, "fp8_block"), (5, "fp8")])
 def test_gemm2_matches_the_triton_persistent_kernel(tile, programs, quant):
     """GEMM2 on one dispatch, by this kernel (few programs: many tiles each, the stage ring
     wrapping across tiles) and by grouped_gemm's persistent kernel: the same rows, every pair's
     row written (the output is NaN-poisoned first)."""
+    if tile == "wide" and quant == "fp8":
+        pytest.skip("the wide form is built for fp8_block only (ws_gemm.WIDE_BUILDS)")
     torch.manual_seed(5)
     E, N, K, T, k = 8, 512, 1024, 700, 4
     dev = torch.device("cuda")
@@ -263,6 +315,8 @@ def test_tile_rule(monkeypatch):
     assert experts_mod.ws_tile("none", 16384 * 8, 256, False) is None
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "cols")
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) == "cols"
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "wide")
+    assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, False) == "wide"
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "none")
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) is None
 

@@ -81,11 +81,13 @@ FP8_SWAP_AB = False
 # this rule stands in. Measured on an H200, DeepSeek-V3's experts call, kernels without PDL
 # (results/h200_ws_profile_*.json): T = 16384 (512 rows an expert) 18.9 -> 17.2 ms with
 # "rows" (17.7 "cols"), T = 4096 (128 rows) 5.78 -> 5.40 ms with "cols" (5.71 "rows").
-# MOE_OPS_WS_FP8_BLOCK_TILE=rows|cols|none overrides the rule ("none": never this kernel).
+# MOE_OPS_WS_FP8_BLOCK_TILE=rows|cols|wide|none overrides the rule ("none": never this kernel;
+# "wide": 128 x 256 tiles, built and CPU-tested, not yet measured, for the fp8_block launches
+# ws_gemm.WIDE_BUILDS lists, the others then on the Triton kernels).
 # (It governs the fp8-per-tensor launches of WS_FP8 alike.) While tuning, the tuner times what
 # runs: a persistent fp8_block candidate on Hopper is timed on this kernel.
 WS_FP8_BLOCK_TILE: Optional[str] = ws_gemm.env_choice(
-    "MOE_OPS_WS_FP8_BLOCK_TILE", "auto", ("auto", "rows", "cols", "none"))
+    "MOE_OPS_WS_FP8_BLOCK_TILE", "auto", ("auto", "rows", "cols", "wide", "none"))
 WS_ROWS_TILE_MIN_ROWS = 256
 # The kernel applies where the tuned config is persistent (the tables' prefill choice). Some
 # tables never pick a persistent config (Qwen3-30B-A3B fp8: its prefill runs the Triton tile
@@ -244,9 +246,10 @@ def triton_experts(
     rows_ok = (WS_MIN_ROWS > 0 and T * top_k >= WS_MIN_ROWS * E
                and gemm1_config is None and gemm2_config is None)
     ws1 = tile is not None and (config1.persistent or rows_ok) and ws_gemm.applies(
-        quant, activation, w13.shape[1], H, x, w13, tile, activations_quantized=False)
+        quant, activation, w13.shape[1], H, x, w13, tile, activations_quantized=False,
+        has_bias=b13 is not None)
     ws2 = tile is not None and (config2.persistent or rows_ok) and ws_gemm.applies(
-        quant, "none", H, I, x, w2, tile, activations_quantized=False)
+        quant, "none", H, I, x, w2, tile, activations_quantized=False, has_bias=b2 is not None)
     flat_ids = topk_ids.reshape(-1).contiguous()
     flat_weights = topk_weights.reshape(-1).contiguous()
     routing = Routing(flat_ids, flat_weights, top_k, E, local_expert_offset)

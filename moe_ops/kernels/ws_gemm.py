@@ -57,13 +57,26 @@ from moe_ops.kernels.grouped_gemm import _launcher
 # columns of K; its fp32 accumulator and partial take 2 x 64 registers a thread).
 WG_ROWS, WG_COLS = 64, 128
 # TILE -> (BLOCK_M, BLOCK_N): the warpgroups split a 128-row tile ("rows") or a 256-column one
-# ("cols": 64-row blocks, the dispatch alignment the tables' fp8_block configs use).
-TILES = {"rows": (2 * WG_ROWS, WG_COLS), "cols": (WG_ROWS, 2 * WG_COLS)}
+# ("cols": 64-row blocks, the dispatch alignment the tables' fp8_block configs use); "wide":
+# a 128 x 256 tile, each warpgroup 64 rows and both 128-column halves in turn (two fp32
+# accumulators and one partial: 3 x 64 registers), so each K step's operands, 48 KB, feed twice
+# the MMA work of "rows"' 32 KB: a tile loads 1.5 bytes a K column per output column where
+# "rows" loads 2.
+TILES = {"rows": (2 * WG_ROWS, WG_COLS), "cols": (WG_ROWS, 2 * WG_COLS),
+         "wide": (2 * WG_ROWS, 2 * WG_COLS)}
+# the kernel's FORM constexpr a tile form builds with: how the warpgroups share the tile
+FORMS = {"rows": 0, "cols": 1, "wide": 2}
+# "wide" holds 3 x 64 accumulator registers of a consumer's 232: the builds whose K loop keeps
+# them (sm_90 SASS, tests/test_ws_gemm.py), (quant, activation, bias): fp8_block's GEMM2 (no
+# local memory in its loop) and GEMM1 with swiglu and no bias (DeepSeek-V3's; 4 local accesses
+# a K step). fp8 per tensor's GEMM2 and the other GEMM1 forms spill tens a step.
+WIDE_BUILDS = (("fp8_block", "swiglu", False), ("fp8_block", "none", False),
+               ("fp8_block", "none", True))
 ACTIVATIONS = ("none", "swiglu", "geglu", "swiglu_oai", "relu2")
 # fp8_block: scales per 128 columns of K applied every K step; fp8 (per tensor): the partial
 # sums promoted every K step, one scale per row and per weight row in the epilogue.
 QUANTS = ("fp8_block", "fp8")
-STAGES = 4          # 4 x 32 KB of operand slots ("rows"), 4 x 40 KB ("cols")
+STAGES = 4          # 4 x 32 KB of operand slots ("rows"), 4 x 40 KB ("cols"), 4 x 48 KB ("wide")
 GROUP_M = 8
 # Registers a thread: consumers 232 (two fp32 tiles and the addressing), the producer 40 (the
 # minimum that holds its loop); the launch's budget of 168 x 12 warps fits one program an SM.
@@ -150,7 +163,7 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
 
 @gluon.jit
 def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
-              ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
+              ALIGN_M: gl.constexpr, FORM: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr):
     a_desc, w_desc = descs
@@ -184,7 +197,7 @@ def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
 @gluon.jit
 def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
                w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED: gl.constexpr,
-               BLOCK_SCALES: gl.constexpr, SPLIT_N: gl.constexpr, ROW0: gl.constexpr,
+               BLOCK_SCALES: gl.constexpr, FORM: gl.constexpr, ROW0: gl.constexpr,
                COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
                SCALES_AFTER_MMA: gl.constexpr):
     """A consumer's K loop over one tile: each step waits for its ring slot, multiplies its
@@ -214,7 +227,7 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
         mbarrier.wait(ready.index(index), phase)
         a_tile = a_bufs.index(index)
         w_tile = w_bufs.index(index)
-        if SPLIT_N:
+        if FORM == 1:
             w_tile = w_tile.slice(COL0, COLS, dim=0)
         else:
             a_tile = a_tile.slice(ROW0, ROWS, dim=0)
@@ -249,7 +262,7 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
 
 @gluon.jit
 def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
-              ALIGN_M: gl.constexpr, SPLIT_N: gl.constexpr, ACTIVATION: gl.constexpr,
+              ALIGN_M: gl.constexpr, FORM: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
               SCALES_AFTER_MMA: gl.constexpr, HALF: gl.constexpr):
@@ -268,9 +281,10 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
     # ACTIVATION is an index into ACTIVATIONS (a string cannot ride in warp_specialize's
     # argument tuples): 0 none, 1 swiglu, 2 geglu, 3 swiglu_oai, 4 relu2
     GATED: gl.constexpr = ACTIVATION >= 1 and ACTIVATION <= 3
-    # this warpgroup's half of the tile (SPLIT_N 1: columns, 0: rows)
-    ROW0: gl.constexpr = HALF * ROWS * (1 - SPLIT_N)
-    COL0: gl.constexpr = HALF * COLS * SPLIT_N
+    # this warpgroup's share of the tile (FORM 0 "rows" and 2 "wide": its 64 rows; 1 "cols": its
+    # 128 columns; "wide" takes both 128-column halves of its rows in turn)
+    ROW0: gl.constexpr = HALF * ROWS * (1 - FORM % 2)
+    COL0: gl.constexpr = HALF * COLS * (FORM % 2)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, COLS, 32])
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -286,44 +300,137 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
         slots = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=row_l)
         col0 = pid_n * BN + COL0          # first weight row (output column) of this half
         a_scale_rows = a_scale_ptr + slots * stride_as
-        acc = gl.zeros([ROWS, COLS], gl.float32, mma)
-        # A warpgroup whose 64 rows are all padding (its first slot holds no pair: each
-        # expert's padding comes after its pairs) issues no MMAs: the other's run alone, and
-        # the 128-row tiles waste half as much on padding (SKIP_PADDING 0: compute them anyway).
-        # The test is made once a tile, so the K loop of a live half is the loop without it.
+        live = True
         if SKIP_PADDING:
-            if gl.load(sorted_pair_ids_ptr + pid_m * BM + ROW0) < num_pairs:
+            # A warpgroup whose 64 rows are all padding (its first slot holds no pair: each
+            # expert's padding comes after its pairs) issues no MMAs: the other's run alone,
+            # and the 128-row tiles waste half as much on padding (SKIP_PADDING 0: compute
+            # them anyway). The test is made once a tile, so the K loop of a live half is the
+            # loop without it.
+            live = gl.load(sorted_pair_ids_ptr + pid_m * BM + ROW0) < num_pairs
+        if FORM == 2:
+            acc = gl.zeros([ROWS, COLS], gl.float32, mma)
+            acc_hi = gl.zeros([ROWS, COLS], gl.float32, mma)
+            if live:
+                acc, acc_hi, index, phase = _mma_steps_wide(
+                    acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_steps,
+                    a_scale_rows, w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED,
+                    BLOCK_SCALES, ROW0, ROWS, COLS)
+            else:
+                index, phase = _release_steps(ready, empty, index, phase, k_steps)
+            _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
+                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES)
+            _epilogue(acc_hi, slots, col0 + COLS, expert, a_scale_rows, ptrs, sizes, strides,
+                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES)
+        else:
+            acc = gl.zeros([ROWS, COLS], gl.float32, mma)
+            if live:
                 acc, index, phase = _mma_steps(
                     acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
                     w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED, BLOCK_SCALES,
-                    SPLIT_N, ROW0, COL0, ROWS, COLS, SCALES_AFTER_MMA)
+                    FORM, ROW0, COL0, ROWS, COLS, SCALES_AFTER_MMA)
             else:
-                for kb in range(k_steps):
-                    # the slot's loads are waited for before it is released: an early arrive
-                    # would count toward the slot's current phase and free it under the other
-                    # warpgroup
-                    mbarrier.wait(ready.index(index), phase)
-                    mbarrier.arrive(empty.index(index), count=1)
-                    index, phase = ring_next(index, phase, STAGES)
-        else:
-            acc, index, phase = _mma_steps(
-                acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
-                w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED, BLOCK_SCALES,
-                SPLIT_N, ROW0, COL0, ROWS, COLS, SCALES_AFTER_MMA)
+                index, phase = _release_steps(ready, empty, index, phase, k_steps)
+            _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
+                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES)
 
-        # Epilogue: bias, then GEMM1's activation into intermediate[slot] or GEMM2's routing
-        # weight into out[pair]; padding slots (pair id >= num_pairs) are not written.
-        pair_ids = gl.load(sorted_pair_ids_ptr + slots)
-        row_ok = pair_ids < num_pairs
-        cols = col0 + gl.arange(0, COLS, layout=col_l)
+
+@gluon.jit
+def _release_steps(ready, empty, index, phase, k_steps):
+    """A warpgroup with nothing to compute in a tile (its rows all padding) still takes part in
+    the ring: each slot's loads are waited for before it is released (an early arrive would
+    count toward the slot's current phase and free it under the other warpgroup)."""
+    STAGES: gl.constexpr = ready.type.shape[0]
+    for kb in range(k_steps):
+        mbarrier.wait(ready.index(index), phase)
+        mbarrier.arrive(empty.index(index), count=1)
+        index, phase = ring_next(index, phase, STAGES)
+    return index, phase
+
+
+@gluon.jit
+def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
+              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
+              BLOCK_SCALES: gl.constexpr):
+    """A warpgroup's finished [64, 128] share of a tile at output column col0: fp8 per tensor's
+    row and column scales, the bias, then GEMM1's activation into intermediate[slot] or GEMM2's
+    routing weight into out[pair]; padding slots (pair id >= num_pairs) are not written."""
+    (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
+     num_padded_ptr, topk_weights_ptr) = ptrs
+    N, K, num_pairs, alpha, limit = sizes
+    stride_as, stride_wse, stride_wsn, stride_be, stride_om = strides
+    COLS: gl.constexpr = acc.type.shape[1]
+    col_l: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
+    pair_ids = gl.load(sorted_pair_ids_ptr + slots)
+    row_ok = pair_ids < num_pairs
+    cols = col0 + gl.arange(0, COLS, layout=col_l)
+    if not BLOCK_SCALES:
+        # fp8 per tensor: one scale per token row and one per weight row (output column)
+        acc = (acc * gl.load(a_scale_rows)[:, None]
+               * gl.load(w_scale_ptr + expert * stride_wse + cols * stride_wsn)[None, :])
+    if HAS_BIAS:
+        acc += gl.load(bias_ptr + expert * stride_be + cols)[None, :]
+    write_rows(acc, slots, pair_ids, row_ok, col0, topk_weights_ptr, out_ptr, stride_om,
+               alpha, limit, ACTIVATION, COALESCED)
+
+
+@gluon.jit
+def _mma_steps_wide(acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_steps,
+                    a_scale_rows, w_scale_ptr, expert, col0, stride_wse, stride_wsn,
+                    GATED: gl.constexpr, BLOCK_SCALES: gl.constexpr, ROW0: gl.constexpr,
+                    ROWS: gl.constexpr, COLS: gl.constexpr):
+    """_mma_steps for the "wide" form: each K step multiplies this warpgroup's 64 rows by both
+    128-column halves of the slot's 256 weight rows in turn into one partial, promoted into
+    acc (columns col0..) and acc_hi (col0 + 128..) before the next (two partials would not fit
+    the registers). The slot is released after the second. The step's scales are loaded
+    after the first wgmma is issued (SCALES_AFTER_MMA's placement)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    col_l: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
+    # fp8_block's weight scale rows (see _mma_steps): gated, both halves of a 256-column span
+    # share gate block col0 // 256 and its up block; otherwise one 128-row block a half
+    if GATED:
+        w_scale_gate = (w_scale_ptr + expert * stride_wse
+                        + (2 * (col0 // 256)) * stride_wsn)
+        w_scale_up = w_scale_gate + stride_wsn
+    else:
+        w_scale_lo = w_scale_ptr + expert * stride_wse + (col0 // 128) * stride_wsn
+        w_scale_hi = w_scale_lo + stride_wsn
+    for kb in range(k_steps):
+        mbarrier.wait(ready.index(index), phase)
+        a_tile = a_bufs.index(index).slice(ROW0, ROWS, dim=0)
+        w_tile = w_bufs.index(index)
+        part = warpgroup_mma(a_tile, w_tile.slice(0, COLS, dim=0).permute((1, 0)), acc,
+                             use_acc=False, is_async=True)
+        if BLOCK_SCALES:
+            a_s = gl.load(a_scale_rows + kb)
+            if GATED:
+                s_g = a_s * gl.load(w_scale_gate + kb)
+                s_u = a_s * gl.load(w_scale_up + kb)
+            else:
+                s_lo = a_s * gl.load(w_scale_lo + kb)
+                s_hi = a_s * gl.load(w_scale_hi + kb)
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
         if not BLOCK_SCALES:
-            # fp8 per tensor: one scale per token row and one per weight row (output column)
-            acc = (acc * gl.load(a_scale_rows)[:, None]
-                   * gl.load(w_scale_ptr + expert * stride_wse + cols * stride_wsn)[None, :])
-        if HAS_BIAS:
-            acc += gl.load(bias_ptr + expert * stride_be + cols)[None, :]
-        write_rows(acc, slots, pair_ids, row_ok, col0, topk_weights_ptr, out_ptr, stride_om,
-                   alpha, limit, ACTIVATION, COALESCED)
+            acc += part
+        elif GATED:
+            cols_in = gl.arange(0, COLS, layout=col_l)
+            scale = gl.where((cols_in % 2 == 0)[None, :], s_g[:, None], s_u[:, None])
+            acc += part * scale
+        else:
+            acc += part * s_lo[:, None]
+        part = warpgroup_mma(a_tile, w_tile.slice(COLS, COLS, dim=0).permute((1, 0)), acc_hi,
+                             use_acc=False, is_async=True)
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+        mbarrier.arrive(empty.index(index), count=1)
+        if not BLOCK_SCALES:
+            acc_hi += part
+        elif GATED:
+            acc_hi += part * scale
+        else:
+            acc_hi += part * s_hi[:, None]
+        index, phase = ring_next(index, phase, STAGES)
+    return acc, acc_hi, index, phase
+
 
 @gluon.jit
 def write_rows(values, slots, pair_ids, row_ok, first_col, topk_weights_ptr, out_ptr, stride_om,
@@ -376,7 +483,7 @@ def _ws_fp8_block_kernel(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr,
     block_expert_ptr, num_padded_ptr, topk_weights_ptr,
     N, K, num_pairs, stride_as, stride_wse, stride_wsn, stride_be, stride_om, alpha, limit,
-    ALIGN_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_N: gl.constexpr,
+    ALIGN_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, FORM: gl.constexpr,
     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
     BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
@@ -395,11 +502,11 @@ def _ws_fp8_block_kernel(
     # (the constexprs are spelled out in each tuple: a tuple held in a variable would turn them
     # into tensors)
     gl.warp_specialize([
-        (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
+        (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA, 0)),
-        (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
+        (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA, 1)),
-        (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, SPLIT_N, ACTIVATION,
+        (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -413,7 +520,7 @@ def available(device: torch.device) -> bool:
 
 
 def applies(quant: str, activation: str, n: int, k: int, a: torch.Tensor, w: torch.Tensor,
-            tile: str, activations_quantized: bool = True) -> bool:
+            tile: str, activations_quantized: bool = True, has_bias: bool = False) -> bool:
     """Whether this kernel can run a launch: fp8_block or fp8 (per tensor) on a Hopper GPU,
     whole tiles of N (for fp8_block each warpgroup's 128 columns one scale block) and whole
     128-column steps of K, e4m3 weights contiguous (one TMA descriptor over [E * N, K]). `a`:
@@ -426,6 +533,7 @@ def applies(quant: str, activation: str, n: int, k: int, a: torch.Tensor, w: tor
                                   or a.data_ptr() % 16):
         return False
     return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
+            and (tile != "wide" or (quant, activation, has_bias) in WIDE_BUILDS)
             and n % bn == 0 and k % FP8_BLOCK == 0 and w.is_contiguous()
             and w.data_ptr() % 16 == 0 and w.dtype == torch.float8_e4m3fn)
 
@@ -475,7 +583,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         w_scale.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
         alpha, limit,
         ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=STAGES,
-        SPLIT_N=int(tile == "cols"), ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
+        FORM=FORMS[tile], ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
         BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
@@ -500,7 +608,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "N": "i32", "K": "i32", "num_pairs": "i32", "stride_as": "i32", "stride_wse": "i32",
         "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32",
         "alpha": "fp32", "limit": "fp32"}
-    consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=STAGES, SPLIT_N=int(tile == "cols"),
+    consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=STAGES, FORM=FORMS[tile],
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
