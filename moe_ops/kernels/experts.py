@@ -129,6 +129,11 @@ def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool) -> Optio
         return None
     if WS_FP8_BLOCK_TILE != "auto":
         return WS_FP8_BLOCK_TILE
+    return ws_tile_rule(num_pairs, num_experts)
+
+
+def ws_tile_rule(num_pairs: int, num_experts: int) -> str:
+    """The tile form by routed rows an expert: 128-row tiles from WS_ROWS_TILE_MIN_ROWS."""
     return "rows" if num_pairs >= WS_ROWS_TILE_MIN_ROWS * num_experts else "cols"
 
 
@@ -241,15 +246,22 @@ def triton_experts(
     ws_fp4_2 = fp4_decode and WS_FP4 == "1" and ws_fp4.applies(quant, "none", H, x, w2)
     if ws_fp4_1 or ws_fp4_2:
         direct = False
-    tile = ws_tile(quant, T * top_k, E, direct)
+    tile1 = tile2 = ws_tile(quant, T * top_k, E, direct)
+    # "wide" only for the builds ws_gemm.WIDE_BUILDS admits; a GEMM it does not admit takes the
+    # rule's form on the kernel
+    if tile1 == "wide" and not ws_gemm.wide_admits(quant, activation, b13 is not None):
+        tile1 = ws_tile_rule(T * top_k, E)
+    if tile2 == "wide" and not ws_gemm.wide_admits(quant, "none", b2 is not None):
+        tile2 = ws_tile_rule(T * top_k, E)
     # x quantized is [T, H] e4m3 like the intermediate's [slots, I]: the same checks hold
     rows_ok = (WS_MIN_ROWS > 0 and T * top_k >= WS_MIN_ROWS * E
                and gemm1_config is None and gemm2_config is None)
-    ws1 = tile is not None and (config1.persistent or rows_ok) and ws_gemm.applies(
-        quant, activation, w13.shape[1], H, x, w13, tile, activations_quantized=False,
+    ws1 = tile1 is not None and (config1.persistent or rows_ok) and ws_gemm.applies(
+        quant, activation, w13.shape[1], H, x, w13, tile1, activations_quantized=False,
         has_bias=b13 is not None)
-    ws2 = tile is not None and (config2.persistent or rows_ok) and ws_gemm.applies(
-        quant, "none", H, I, x, w2, tile, activations_quantized=False, has_bias=b2 is not None)
+    ws2 = tile2 is not None and (config2.persistent or rows_ok) and ws_gemm.applies(
+        quant, "none", H, I, x, w2, tile2, activations_quantized=False,
+        has_bias=b2 is not None)
     flat_ids = topk_ids.reshape(-1).contiguous()
     flat_weights = topk_weights.reshape(-1).contiguous()
     routing = Routing(flat_ids, flat_weights, top_k, E, local_expert_offset)
@@ -259,8 +271,8 @@ def triton_experts(
         # (A config's block_m counts only where its Triton kernel runs: a larger one would pad
         # every expert's rows further, decode's 16-row blocks to 32 or 64.)
         align_block_m = max(
-            ws_gemm.block_m(tile) if ws1 else ws_fp4.BLOCK_M if ws_fp4_1 else config1.block_m,
-            ws_gemm.block_m(tile) if ws2 else ws_fp4.BLOCK_M if ws_fp4_2 else config2.block_m)
+            ws_gemm.block_m(tile1) if ws1 else ws_fp4.BLOCK_M if ws_fp4_1 else config1.block_m,
+            ws_gemm.block_m(tile2) if ws2 else ws_fp4.BLOCK_M if ws_fp4_2 else config2.block_m)
         aligned = moe_align(topk_ids, E, align_block_m, local_expert_offset)
         routing.sorted_pair_ids = aligned.sorted_pair_ids
         routing.block_expert_ids = aligned.block_expert_ids
@@ -282,7 +294,7 @@ def triton_experts(
     elif ws1:
         rows, row_scales = gather_rows(a1, a1_scale, routing)
         ws_gemm.gemm(rows, row_scales, w13, w13_scale, b13, intermediate, routing, gemm=1,
-                     activation=activation, alpha=alpha, limit=limit, tile=tile, quant=quant)
+                     activation=activation, alpha=alpha, limit=limit, tile=tile1, quant=quant)
         del rows, row_scales
     else:
         gemm1(a1, a1_scale, w13, w13_scale, b13, intermediate, routing, config1,
@@ -316,7 +328,7 @@ def triton_experts(
                     activation="none", quant=quant)
     elif ws2:
         ws_gemm.gemm(a2, a2_scale, w2, w2_scale, b2, pair_out, routing, gemm=2,
-                     activation="none", tile=tile, quant=quant)
+                     activation="none", tile=tile2, quant=quant)
     else:
         gemm2(a2, a2_scale, w2, w2_scale, b2, pair_out, routing, config2, quant=quant,
               atomic_out=False, interpret_upcast=upcast, w2_global_scale=w2_global_scale)

@@ -11,7 +11,8 @@ the same Triton wheel, states the schedule explicitly, as DeepGEMM does in CUDA:
   producer   1 warp: TMA loads of each K step's activation tile [BLOCK_M, 128] and weight tile
              [BLOCK_N, 128] into a ring of STAGES shared-memory slots (ready / empty mbarriers)
   consumers  2 warpgroups, each owning half the output tile (TILE "rows": 64 of 128 rows;
-             "cols": 128 of 256 columns): per K step, an asynchronous wgmma of its half into a
+             "cols": 128 of 256 columns; "wide": 64 of 128 rows by 256 columns, its two
+             128-column halves in turn): per K step, an asynchronous wgmma of its half into a
              fresh fp32 partial, wait, release the slot, then the promotion
              acc += partial * a_scale[row] * w_scale. The two warpgroups run independently, so
              one's promotion overlaps the other's wgmma.
@@ -66,12 +67,16 @@ TILES = {"rows": (2 * WG_ROWS, WG_COLS), "cols": (WG_ROWS, 2 * WG_COLS),
          "wide": (2 * WG_ROWS, 2 * WG_COLS)}
 # the kernel's FORM constexpr a tile form builds with: how the warpgroups share the tile
 FORMS = {"rows": 0, "cols": 1, "wide": 2}
-# "wide" holds 3 x 64 accumulator registers of a consumer's 232: the builds whose K loop keeps
-# them (sm_90 SASS, tests/test_ws_gemm.py), (quant, activation, bias): fp8_block's GEMM2 (no
-# local memory in its loop) and GEMM1 with swiglu and no bias (DeepSeek-V3's; 4 local accesses
-# a K step). fp8 per tensor's GEMM2 and the other GEMM1 forms spill tens a step.
-WIDE_BUILDS = (("fp8_block", "swiglu", False), ("fp8_block", "none", False),
-               ("fp8_block", "none", True))
+# "wide" holds 3 x 64 accumulator registers of a consumer's 232: the builds whose K loops (both
+# consumers') keep them (sm_90 SASS, tests/test_ws_gemm.py), (quant, activation, bias):
+# fp8_block's GEMM2, no local memory in its loops. Every GEMM1 form spills in one consumer's
+# loop (swiglu without bias: 36 local accesses a K step in the default partition's) and fp8
+# per tensor's GEMM2 too; a GEMM the form does not admit runs the rule's form.
+WIDE_BUILDS = (("fp8_block", "none", False), ("fp8_block", "none", True))
+
+
+def wide_admits(quant: str, activation: str, has_bias: bool) -> bool:
+    return (quant, activation, has_bias) in WIDE_BUILDS
 ACTIVATIONS = ("none", "swiglu", "geglu", "swiglu_oai", "relu2")
 # fp8_block: scales per 128 columns of K applied every K step; fp8 (per tensor): the partial
 # sums promoted every K step, one scale per row and per weight row in the epilogue.
@@ -300,7 +305,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
         slots = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=row_l)
         col0 = pid_n * BN + COL0          # first weight row (output column) of this half
         a_scale_rows = a_scale_ptr + slots * stride_as
-        live = True
+        live = True     # (a tensor to Triton, but folded: no branch is left without the skip)
         if SKIP_PADDING:
             # A warpgroup whose 64 rows are all padding (its first slot holds no pair: each
             # expert's padding comes after its pairs) issues no MMAs: the other's run alone,
@@ -533,7 +538,7 @@ def applies(quant: str, activation: str, n: int, k: int, a: torch.Tensor, w: tor
                                   or a.data_ptr() % 16):
         return False
     return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
-            and (tile != "wide" or (quant, activation, has_bias) in WIDE_BUILDS)
+            and (tile != "wide" or wide_admits(quant, activation, has_bias))
             and n % bn == 0 and k % FP8_BLOCK == 0 and w.is_contiguous()
             and w.data_ptr() % 16 == 0 and w.dtype == torch.float8_e4m3fn)
 
@@ -567,6 +572,11 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     if gemm == 1 and activation == "none":
         raise ValueError("gemm=1 needs an activation (GEMM1's epilogue applies it)")
     bm, bn = TILES[tile]
+    if tile == "wide" and not wide_admits(quant, activation if gemm == 1 else "none",
+                                          bias is not None):
+        raise ValueError(f"tile='wide' is built for {WIDE_BUILDS} (quant, activation, bias) "
+                         f"only (the others spill in their K loop), got "
+                         f"{(quant, activation if gemm == 1 else 'none', bias is not None)}")
     if routing.direct or routing.align_block_m % bm:
         raise ValueError(f"the warp-specialized GEMM needs a dispatch aligned to {bm} rows")
     E, N, K = w.shape
