@@ -200,6 +200,49 @@ def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
 
 
 @gluon.jit
+def _scale_rows(w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED: gl.constexpr):
+    """fp8_block: the weight scale rows of the 128 columns from col0: with gate/up interleaved
+    (2i, 2i+1), 64 gate rows of gate block col0 // 256 and 64 up rows of the matching up block,
+    whose scale rows are interleaved the same way (a 256-column span shares them); otherwise one
+    128-row block, and the next one's (the "wide" form's high half)."""
+    if GATED:
+        first = w_scale_ptr + expert * stride_wse + (2 * (col0 // 256)) * stride_wsn
+    else:
+        first = w_scale_ptr + expert * stride_wse + (col0 // 128) * stride_wsn
+    return first, first + stride_wsn
+
+
+@gluon.jit
+def _step_scales(a_scale_rows, kb, w_scale_a, w_scale_b, TWO: gl.constexpr):
+    """K step kb's row scales times its weight scales: (gate, up) or (low half, high half) with
+    TWO, else one (returned twice)."""
+    a_s = gl.load(a_scale_rows + kb)
+    s_a = a_s * gl.load(w_scale_a + kb)
+    if TWO:
+        s_b = a_s * gl.load(w_scale_b + kb)
+    else:
+        s_b = s_a
+    return s_a, s_b
+
+
+@gluon.jit
+def _promote(acc, part, s_a, s_b, GATED: gl.constexpr, SECOND: gl.constexpr):
+    """fp8_block: a K step's partial product into the fp32 accumulator times the step's scales:
+    gated, even columns are gate rows (s_a), odd ones up rows (s_b); otherwise s_a, or s_b for
+    the "wide" form's high half (SECOND)."""
+    if GATED:
+        COLS: gl.constexpr = acc.type.shape[1]
+        col_l: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
+        cols_in = gl.arange(0, COLS, layout=col_l)
+        scale = gl.where((cols_in % 2 == 0)[None, :], s_a[:, None], s_b[:, None])
+        return acc + part * scale
+    elif SECOND:
+        return acc + part * s_b[:, None]
+    else:
+        return acc + part * s_a[:, None]
+
+
+@gluon.jit
 def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
                w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED: gl.constexpr,
                BLOCK_SCALES: gl.constexpr, FORM: gl.constexpr, ROW0: gl.constexpr,
@@ -210,25 +253,10 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
     promotes the partial product into the fp32 accumulator (fp8_block: times the step's row and
     weight block scales). Returns the accumulator and the ring position after the tile."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    mma: gl.constexpr = acc.type.layout
-    col_l: gl.constexpr = gl.SliceLayout(0, mma)
-    # fp8_block: the weight scale rows of this half's 128 columns: one 128-row block, or
-    # with gate/up interleaved (2i, 2i+1) 64 gate rows of gate block col0 // 256 and 64 up
-    # rows of the matching up block, whose scale rows are interleaved the same way.
-    if GATED:
-        w_scale_gate = (w_scale_ptr + expert * stride_wse
-                        + (2 * (col0 // 256)) * stride_wsn)
-        w_scale_up = w_scale_gate + stride_wsn
-    else:
-        w_scale_row = w_scale_ptr + expert * stride_wse + (col0 // 128) * stride_wsn
+    w_scale_a, w_scale_b = _scale_rows(w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED)
     for kb in range(k_steps):
         if BLOCK_SCALES and not SCALES_AFTER_MMA:
-            a_s = gl.load(a_scale_rows + kb)
-            if GATED:
-                s_g = a_s * gl.load(w_scale_gate + kb)
-                s_u = a_s * gl.load(w_scale_up + kb)
-            else:
-                s = a_s * gl.load(w_scale_row + kb)
+            s_a, s_b = _step_scales(a_scale_rows, kb, w_scale_a, w_scale_b, GATED)
         mbarrier.wait(ready.index(index), phase)
         a_tile = a_bufs.index(index)
         w_tile = w_bufs.index(index)
@@ -242,25 +270,15 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
         # them, ptxas puts their products between the step's first and second wgmma, whose
         # issue then waits for the loads.)
         if BLOCK_SCALES and SCALES_AFTER_MMA:
-            a_s = gl.load(a_scale_rows + kb)
-            if GATED:
-                s_g = a_s * gl.load(w_scale_gate + kb)
-                s_u = a_s * gl.load(w_scale_up + kb)
-            else:
-                s = a_s * gl.load(w_scale_row + kb)
+            s_a, s_b = _step_scales(a_scale_rows, kb, w_scale_a, w_scale_b, GATED)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
         mbarrier.arrive(empty.index(index), count=1)
-        if not BLOCK_SCALES:
+        if BLOCK_SCALES:
+            acc = _promote(acc, part, s_a, s_b, GATED, False)
+        else:
             # fp8 per tensor: the partial sum still joins an fp32 accumulator every K step
             # (Hopper's fp8 MMA accumulates with few bits); the scales wait for the epilogue
             acc += part
-        elif GATED:
-            # even columns are gate rows, odd ones up rows: their scales differ
-            cols_in = gl.arange(0, COLS, layout=col_l)
-            scale = gl.where((cols_in % 2 == 0)[None, :], s_g[:, None], s_u[:, None])
-            acc += part * scale
-        else:
-            acc += part * s[:, None]
         index, phase = ring_next(index, phase, STAGES)
     return acc, index, phase
 
@@ -390,16 +408,9 @@ def _mma_steps_wide(acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_s
     the registers). The slot is released after the second. The step's scales are loaded
     after the first wgmma is issued (SCALES_AFTER_MMA's placement)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    col_l: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
-    # fp8_block's weight scale rows (see _mma_steps): gated, both halves of a 256-column span
-    # share gate block col0 // 256 and its up block; otherwise one 128-row block a half
-    if GATED:
-        w_scale_gate = (w_scale_ptr + expert * stride_wse
-                        + (2 * (col0 // 256)) * stride_wsn)
-        w_scale_up = w_scale_gate + stride_wsn
-    else:
-        w_scale_lo = w_scale_ptr + expert * stride_wse + (col0 // 128) * stride_wsn
-        w_scale_hi = w_scale_lo + stride_wsn
+    # gated: both halves of a 256-column span share the gate and up scale rows; otherwise the
+    # low half's block and the high half's
+    w_scale_a, w_scale_b = _scale_rows(w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED)
     for kb in range(k_steps):
         mbarrier.wait(ready.index(index), phase)
         a_tile = a_bufs.index(index).slice(ROW0, ROWS, dim=0)
@@ -407,32 +418,20 @@ def _mma_steps_wide(acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_s
         part = warpgroup_mma(a_tile, w_tile.slice(0, COLS, dim=0).permute((1, 0)), acc,
                              use_acc=False, is_async=True)
         if BLOCK_SCALES:
-            a_s = gl.load(a_scale_rows + kb)
-            if GATED:
-                s_g = a_s * gl.load(w_scale_gate + kb)
-                s_u = a_s * gl.load(w_scale_up + kb)
-            else:
-                s_lo = a_s * gl.load(w_scale_lo + kb)
-                s_hi = a_s * gl.load(w_scale_hi + kb)
+            s_a, s_b = _step_scales(a_scale_rows, kb, w_scale_a, w_scale_b, True)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-        if not BLOCK_SCALES:
-            acc += part
-        elif GATED:
-            cols_in = gl.arange(0, COLS, layout=col_l)
-            scale = gl.where((cols_in % 2 == 0)[None, :], s_g[:, None], s_u[:, None])
-            acc += part * scale
+        if BLOCK_SCALES:
+            acc = _promote(acc, part, s_a, s_b, GATED, False)
         else:
-            acc += part * s_lo[:, None]
+            acc += part
         part = warpgroup_mma(a_tile, w_tile.slice(COLS, COLS, dim=0).permute((1, 0)), acc_hi,
                              use_acc=False, is_async=True)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
         mbarrier.arrive(empty.index(index), count=1)
-        if not BLOCK_SCALES:
-            acc_hi += part
-        elif GATED:
-            acc_hi += part * scale
+        if BLOCK_SCALES:
+            acc_hi = _promote(acc_hi, part, s_a, s_b, GATED, True)
         else:
-            acc_hi += part * s_hi[:, None]
+            acc_hi += part
         index, phase = ring_next(index, phase, STAGES)
     return acc, acc_hi, index, phase
 
