@@ -101,7 +101,9 @@ if [[ "$what" == ws4 ]]; then
   done
 fi
 if [[ "$what" == ab ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_ws_gemm.py tests/test_ws_fp4.py \
+  # (a kernel that hung would take the whole call: the tests get 330 s, verbose, so the log
+  # names the last one started)
+  timeout 330 python3 -m pytest -v -p no:cacheprovider tests/test_ws_gemm.py tests/test_ws_fp4.py \
     > "$out/pytest_ws.log" 2>&1 || status=1
   tail -n 3 "$out/pytest_ws.log"
   python3 benchmarks/dev_gluon_fp4_decode.py --out "$out" > "$out/gluon_fp4_decode.log" 2>&1 \
