@@ -298,7 +298,6 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
     ROWS: gl.constexpr = 64
     COLS: gl.constexpr = 128
     # ACTIVATION is an index into ACTIVATIONS (a string cannot ride in warp_specialize's
@@ -311,7 +310,6 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, COLS, 32])
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
-    col_l: gl.constexpr = gl.SliceLayout(0, mma)
     num_m = gl.load(num_padded_ptr) // BM
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
