@@ -95,10 +95,10 @@ print(" ".join((i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[
 
 @pytest.mark.parametrize("scale_loads", ["before", "after"])
 def test_block_scale_loads_placement(scale_loads):
-    """fp8_block's K loop in sm_90 SASS: with the scales loaded after the wgmmas' issue
-    (the default) the step's four wgmmas issue back to back and the scale products follow them;
-    loaded before (the form measured through the sixth session), ptxas puts some of the
-    products between the first and second wgmma."""
+    """fp8_block's K loop in sm_90 SASS: with the scales loaded after the wgmmas' issue the
+    step's four wgmmas issue back to back and the scale products follow them; loaded before
+    (the default, the form measured on the GPU), ptxas puts some of the products between the
+    first and second wgmma."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(MOE_OPS_WS_SCALE_LOADS=scale_loads, MOE_OPS_WS_SKIP_PADDING="0")
     done = subprocess.run([sys.executable, "-c", K_LOOP_OPCODES], env=env, capture_output=True,
@@ -191,6 +191,28 @@ def test_min_rows_widens_the_rule(min_rows, expected, monkeypatch, ws_gemm_calls
     tensors, kwargs = make_problem(300, 512, 384, 4, 2, quant="fp8", seed=45)
     check_experts(tensors, kwargs, FP8_TOL)
     assert ws_gemm_calls == expected
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile", ["cols", "rows"])
+@pytest.mark.parametrize("activation,bias,skip", [("swiglu", True, "gemm2"),
+                                                  ("relu2", False, "1")])
+def test_experts_with_scale_loads_after(tile, activation, bias, skip, monkeypatch,
+                                        ws_gemm_calls, poisoned_empty):
+    """The forms not yet default: fp8_block's scales loaded after the wgmmas' issue
+    (MOE_OPS_WS_SCALE_LOADS=after), with the padding skip decided once a tile, on both GEMMs,
+    against the oracle."""
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
+    monkeypatch.setattr(ws_gemm, "SCALES_AFTER_MMA", True)
+    monkeypatch.setattr(ws_gemm, "SKIP_PADDING", skip)
+    I = 384 if activation != "relu2" else 512
+    tensors, kwargs = make_problem(300, 512, I, 4, 2, activation=activation,
+                                   quant="fp8_block", bias=bias, local_expert_offset=2,
+                                   num_global_experts=8, invalid_ids=True, seed=49)
+    tensors[1][:250, 0] = 3
+    config = GemmConfig(64, 128, 128, 8, 4, 3, persistent=True)
+    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
+    assert ws_gemm_calls == [1, 2]
 
 
 @needs_hopper

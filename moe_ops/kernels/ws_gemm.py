@@ -110,19 +110,21 @@ def env_int(name: str, default: int) -> int:
 # stores from the MMA's layout directly (for A/B).
 COALESCED_STORE = env_choice("MOE_OPS_WS_STORE", "coalesced", ("coalesced", "mma")) == "coalesced"
 # A consumer warpgroup whose rows are all padding skips its MMAs. Measured on an H200 with
-# 128-row tiles (results/h200_ws_fp8_block_skip.json, h200_ws_fp8_mixtral.json, 2026-12-01):
-# GEMM2's shapes gain (DeepSeek-V3 fp8_block T = 16384 726 -> 737 TFLOP/s, Mixtral-8x7B fp8
-# 1028 -> 1065) but GEMM1's lose (817 -> 690, 932 -> 862), so GEMM2 only by default;
-# MOE_OPS_WS_SKIP_PADDING=1: both GEMMs, 0: neither.
-SKIP_PADDING = env_choice("MOE_OPS_WS_SKIP_PADDING", "gemm2", ("0", "gemm2", "1"))
+# 128-row tiles (results/h200_ws_fp8_block_skip.json, h200_ws_fp8_mixtral.json, 2026-12-01),
+# the test inside the K loop: GEMM2's shapes gain (DeepSeek-V3 fp8_block T = 16384 726 -> 737
+# TFLOP/s, Mixtral-8x7B fp8 1028 -> 1065) but GEMM1's lose (817 -> 690, 932 -> 862). The test is
+# now made once a tile (_consumer), which has not run on a GPU yet: off by default until it has
+# (the default builds are then the ones tested on the GPU); MOE_OPS_WS_SKIP_PADDING=gemm2:
+# GEMM2 only, 1: both GEMMs.
+SKIP_PADDING = env_choice("MOE_OPS_WS_SKIP_PADDING", "0", ("0", "gemm2", "1"))
 
 
-# fp8_block: each K step's block scales loaded after its wgmmas are issued ("after"), so their
-# latency overlaps the MMAs, or before them ("before": ptxas then places their products between
-# the step's first and second wgmma, whose issue waits for the loads; what was measured through
-# the sixth session). "after" is built (its SASS: the four wgmmas issued back to back, the
-# products after them) but not yet measured.
-SCALES_AFTER_MMA = env_choice("MOE_OPS_WS_SCALE_LOADS", "after", ("before", "after")) == "after"
+# fp8_block: each K step's block scales loaded before its wgmmas ("before", the default: ptxas
+# then places their products between the step's first and second wgmma, whose issue waits for
+# the loads; the form measured and tested on the GPU) or after their issue ("after": the four
+# wgmmas issued back to back, the products after them, the loads' latency overlapping the
+# MMAs; built and CPU-tested, not yet run on a GPU).
+SCALES_AFTER_MMA = env_choice("MOE_OPS_WS_SCALE_LOADS", "before", ("before", "after")) == "after"
 
 
 def skip_padding(gemm: int) -> bool:
