@@ -369,6 +369,23 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return difference / denominator if denominator > 0 else difference
 
 
+def check_and_time(run: Callable[[], None], out: torch.Tensor, expected: torch.Tensor, *,
+                   warmup: int = 10, rep: int = 100) -> dict[str, Any]:
+    """A kernel harness's variant (the dev_*.py scripts): `run` writes `out`, which is poisoned
+    with NaN first; once run, compared with `expected` (rel_err; unwritten: a NaN left), then
+    timed by triton.testing.do_bench (ms, median)."""
+    from triton.testing import do_bench
+    out.fill_(float("nan"))
+    run()
+    torch.cuda.synchronize()
+    got = out.float()
+    result = dict(rel_err=relative_error(got, expected),
+                  unwritten=bool(torch.isnan(got).any()))
+    del got
+    result["ms"] = do_bench(run, warmup=warmup, rep=rep)
+    return result
+
+
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------

@@ -133,7 +133,7 @@ def main():
     if args.aot:
         aot()
         return
-    from triton.testing import do_bench
+    from bench import check_and_time
     dev = torch.device("cuda")
     rows = []
     # DeepSeek-V3's GEMM1 (8 experts hit at T = 1, N = 2I = 4096, K = H = 7168) with 1 and 16
@@ -153,15 +153,10 @@ def main():
                     ("ours", lambda: run_ours(pb, routing, out_pairs)))
         for variant, fn in variants:
             try:
-                out_pairs.fill_(float("nan"))
-                fn()
-                torch.cuda.synchronize()
-                got = out_pairs.float()
-                err = ((got - ref).norm() / ref.norm()).item()
-                ms = do_bench(fn, warmup=10, rep=100)
-                rows.append(dict(case=name, variant=variant, us=ms * 1e3, rel_err=err,
-                                 unwritten=bool(torch.isnan(got).any()),
-                                 tb_s=weight_bytes / ms / 1e9))
+                got = check_and_time(fn, out_pairs, ref)
+                rows.append(dict(case=name, variant=variant, us=got["ms"] * 1e3,
+                                 rel_err=got["rel_err"], unwritten=got["unwritten"],
+                                 tb_s=weight_bytes / got["ms"] / 1e9))
             except Exception as exc:  # noqa: BLE001 - record and go on
                 rows.append(dict(case=name, variant=variant, error=repr(exc)[:600]))
             print(rows[-1], flush=True)

@@ -173,7 +173,7 @@ def main():
     if args.aot:
         aot()
         return
-    from triton.testing import do_bench
+    from bench import check_and_time
     dev = torch.device("cuda")
     rows = []
     from moe_ops.kernels.grouped_gemm import GemmConfig
@@ -206,16 +206,10 @@ def main():
                         config = GemmConfig(bm, bn, bk, group_m, warps, 3 if persistent else 4,
                                             persistent=persistent)
                         fn = (lambda: run_ours(pb, out_pairs, config))
-                    out_pairs.fill_(float("nan"))
-                    fn()
-                    torch.cuda.synchronize()
-                    got = out_pairs.float()
-                    err = ((got - ref_rows).norm() / ref_rows.norm()).item()
-                    nan = bool(torch.isnan(got).any())
-                    del got
-                    ms = do_bench(fn, warmup=5, rep=60)
-                    rows.append(dict(T=T, gemm=gemm, variant=name, ms=ms, rel_err=err,
-                                     unwritten=nan, tflops=flops / ms / 1e9))
+                    got = check_and_time(fn, out_pairs, ref_rows, warmup=5, rep=60)
+                    rows.append(dict(T=T, gemm=gemm, variant=name, ms=got["ms"],
+                                     rel_err=got["rel_err"], unwritten=got["unwritten"],
+                                     tflops=flops / got["ms"] / 1e9))
                 except Exception as exc:  # noqa: BLE001 - record and go on
                     rows.append(dict(T=T, gemm=gemm, variant=name, error=repr(exc)[:400]))
                 print(rows[-1], flush=True)

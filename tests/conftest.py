@@ -54,14 +54,15 @@ def poisoned_empty(monkeypatch):
 @pytest.fixture
 def gemm_calls(monkeypatch):
     """gemm_calls(module, name) replaces module.name (a launcher taking a `gemm=` keyword) by
-    a wrapper that records each call's `gemm` (1 or 2) and returns the list, in call order."""
-    def count(module, name):
+    a wrapper that records each call's `gemm` (1 or 2) and returns the list, in call order;
+    record="tile" (another keyword of the launcher) records that instead."""
+    def count(module, name, record="gemm"):
         calls = []
         launch = getattr(module, name)
 
-        def counting(*args, gemm, **kwargs):
-            calls.append(gemm)
-            return launch(*args, gemm=gemm, **kwargs)
+        def counting(*args, **kwargs):
+            calls.append(kwargs[record])
+            return launch(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counting)
         return calls

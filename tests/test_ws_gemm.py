@@ -153,6 +153,20 @@ def test_not_used_off_hopper(monkeypatch, poisoned_empty):
     assert calls == []
 
 
+def check_skewed_experts(quant, activation, bias, seed):
+    """The experts call with persistent configs on a problem with several weight scale blocks
+    along N and K (gated: N13 = 768, 3 column tiles of 256, 6 gate/up scale rows; H = 512,
+    I = 384), expert-parallel ids, ids of no local expert, and tokens all but 50 on one expert
+    (row blocks well past the SM count's share), against the oracle."""
+    I = 384 if activation != "relu2" else 512
+    tensors, kwargs = make_problem(300, 512, I, 4, 2, activation=activation,
+                                   quant=quant, bias=bias, local_expert_offset=2,
+                                   num_global_experts=8, invalid_ids=True, seed=seed)
+    tensors[1][:250, 0] = 3
+    config = GemmConfig(64, 128, 128, 8, 4, 3, persistent=True)
+    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
+
+
 @needs_hopper
 @pytest.mark.parametrize("tile", ["cols", "rows"])
 @pytest.mark.parametrize("quant,activation,bias", [
@@ -167,15 +181,7 @@ def test_experts_on_ws_gemm(tile, quant, activation, bias, monkeypatch, ws_gemm_
     blocks for one expert)."""
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
     monkeypatch.setattr(experts_mod, "WS_FP8", True)
-    # gated: N13 = 768 (3 column tiles of 256, 6 gate/up scale rows); H = 512, I = 384
-    I = 384 if activation != "relu2" else 512
-    tensors, kwargs = make_problem(300, 512, I, 4, 2, activation=activation,
-                                   quant=quant, bias=bias, local_expert_offset=2,
-                                   num_global_experts=8, invalid_ids=True, seed=41)
-    ids = tensors[1]
-    ids[:250, 0] = 3  # one expert gets most tokens: row blocks well past the SM count's share
-    config = GemmConfig(64, 128, 128, 8, 4, 3, persistent=True)
-    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
+    check_skewed_experts(quant, activation, bias, seed=41)
     assert ws_gemm_calls == [1, 2]
 
 
@@ -205,38 +211,20 @@ def test_experts_with_scale_loads_after(tile, activation, bias, skip, monkeypatc
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
     monkeypatch.setattr(ws_gemm, "SCALES_AFTER_MMA", True)
     monkeypatch.setattr(ws_gemm, "SKIP_PADDING", skip)
-    I = 384 if activation != "relu2" else 512
-    tensors, kwargs = make_problem(300, 512, I, 4, 2, activation=activation,
-                                   quant="fp8_block", bias=bias, local_expert_offset=2,
-                                   num_global_experts=8, invalid_ids=True, seed=49)
-    tensors[1][:250, 0] = 3
-    config = GemmConfig(64, 128, 128, 8, 4, 3, persistent=True)
-    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
+    check_skewed_experts("fp8_block", activation, bias, seed=49)
     assert ws_gemm_calls == [1, 2]
 
 
 @needs_hopper
 @pytest.mark.parametrize("activation,bias", [("swiglu", False), ("swiglu", True), ("relu2", False)])
-def test_experts_on_wide_tiles(activation, bias, monkeypatch, ws_gemm_calls, poisoned_empty):
+def test_experts_on_wide_tiles(activation, bias, monkeypatch, gemm_calls, poisoned_empty):
     """MOE_OPS_WS_FP8_BLOCK_TILE=wide: GEMM2 on 128 x 256 tiles, each warpgroup both column
     halves of its 64 rows in turn; GEMM1, which the form does not admit (ws_gemm.WIDE_BUILDS),
     on the rule's form of the same kernel, one 128-aligned dispatch for both. Several weight
     scale blocks along N and K, expert-parallel ids, one expert with most rows."""
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "wide")
-    I = 384 if activation != "relu2" else 512
-    tensors, kwargs = make_problem(300, 512, I, 4, 2, activation=activation,
-                                   quant="fp8_block", bias=bias, local_expert_offset=2,
-                                   num_global_experts=8, invalid_ids=True, seed=47)
-    tensors[1][:250, 0] = 3
-    config = GemmConfig(64, 128, 128, 8, 4, 3, persistent=True)
-    tiles = []
-    real_gemm = ws_gemm.gemm
-
-    def spy(*args, **kwargs):
-        tiles.append(kwargs["tile"])
-        return real_gemm(*args, **kwargs)
-    monkeypatch.setattr(ws_gemm, "gemm", spy)
-    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
+    tiles = gemm_calls(ws_gemm, "gemm", record="tile")
+    check_skewed_experts("fp8_block", activation, bias, seed=47)
     assert tiles == [experts_mod.ws_tile_rule(300 * 2, 4), "wide"], tiles
 
 
@@ -357,6 +345,8 @@ def test_tile_rule(monkeypatch):
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) == "cols"
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "wide")
     assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, False) == "wide"
+    # a GEMM the form does not admit (ws_gemm.WIDE_BUILDS) takes the rule's
+    assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, False, "swiglu", False) == "cols"
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "none")
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) is None
 

@@ -118,16 +118,20 @@ WS_FP4_QUANTS = ("nvfp4", "mxfp4") if ws_gemm.env_choice(
 WS_FP4_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_MAX_ROWS", 4)
 
 
-def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool) -> Optional[str]:
-    """The warp-specialized kernel's tile form for an fp8_block (or, with WS_FP8, fp8) call;
-    None: not this kernel. num_pairs counts every routed pair, num_experts the local experts:
-    with expert parallelism the rows an expert gets are overestimated (the rule then picks the
-    128-row tiles early; a speed matter, the results are the same)."""
+def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool,
+            activation: str = "none", has_bias: bool = False) -> Optional[str]:
+    """The warp-specialized kernel's tile form for one GEMM (activation "none": GEMM2) of an
+    fp8_block (or, with WS_FP8, fp8) call; None: not this kernel. num_pairs counts every routed
+    pair, num_experts the local experts: with expert parallelism the rows an expert gets are
+    overestimated (the rule then picks the 128-row tiles early; a speed matter, the results are
+    the same). An override to "wide" holds for the builds ws_gemm admits it for; the others
+    take the rule's form."""
     if quant not in (("fp8_block", "fp8") if WS_FP8 else ("fp8_block",)):
         return None
     if direct or WS_FP8_BLOCK_TILE == "none":
         return None
-    if WS_FP8_BLOCK_TILE != "auto":
+    if WS_FP8_BLOCK_TILE != "auto" and (
+            WS_FP8_BLOCK_TILE != "wide" or ws_gemm.wide_admits(quant, activation, has_bias)):
         return WS_FP8_BLOCK_TILE
     return ws_tile_rule(num_pairs, num_experts)
 
@@ -246,13 +250,8 @@ def triton_experts(
     ws_fp4_2 = fp4_decode and WS_FP4 == "1" and ws_fp4.applies(quant, "none", H, x, w2)
     if ws_fp4_1 or ws_fp4_2:
         direct = False
-    tile1 = tile2 = ws_tile(quant, T * top_k, E, direct)
-    # "wide" only for the builds ws_gemm.WIDE_BUILDS admits; a GEMM it does not admit takes the
-    # rule's form on the kernel
-    if tile1 == "wide" and not ws_gemm.wide_admits(quant, activation, b13 is not None):
-        tile1 = ws_tile_rule(T * top_k, E)
-    if tile2 == "wide" and not ws_gemm.wide_admits(quant, "none", b2 is not None):
-        tile2 = ws_tile_rule(T * top_k, E)
+    tile1 = ws_tile(quant, T * top_k, E, direct, activation, b13 is not None)
+    tile2 = ws_tile(quant, T * top_k, E, direct, "none", b2 is not None)
     # x quantized is [T, H] e4m3 like the intermediate's [slots, I]: the same checks hold
     rows_ok = (WS_MIN_ROWS > 0 and T * top_k >= WS_MIN_ROWS * E
                and gemm1_config is None and gemm2_config is None)
