@@ -386,6 +386,24 @@ def check_and_time(run: Callable[[], None], out: torch.Tensor, expected: torch.T
     return result
 
 
+def print_variant_table(rows: list[dict[str, Any]], names: list[tuple[str, str]],
+                        figures: list[tuple[str, str]]) -> None:
+    """The dev harnesses' closing table, one line a record: `names` [(key, format)] name the
+    variant, `figures` [(key, format)] its results, then rel_err; a failed variant shows its
+    error, an output with a NaN left is flagged UNWRITTEN."""
+    def cells(r, columns):
+        return " ".join(format(r[key], spec) for key, spec in columns)
+    # headers: a name column's own format, a figure's width right-aligned
+    print(cells({key: key for key, _ in names}, names),
+          " ".join(f"{key:>{spec.split('.')[0]}}" for key, spec in figures), f"{'rel_err':>9}")
+    for r in rows:
+        if "error" in r:
+            print(cells(r, names), "ERROR", r["error"][:90])
+        else:
+            print(cells(r, names), cells(r, figures), f"{r['rel_err']:9.2e}",
+                  "UNWRITTEN" if r["unwritten"] else "")
+
+
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------

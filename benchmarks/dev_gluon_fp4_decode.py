@@ -133,7 +133,7 @@ def main():
     if args.aot:
         aot()
         return
-    from bench import check_and_time
+    from bench import check_and_time, print_variant_table
     dev = torch.device("cuda")
     rows = []
     # DeepSeek-V3's GEMM1 (8 experts hit at T = 1, N = 2I = 4096, K = H = 7168) with 1 and 16
@@ -163,13 +163,8 @@ def main():
     if args.out:
         import bench
         bench.write_records(os.path.join(args.out, "gluon_fp4_decode.json"), rows)
-    print(f"{'case':18} {'variant':20} {'us':>9} {'TB/s':>6} {'rel_err':>9}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['case']:18} {r['variant']:20} ERROR {r['error'][:80]}")
-        else:
-            print(f"{r['case']:18} {r['variant']:20} {r['us']:9.1f} {r['tb_s']:6.2f} "
-                  f"{r['rel_err']:9.2e}{' UNWRITTEN' if r['unwritten'] else ''}")
+    print_variant_table(rows, [("case", "18"), ("variant", "20")],
+                        [("us", "9.1f"), ("tb_s", "6.2f")])
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ def main():
     if args.aot:
         aot()
         return
-    from bench import check_and_time
+    from bench import check_and_time, print_variant_table
     dev = torch.device("cuda")
     rows = []
     from moe_ops.kernels.grouped_gemm import GemmConfig
@@ -219,13 +219,8 @@ def main():
         import bench
         bench.write_records(os.path.join(args.out, f"ws_{quant}.json"),
                             [dict(r, model=args.model, quant=quant) for r in rows])
-    print(f"{'T':>6} {'gemm':6} {'variant':24} {'ms':>8} {'TFLOP/s':>8} {'rel_err':>9}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['T']:>6} {r['gemm']:6} {r['variant']:24} ERROR {r['error'][:90]}")
-        else:
-            print(f"{r['T']:>6} {r['gemm']:6} {r['variant']:24} {r['ms']:8.3f} "
-                  f"{r['tflops']:8.1f} {r['rel_err']:9.2e}{' UNWRITTEN' if r['unwritten'] else ''}")
+    print_variant_table(rows, [("T", ">6"), ("gemm", "6"), ("variant", "24")],
+                        [("ms", "8.3f"), ("tflops", "8.1f")])
 
 
 if __name__ == "__main__":

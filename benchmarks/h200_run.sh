@@ -133,7 +133,7 @@ if [[ "$what" == ab8 ]]; then
     MOE_OPS_WS_SCALE_LOADS=$loads python3 benchmarks/dev_ws_fp8_block.py --model $model \
       --variants package --tokens 16384 --out "$out/ab_${model}_$loads" \
       > "$out/ab_${model}_$loads.log" 2>&1 || status=1
-    echo "$model MOE_OPS_WS_SCALE_LOADS=$loads"; tail -n 11 "$out/ab_${model}_$loads.log"
+    echo "$model MOE_OPS_WS_SCALE_LOADS=$loads"; tail -n 13 "$out/ab_${model}_$loads.log"
   done
   ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
   for rows in 0 32; do
