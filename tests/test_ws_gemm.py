@@ -334,12 +334,15 @@ def test_tile_rule(monkeypatch):
     assert experts_mod.WS_FP8 is (os.environ.get("MOE_OPS_WS_FP8", "1") == "1")
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "auto")
     monkeypatch.setattr(experts_mod, "WS_FP8", False)
-    assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) == "rows"
+    assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False, "swiglu") == "rows"
     assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, False) == "cols"
+    # GEMM2 (activation "none") of fp8_block from 512 rows an expert: the 128 x 256 tiles
+    assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) == "wide"
+    assert experts_mod.ws_tile("fp8_block", 16383 * 8, 256, False) == "rows"
     assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, True) is None
     assert experts_mod.ws_tile("fp8", 16384 * 8, 256, False) is None
     monkeypatch.setattr(experts_mod, "WS_FP8", True)
-    assert experts_mod.ws_tile("fp8", 16384 * 8, 256, False) == "rows"
+    assert experts_mod.ws_tile("fp8", 16384 * 8, 256, False) == "rows"    # no wide build
     assert experts_mod.ws_tile("none", 16384 * 8, 256, False) is None
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "cols")
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) == "cols"

@@ -81,14 +81,19 @@ FP8_SWAP_AB = False
 # this rule stands in. Measured on an H200, DeepSeek-V3's experts call, kernels without PDL
 # (results/h200_ws_profile_*.json): T = 16384 (512 rows an expert) 18.9 -> 17.2 ms with
 # "rows" (17.7 "cols"), T = 4096 (128 rows) 5.78 -> 5.40 ms with "cols" (5.71 "rows").
+# "wide" (128 x 256 tiles) from WS_WIDE_MIN_ROWS for the launches ws_gemm.WIDE_BUILDS admits
+# (fp8_block's GEMM2): measured on an H200 (results/h200_ab8_*, 2026-12-01), DeepSeek-V3's
+# GEMM2 shape alone at T = 16384 (512 rows an expert) 5.12 -> 4.56 ms (751 -> 844 TFLOP/s; with
+# the scale loads after the wgmmas 5.56 -> 4.39), the layer 16.54 -> 16.23 ms eager, but at
+# T = 4096 (128 rows) the layer 5.36 -> 5.78 ms (half as many tiles to spread over the SMs).
 # MOE_OPS_WS_FP8_BLOCK_TILE=rows|cols|wide|none overrides the rule ("none": never this kernel;
-# "wide": 128 x 256 tiles, built and CPU-tested, not yet measured, for the fp8_block launches
-# ws_gemm.WIDE_BUILDS lists, the others then on the Triton kernels).
+# "wide" at any size for the launches it admits, the others on the rule's form).
 # (It governs the fp8-per-tensor launches of WS_FP8 alike.) While tuning, the tuner times what
 # runs: a persistent fp8_block candidate on Hopper is timed on this kernel.
 WS_FP8_BLOCK_TILE: Optional[str] = ws_gemm.env_choice(
     "MOE_OPS_WS_FP8_BLOCK_TILE", "auto", ("auto", "rows", "cols", "wide", "none"))
 WS_ROWS_TILE_MIN_ROWS = 256
+WS_WIDE_MIN_ROWS = 512
 # The kernel applies where the tuned config is persistent (the tables' prefill choice). Some
 # tables never pick a persistent config (Qwen3-30B-A3B fp8: its prefill runs the Triton tile
 # kernel); MOE_OPS_WS_MIN_ROWS=n applies it also from n routed rows an expert whatever the
@@ -103,19 +108,18 @@ WS_FP8 = ws_gemm.env_choice("MOE_OPS_WS_FP8", "1", ("0", "1")) == "1"
 # Gluon kernel of ws_fp4 (the packed weights decoded straight into wgmma's register operand).
 # Measured on an H200 (results/h200_ws_fp4_layer_*.json, 2026-12-01), DeepSeek-V3 nvfp4 layer,
 # CUDA-graph replays, Triton / GEMM1 on Gluon / both: T = 64 2012 / 1843 / 1803 us, T = 128
-# (4 rows an expert) 2587 / 2360 / 2211, but T = 256 (8 rows) 3414 / 4133 / 4611; so both GEMMs
-# up to 4 rows an expert. MOE_OPS_WS_FP4=gemm1: GEMM1 only, 0: never. Calls it takes need a
-# dispatch (16-row blocks), so never use direct mode. (Those T = 256 figures ran on a dispatch
-# aligned to 32 rows, the tables' block_m there, of which the kernel computed both 16-row
-# halves; it now skips blocks of padding only and the dispatch is aligned to the kernels that
-# run: MOE_OPS_WS_FP4_MAX_ROWS=16 is the A/B that may widen the rule.)
+# (4 rows an expert) 2587 / 2360 / 2211. With the kernel skipping 16-row blocks of padding only
+# and the dispatch aligned to the kernels that run (results/h200_ab_fp4_rows_*.json,
+# 2026-12-01), up to 16 rows an expert against up to 4: T = 16-128 equal (885 / 1760 / 2130 us),
+# T = 256 3353 -> 2634, T = 512 4063 -> 3804 us; so up to 16. MOE_OPS_WS_FP4=gemm1: GEMM1 only,
+# 0: never. Calls it takes need a dispatch (16-row blocks), so never use direct mode.
 WS_FP4 = ws_gemm.env_choice("MOE_OPS_WS_FP4", "1", ("0", "gemm1", "1"))
 # mxfp4 on the same kernel (its e8m0 scales decoded by a shift): built, not yet run on a GPU,
 # so nvfp4 only unless MOE_OPS_WS_MXFP4=1. (gpt-oss-120b: GEMM1 only, N = 5760; its GEMM2's
 # N = 2880 is no whole number of 128-row tiles.)
 WS_FP4_QUANTS = ("nvfp4", "mxfp4") if ws_gemm.env_choice(
     "MOE_OPS_WS_MXFP4", "0", ("0", "1")) == "1" else ("nvfp4", )
-WS_FP4_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_MAX_ROWS", 4)
+WS_FP4_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_MAX_ROWS", 16)
 
 
 def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool,
@@ -133,11 +137,16 @@ def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool,
     if WS_FP8_BLOCK_TILE != "auto" and (
             WS_FP8_BLOCK_TILE != "wide" or ws_gemm.wide_admits(quant, activation, has_bias)):
         return WS_FP8_BLOCK_TILE
+    if (num_pairs >= WS_WIDE_MIN_ROWS * num_experts
+            and ws_gemm.wide_admits(quant, activation, has_bias)):
+        return "wide"
     return ws_tile_rule(num_pairs, num_experts)
 
 
 def ws_tile_rule(num_pairs: int, num_experts: int) -> str:
-    """The tile form by routed rows an expert: 128-row tiles from WS_ROWS_TILE_MIN_ROWS."""
+    """The tile form by routed rows an expert for any build: 128-row tiles from
+    WS_ROWS_TILE_MIN_ROWS ("wide" from WS_WIDE_MIN_ROWS is ws_tile's, for the builds that
+    admit it)."""
     return "rows" if num_pairs >= WS_ROWS_TILE_MIN_ROWS * num_experts else "cols"
 
 
