@@ -45,17 +45,19 @@ def k_loop(kernel):
 def aot():
     from aot_sm90 import resource_usage
     from moe_ops.kernels import ws_fp4
-    for consumers, pipeline in ((2, False), (4, False), (2, True), (4, True)):
+    for consumers, pipeline, quant in ((2, False, "nvfp4"), (4, False, "nvfp4"),
+                                       (2, True, "nvfp4"), (4, True, "nvfp4"),
+                                       (2, False, "mxfp4"), (2, True, "mxfp4")):
         kernel = ws_fp4.compile_sm90(gemm=2, activation="none", consumers=consumers,
-                                     pipeline=pipeline)
+                                     pipeline=pipeline, quant=quant)
         loop = k_loop(kernel)
         ops = collections.Counter(
             (i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in loop)
         # weight values a thread a K step, times the steps the loop body holds (16 wgmmas of
-        # k = 16 a step; the pipelined form runs two steps an iteration)
+        # k = 16 a step; the pipelined form and mxfp4's run two steps an iteration)
         steps = ops["HGMMA"] // (ws_fp4.BLOCK_K // 16)
         values = steps * ws_fp4.BLOCK_K * ws_fp4.ROWS // 128
-        print(f"{consumers} consumers{', pipelined' if pipeline else ''}: "
+        print(f"{quant}, {consumers} consumers{', pipelined' if pipeline else ''}: "
               f"{resource_usage(kernel)}, shared "
               f"{kernel.metadata.shared} B; K loop {len(loop)} SASS instructions for {values} "
               f"weight values a thread ({len(loop) / values:.2f} a value): "

@@ -130,17 +130,17 @@ def test_experts_on_ws_fp4(activation, bias, I, tokens, consumers, which, monkey
 
 def test_decode_benchmark_builds():
     """benchmarks/dev_gluon_fp4_decode.py --aot (the kernel's sm_90 K loop, both consumer
-    counts, serial and pipelined) runs without a GPU; no spill but in the pipelined four-consumer
-    form (two decoded operands in 112 registers: 16 bytes of stack in GEMM2's build, 56 in
-    GEMM1's)."""
+    counts, serial and pipelined, nvfp4 and mxfp4) runs without a GPU; no spill but in the
+    pipelined four-consumer form (two decoded operands in 112 registers: 16 bytes of stack in
+    GEMM2's build, 56 in GEMM1's)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "dev_gluon_fp4_decode.py")
     done = subprocess.run([sys.executable, script, "--aot"], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     builds = [line for line in done.stdout.splitlines() if "consumers" in line]
-    assert len(builds) == 4, done.stdout
-    assert all("stack 0 B" in line for line in builds if not line.startswith("4 consumers, pipe"))
+    assert len(builds) == 6, done.stdout
+    assert all("stack 0 B" in line for line in builds if "4 consumers, pipe" not in line)
 
 
 @needs_hopper
@@ -150,8 +150,8 @@ def test_decode_benchmark_builds():
     ("swiglu_oai", True, 2880, 2880, 8, False, "1")])
 def test_experts_on_ws_fp4_mxfp4(activation, bias, H, I, tokens, pipeline, which, monkeypatch,
                                  ws_fp4_calls, poisoned_empty):
-    """mxfp4 on the kernel (MOE_OPS_WS_MXFP4=1): e8m0 scales loaded 16 bytes a row (two K
-    steps') and the first 8 used, no global scale; gpt-oss's swiglu_oai with biases; K of 2-6
+    """mxfp4 on the kernel (MOE_OPS_WS_MXFP4=1): e8m0 scales loaded 16 bytes a row from a
+    16-byte-aligned column (K steps 2j and 2j + 1's), each step its half, no global scale; gpt-oss's swiglu_oai with biases; K of 2-6
     steps (H = 512-1536), the pipelined consumer, GEMM1 alone; gpt-oss's own sizes (H = I =
     2880: K padded to 3072, the last step's activation box and scale bytes partly past the
     end; GEMM2's N = 2880 no whole tiles, so it runs grouped_gemm's)."""

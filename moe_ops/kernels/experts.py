@@ -76,16 +76,18 @@ FP8_SWAP_AB = False
 # fp8_block launches whose config is persistent (the tables' choice at prefill) run the
 # warp-specialized Gluon kernel on Hopper (ws_gemm: the block-scale promotion off the tensor
 # cores' critical path). Its tile form by routed rows per expert: "rows" (128-row tiles) from
-# WS_ROWS_TILE_MIN_ROWS on, "cols" (64-row tiles, 256 columns) below. The tables were tuned on
-# the Triton persistent kernel; until they are re-tuned with this kernel among the candidates,
-# this rule stands in. Measured on an H200, DeepSeek-V3's experts call, kernels without PDL
-# (results/h200_ws_profile_*.json): T = 16384 (512 rows an expert) 18.9 -> 17.2 ms with
-# "rows" (17.7 "cols"), T = 4096 (128 rows) 5.78 -> 5.40 ms with "cols" (5.71 "rows").
+# WS_ROWS_TILE_MIN_ROWS on, "cols" (64-row tiles, 256 columns) below; the tuner times a
+# persistent candidate on this kernel, with this rule's form, so the tables choose between it
+# and the Triton tile kernel (the fp8 tables re-tuned so, 2026-12-01). Measured on an H200,
+# DeepSeek-V3's experts call, kernels without PDL (results/h200_ws_profile_*.json): T = 16384
+# (512 rows an expert) 18.9 -> 17.2 ms with "rows" (17.7 "cols"), T = 4096 (128 rows) 5.78 ->
+# 5.40 ms with "cols" (5.71 "rows").
 # "wide" (128 x 256 tiles) from WS_WIDE_MIN_ROWS for the launches ws_gemm.WIDE_BUILDS admits
 # (fp8_block's GEMM2): measured on an H200 (results/h200_ab8_*, 2026-12-01), DeepSeek-V3's
 # GEMM2 shape alone at T = 16384 (512 rows an expert) 5.12 -> 4.56 ms (751 -> 844 TFLOP/s; with
-# the scale loads after the wgmmas 5.56 -> 4.39), the layer 16.54 -> 16.23 ms eager, but at
-# T = 4096 (128 rows) the layer 5.36 -> 5.78 ms (half as many tiles to spread over the SMs).
+# the scale loads after the wgmmas 5.56 -> 4.39; results/h200_ab_scale_loads_*_fp8_block.json),
+# the layer 16.54 -> 16.23 ms eager, but at T = 4096 (128 rows) the layer 5.36 -> 5.78 ms (half
+# as many tiles to spread over the SMs; results/h200_ab_tile_*.json).
 # MOE_OPS_WS_FP8_BLOCK_TILE=rows|cols|wide|none overrides the rule ("none": never this kernel;
 # "wide" at any size for the launches it admits, the others on the rule's form).
 # (It governs the fp8-per-tensor launches of WS_FP8 alike.) While tuning, the tuner times what
@@ -94,10 +96,13 @@ WS_FP8_BLOCK_TILE: Optional[str] = ws_gemm.env_choice(
     "MOE_OPS_WS_FP8_BLOCK_TILE", "auto", ("auto", "rows", "cols", "wide", "none"))
 WS_ROWS_TILE_MIN_ROWS = 256
 WS_WIDE_MIN_ROWS = 512
-# The kernel applies where the tuned config is persistent (the tables' prefill choice). Some
-# tables never pick a persistent config (Qwen3-30B-A3B fp8: its prefill runs the Triton tile
-# kernel); MOE_OPS_WS_MIN_ROWS=n applies it also from n routed rows an expert whatever the
-# config, for the A/B that decides whether the rule should widen (unset: persistent only).
+# The kernel applies where the tuned config is persistent (the tables' prefill choice).
+# MOE_OPS_WS_MIN_ROWS=n applies it also from n routed rows an expert whatever the config (unset:
+# persistent only). Measured on an H200 with the tables of then (results/h200_ab_ws_min_rows_*,
+# 2026-12-01), 32: Qwen3-30B-A3B fp8 T = 16384 2670 -> 2285 us, T = 1024 280 -> 301; DeepSeek-V3
+# fp8_block T = 2048 4402 -> 3664, T = 4096 5156 -> 5318 eager: no one threshold wins, and the
+# re-tuned tables (the persistent candidates timed on this kernel) take it where it wins (Qwen3
+# fp8 T = 16384 2293 us in results/h200.json); so unset.
 WS_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_MIN_ROWS", 0)
 # fp8 per tensor on the same kernel (its partial sums promoted every K step, the scales in the
 # epilogue). Measured on an H200 (results/h200_ws_fp8_profile_*.json, 2026-12-01), the experts
@@ -114,8 +119,9 @@ WS_FP8 = ws_gemm.env_choice("MOE_OPS_WS_FP8", "1", ("0", "1")) == "1"
 # T = 256 3353 -> 2634, T = 512 4063 -> 3804 us; so up to 16. MOE_OPS_WS_FP4=gemm1: GEMM1 only,
 # 0: never. Calls it takes need a dispatch (16-row blocks), so never use direct mode.
 WS_FP4 = ws_gemm.env_choice("MOE_OPS_WS_FP4", "1", ("0", "gemm1", "1"))
-# mxfp4 on the same kernel (its e8m0 scales decoded by a shift): built, not yet run on a GPU,
-# so nvfp4 only unless MOE_OPS_WS_MXFP4=1. (gpt-oss-120b: GEMM1 only, N = 5760; its GEMM2's
+# mxfp4 on the same kernel (its e8m0 scales decoded by a shift): its first GPU run stopped on
+# an illegal instruction (results/h200_pytest_ws_ab.log, 2026-12-01), so nvfp4 only unless
+# MOE_OPS_WS_MXFP4=1 (for debugging it). (gpt-oss-120b: GEMM1 only, N = 5760; its GEMM2's
 # N = 2880 is no whole number of 128-row tiles.)
 WS_FP4_QUANTS = ("nvfp4", "mxfp4") if ws_gemm.env_choice(
     "MOE_OPS_WS_MXFP4", "0", ("0", "1")) == "1" else ("nvfp4", )

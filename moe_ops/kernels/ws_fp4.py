@@ -1,8 +1,10 @@
 """nvfp4 and mxfp4 (W4A16) decode GEMMs on Hopper, warp-specialized (Gluon). Run for both
-GEMMs of nvfp4 decode calls up to 4 routed rows an expert (experts.WS_FP4): measured on an
-H200, DeepSeek-V3's layer 8-15% faster than on grouped_gemm's Triton kernels at T = 4-128
-(the figures beside experts.WS_FP4). mxfp4 is built and CPU-tested, not yet run on a GPU
-(experts.WS_FP4_QUANTS, MOE_OPS_WS_MXFP4=1).
+GEMMs of nvfp4 decode calls up to 16 routed rows an expert (experts.WS_FP4): measured on an
+H200, DeepSeek-V3's layer 4-36% faster than on grouped_gemm's Triton kernels at T = 4-512
+(the figures beside experts.WS_FP4). mxfp4's first GPU run stopped on an illegal instruction:
+its scale loads started at 8-byte columns, and TMA needs the innermost coordinate 16-byte
+aligned; each load now takes a 16-byte-aligned pair of K steps' scales (CPU-tested, not yet
+rerun on a GPU: experts.WS_FP4_QUANTS, MOE_OPS_WS_MXFP4=1).
 
 Why: grouped_gemm's Triton W4A16 decode loop spends 5.1 SASS instructions a weight value, of
 which the e2m1 decode itself is about 3; the rest is what Triton wraps around it (per-wgmma
@@ -11,7 +13,8 @@ Here the schedule is explicit:
   producer   1 warp: TMA loads of each K step (256 columns) of 128 weight rows' packed bytes
              (quant.py's kernel order, a 3-D box over [rows, 4 runs, Kp/8]), 16 bytes a row of
              their block scales (nvfp4: the step's 16 e4m3; mxfp4: 8 e8m0 a step, under TMA's
-             16-byte minimum, so the step's and the next's) and the 16 activation rows (slots)
+             16-byte minimum box and coordinate alignment, so an even step's and the next's,
+             each consumer taking its step's half) and the 16 activation rows (slots)
              of the tile, into a ring of STAGES slots
   consumers  2 (or 4) warpgroups, 64 weight rows each: the packed tile is read from shared
              memory in the layout of wgmma's A fragment (each thread its two rows' runs),
@@ -171,9 +174,10 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                                 + x_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(w_desc, [row0, 0, kb * 32], bar,
                                                 w_bufs.index(index))
-                # 16 scale bytes a row: a step's (nvfp4), two steps' (mxfp4: 8 a step, under
-                # TMA's 16-byte box minimum; the consumers read the first 8)
-                tma.async_copy_global_to_shared(s_desc, [row0, kb * (16 - 8 * MX)], bar,
+                # 16 scale bytes a row: a step's (nvfp4), two steps' (mxfp4: 8 a step; a TMA
+                # box is 16 bytes or more and its innermost coordinate 16-byte aligned, so
+                # steps 2j and 2j + 1 both load those of both, each consumer reading its half)
+                tma.async_copy_global_to_shared(s_desc, [row0, (kb >> MX) * 16], bar,
                                                 s_bufs.index(index))
                 tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kb * 256], bar,
                                                 x_bufs.index(index))
@@ -182,9 +186,9 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
 
 @gluon.jit
 def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.constexpr,
-             MX: gl.constexpr):
+             MX: gl.constexpr, ODD: gl.constexpr):
     """Ring slot `index`'s weight tile for consumer HALF, decoded into wgmma's A operand, once
-    its loads have landed."""
+    its loads have landed (mxfp4: ODD, whether the slot holds an odd K step)."""
     BN: gl.constexpr = w_bufs.type.shape[1]
     P2: gl.constexpr = PACKED_LAYOUT
     P4: gl.constexpr = PACKED_LAYOUT_4D
@@ -192,8 +196,8 @@ def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.co
     mbarrier.wait(ready.index(index), phase)
     packed = w_bufs.index(index).reshape([BN, 128]).slice(HALF * 64, 64, dim=0).load(P2)
     if MX:
-        # the first 8 of the row's 16 loaded bytes are this step's
-        scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).slice(0, 8, dim=1).load(
+        # the row's 16 loaded bytes are two K steps' scales: this step's half
+        scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).slice(8 * ODD, 8, dim=1).load(
             MX_SCALES_LAYOUT)
     else:
         scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).load(SCALES)
@@ -201,16 +205,31 @@ def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.co
 
 
 @gluon.jit
+def _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF: gl.constexpr,
+              DOT: gl.constexpr, MX: gl.constexpr, ODD: gl.constexpr):
+    """One K step of the plain consumer: decode, wgmma, wait (the register operand stays live
+    until the MMA has read it), the slot released. Returns the accumulator and next slot."""
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    weights = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, MX, ODD)
+    acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc, is_async=True)
+    acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
+    mbarrier.arrive(empty.index(index), count=1)
+    index, phase = ring_next(index, phase, STAGES)
+    return acc, index, phase
+
+
+@gluon.jit
 def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
-                          HALF: gl.constexpr, DOT: gl.constexpr, MX: gl.constexpr):
+                          HALF: gl.constexpr, DOT: gl.constexpr, MX: gl.constexpr,
+                          NEXT_ODD: gl.constexpr):
     """One K step of the pipelined consumer: its wgmma issued on `weights`, the next slot's
-    tile decoded meanwhile, then the wait (the register operand stays live until the MMA has
-    read it) and the slot released. Returns the accumulator, the next step's operand and
-    slot."""
+    tile decoded meanwhile (NEXT_ODD: whether that is an odd K step), then the wait (the
+    register operand stays live until the MMA has read it) and the slot released. Returns the
+    accumulator, the next step's operand and slot."""
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc, is_async=True)
     nxt, nxt_phase = ring_next(index, phase, STAGES)
-    upcoming = _decoded(w_bufs, s_bufs, ready, nxt, nxt_phase, HALF, DOT, MX)
+    upcoming = _decoded(w_bufs, s_bufs, ready, nxt, nxt_phase, HALF, DOT, MX, NEXT_ODD)
     acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
     mbarrier.arrive(empty.index(index), count=1)
     return acc, upcoming, nxt, nxt_phase
@@ -249,32 +268,37 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                 # operand: the warpgroup's integer work no longer waits for its own MMA. Two
                 # steps an iteration, so the two operands keep their registers (one step an
                 # iteration would copy the decoded tile back every step).
-                w0 = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, MX)
+                # (steps decoded here: 0, then 2j + 1 and 2j + 2, then the odd last of an
+                # even count, as mxfp4's always is)
+                w0 = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, MX, 0)
                 for kb in range((k_steps - 1) // 2):
                     acc, w1, index, phase = _mma_then_decode_next(
                         acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
-                        MX)
+                        MX, 1)
                     acc, w0, index, phase = _mma_then_decode_next(
                         acc, w1, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
-                        MX)
+                        MX, 0)
                 if (k_steps - 1) % 2 == 1:
                     acc, w0, index, phase = _mma_then_decode_next(
                         acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
-                        MX)
+                        MX, 1)
                 acc = warpgroup_mma(w0, x_bufs.index(index).permute((1, 0)), acc,
                                     is_async=True)
                 acc, w0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0))
                 mbarrier.arrive(empty.index(index), count=1)
                 index, phase = ring_next(index, phase, STAGES)
+            elif MX:
+                # two K steps an iteration (mxfp4's count is even), each its half of the
+                # scale bytes loaded for both
+                for kb in range(k_steps // 2):
+                    acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty,
+                                                  index, phase, HALF, DOT, MX, 0)
+                    acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty,
+                                                  index, phase, HALF, DOT, MX, 1)
             else:
                 for kb in range(k_steps):
-                    weights = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, MX)
-                    acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc,
-                                        is_async=True)
-                    # the register operand stays live until the MMA has read it
-                    acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
-                    mbarrier.arrive(empty.index(index), count=1)
-                    index, phase = ring_next(index, phase, STAGES)
+                    acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty,
+                                                  index, phase, HALF, DOT, MX, 0)
 
             # Epilogue: acc [weight rows, slots] (nvfp4: * global scale * 512) (+ bias),
             # transposed to [slots, columns]; GEMM1's activation into intermediate[slot],
