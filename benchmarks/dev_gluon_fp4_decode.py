@@ -1,9 +1,10 @@
-"""nvfp4 decode GEMM experiment: moe_ops.kernels.ws_fp4 (warp-specialized Gluon, the packed
-weights decoded straight into wgmma's register operand) beside grouped_gemm's Triton kernel.
+"""nvfp4 GEMM experiment: moe_ops.kernels.ws_fp4 (warp-specialized Gluon, the packed weights
+decoded straight into wgmma's register operand) beside grouped_gemm's Triton kernel.
 
 The problem (one GEMM of a decode step, GEMM2's form so both kernels compute the same thing):
 E experts, `tokens` rows each in a dispatch of 16-slot blocks (rows bf16, the unused slots
-zero), nvfp4 weights W_e [N, K] (kernel-order packed bytes, e4m3 block scales per 16 columns, a
+zero; prefill's cases: 256 or 1024 rows an expert in 128-row blocks, the kernel's 64-slot
+form "gluon prefill", TFLOP/s beside TB/s), nvfp4 weights W_e [N, K] (kernel-order packed bytes, e4m3 block scales per 16 columns, a
 global scale per row); out[pair] = x[slot] . W_e (routing weight 1). Variants: "gluon 2
 consumers" / "gluon 4 consumers" (ws_fp4 with 2 or 4 consumer warpgroups; "pipelined": each
 decoding step k + 1 while its wgmma of step k runs, ws_fp4.PIPELINE), "ours"
@@ -45,11 +46,12 @@ def k_loop(kernel):
 def aot():
     from aot_sm90 import resource_usage
     from moe_ops.kernels import ws_fp4
-    for consumers, pipeline, quant in ((2, False, "nvfp4"), (4, False, "nvfp4"),
-                                       (2, True, "nvfp4"), (4, True, "nvfp4"),
-                                       (2, False, "mxfp4"), (2, True, "mxfp4")):
+    for consumers, pipeline, quant, slots in (
+            (2, False, "nvfp4", 16), (4, False, "nvfp4", 16), (2, True, "nvfp4", 16),
+            (4, True, "nvfp4", 16), (2, False, "mxfp4", 16), (2, True, "mxfp4", 16),
+            (2, False, "nvfp4", 64), (2, True, "nvfp4", 64), (2, False, "mxfp4", 64)):
         kernel = ws_fp4.compile_sm90(gemm=2, activation="none", consumers=consumers,
-                                     pipeline=pipeline, quant=quant)
+                                     pipeline=pipeline, quant=quant, slots=slots)
         loop = k_loop(kernel)
         ops = collections.Counter(
             (i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in loop)
@@ -57,25 +59,28 @@ def aot():
         # k = 16 a step; the pipelined form and mxfp4's run two steps an iteration)
         steps = ops["HGMMA"] // (ws_fp4.BLOCK_K // 16)
         values = steps * ws_fp4.BLOCK_K * ws_fp4.ROWS // 128
-        print(f"{quant}, {consumers} consumers{', pipelined' if pipeline else ''}: "
+        print(f"{quant}, {slots} slots, {consumers} consumers"
+              f"{', pipelined' if pipeline else ''}: "
               f"{resource_usage(kernel)}, shared "
               f"{kernel.metadata.shared} B; K loop {len(loop)} SASS instructions for {values} "
               f"weight values a thread ({len(loop) / values:.2f} a value): "
               f"{dict(ops.most_common(8))}", flush=True)
 
 
-def make_problem(E, N, K, tokens, device, seed=0):
+def make_problem(E, N, K, tokens, device, seed=0, slots=SLOTS):
+    """`slots` rows an expert in the dispatch (a multiple of its alignment), `tokens` of them
+    routed."""
     from moe_ops.quant import fp4_to_kernel_order, quantize_nvfp4
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(E, N, K, generator=g) * 0.05
     packed, block_scale, global_scale = quantize_nvfp4(w)
-    x = torch.zeros(E * SLOTS, K)
+    x = torch.zeros(E * slots, K)
     for e in range(E):
-        x[e * SLOTS:e * SLOTS + tokens] = torch.randn(tokens, K, generator=g)
+        x[e * slots:e * slots + tokens] = torch.randn(tokens, K, generator=g)
     return dict(w_packed=fp4_to_kernel_order(packed).to(device),
                 w_packed_natural=packed, w_scale=block_scale.to(device),
                 gscale=global_scale[:, None].expand(E, N).contiguous().to(device),
-                x=x.to(torch.bfloat16).to(device), tokens=tokens)
+                x=x.to(torch.bfloat16).to(device), tokens=tokens, slots=slots)
 
 
 def reference(pb):
@@ -84,26 +89,28 @@ def reference(pb):
     w = dequantize_fp4(pb["w_packed_natural"].to(pb["x"].device), pb["w_scale"], "nvfp4",
                        pb["gscale"])                                   # [E, N, K] fp32
     E, tokens = w.shape[0], pb["tokens"]
-    x = pb["x"].float().view(E, SLOTS, -1)[:, :tokens]
+    x = pb["x"].float().view(E, pb["slots"], -1)[:, :tokens]
     return torch.bmm(x, w.transpose(1, 2)).reshape(E * tokens, -1)
 
 
-def routing_of(pb):
-    """A dispatch of 16 slots an expert, its `tokens` first (pair expert * tokens + m)."""
+def routing_of(pb, align=SLOTS):
+    """A dispatch of pb["slots"] slots an expert in blocks of `align`, its `tokens` first (pair
+    expert * tokens + m)."""
     from moe_ops.kernels import grouped_gemm as gg
     E = pb["w_packed"].shape[0]
     dev = pb["x"].device
-    tokens = pb["tokens"]
+    tokens, slots = pb["tokens"], pb["slots"]
     pairs = E * tokens
-    slot = torch.arange(E * SLOTS, device=dev)
-    m = slot % SLOTS
-    sorted_ids = torch.where(m < tokens, (slot // SLOTS) * tokens + m, pairs).to(torch.int32)
+    slot = torch.arange(E * slots, device=dev)
+    m = slot % slots
+    sorted_ids = torch.where(m < tokens, (slot // slots) * tokens + m, pairs).to(torch.int32)
     return gg.Routing(
         topk_ids=torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(tokens),
         topk_weights=torch.ones(pairs, device=dev), top_k=1, num_experts=E,
         local_expert_offset=0, sorted_pair_ids=sorted_ids,
-        block_expert_ids=torch.arange(E, device=dev, dtype=torch.int32), align_block_m=SLOTS,
-        num_padded=torch.tensor([E * SLOTS], dtype=torch.int32, device=dev))
+        block_expert_ids=torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(
+            slots // align), align_block_m=align,
+        num_padded=torch.tensor([E * slots], dtype=torch.int32, device=dev))
 
 
 def run_ours(pb, routing, out_pairs):
@@ -117,12 +124,12 @@ def run_ours(pb, routing, out_pairs):
              w2_global_scale=pb["gscale"])
 
 
-def run_gluon(pb, routing, out_pairs, consumers, pipeline=False):
+def run_gluon(pb, routing, out_pairs, consumers, pipeline=False, slots=SLOTS):
     from moe_ops.kernels import ws_fp4
     saved, ws_fp4.PIPELINE = ws_fp4.PIPELINE, pipeline
     try:
         ws_fp4.gemm(pb["x"], pb["w_packed"], pb["w_scale"], pb["gscale"], None, out_pairs,
-                    routing, gemm=2, activation="none", consumers=consumers)
+                    routing, gemm=2, activation="none", consumers=consumers, slots=slots)
     finally:
         ws_fp4.PIPELINE = saved
 
@@ -139,34 +146,49 @@ def main():
     dev = torch.device("cuda")
     rows = []
     # DeepSeek-V3's GEMM1 (8 experts hit at T = 1, N = 2I = 4096, K = H = 7168) with 1 and 16
-    # tokens an expert, and its GEMM2 (N = 7168, K = 2048)
-    for name, E, N, K, tokens in (("gemm1 1/expert", 8, 4096, 7168, 1),
-                                  ("gemm1 16/expert", 8, 4096, 7168, 16),
-                                  ("gemm2 1/expert", 8, 7168, 2048, 1)):
-        pb = make_problem(E, N, K, tokens, dev)
+    # tokens an expert, and its GEMM2 (N = 7168, K = 2048); prefill: 256 and 1024 tokens an
+    # expert (DeepSeek-V3 at T = 8192 and 32768) in 128-row blocks, on the 64-slot form
+    decode_cases = (("gemm1 1/expert", 8, 4096, 7168, 1), ("gemm1 16/expert", 8, 4096, 7168, 16),
+                    ("gemm2 1/expert", 8, 7168, 2048, 1))
+    prefill_cases = (("gemm1 256/expert", 16, 4096, 7168, 256),
+                     ("gemm2 256/expert", 16, 7168, 2048, 256),
+                     ("gemm1 1024/expert", 8, 4096, 7168, 1024))
+    for name, E, N, K, tokens in decode_cases + prefill_cases:
+        prefill = tokens > SLOTS
+        pb = make_problem(E, N, K, tokens, dev, slots=tokens if prefill else SLOTS)
         ref = reference(pb)
-        routing = routing_of(pb)
+        routing = routing_of(pb, align=128 if prefill else SLOTS)
         weight_bytes = E * N * K // 2 + E * N * K // 16
+        flops = 2.0 * E * tokens * N * K
         out_pairs = torch.empty((E * tokens, N), dtype=torch.bfloat16, device=dev)
-        variants = (("gluon 2 consumers", lambda: run_gluon(pb, routing, out_pairs, 2)),
-                    ("gluon 4 consumers", lambda: run_gluon(pb, routing, out_pairs, 4)),
-                    ("gluon 2 pipelined", lambda: run_gluon(pb, routing, out_pairs, 2, True)),
-                    ("gluon 4 pipelined", lambda: run_gluon(pb, routing, out_pairs, 4, True)),
-                    ("ours", lambda: run_ours(pb, routing, out_pairs)))
+        if prefill:
+            variants = (
+                ("gluon prefill", lambda: run_gluon(pb, routing, out_pairs, 2, slots=64)),
+                ("gluon prefill pipelined",
+                 lambda: run_gluon(pb, routing, out_pairs, 2, True, slots=64)),
+                ("ours", lambda: run_ours(pb, routing, out_pairs)))
+        else:
+            variants = (
+                ("gluon 2 consumers", lambda: run_gluon(pb, routing, out_pairs, 2)),
+                ("gluon 4 consumers", lambda: run_gluon(pb, routing, out_pairs, 4)),
+                ("gluon 2 pipelined", lambda: run_gluon(pb, routing, out_pairs, 2, True)),
+                ("gluon 4 pipelined", lambda: run_gluon(pb, routing, out_pairs, 4, True)),
+                ("ours", lambda: run_ours(pb, routing, out_pairs)))
         for variant, fn in variants:
             try:
                 got = check_and_time(fn, out_pairs, ref)
                 rows.append(dict(case=name, variant=variant, us=got["ms"] * 1e3,
                                  rel_err=got["rel_err"], unwritten=got["unwritten"],
-                                 tb_s=weight_bytes / got["ms"] / 1e9))
+                                 tb_s=weight_bytes / got["ms"] / 1e9,
+                                 tflops=flops / got["ms"] / 1e9))
             except Exception as exc:  # noqa: BLE001 - record and go on
                 rows.append(dict(case=name, variant=variant, error=repr(exc)[:600]))
             print(rows[-1], flush=True)
     if args.out:
         import bench
         bench.write_records(os.path.join(args.out, "gluon_fp4_decode.json"), rows)
-    print_variant_table(rows, [("case", "18"), ("variant", "20")],
-                        [("us", "9.1f"), ("tb_s", "6.2f")])
+    print_variant_table(rows, [("case", "18"), ("variant", "23")],
+                        [("us", "9.1f"), ("tb_s", "6.2f"), ("tflops", "7.1f")])
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@
 # ws4: the Gluon nvfp4 decode GEMM timed (dev_gluon_fp4_decode.py; DeepSeek-V3 nvfp4 decode
 # with MOE_OPS_WS_FP4 off and on) and the fp8 experts call kernel by kernel with fp8 per tensor
 # on the Gluon kernel and off; about 4 minutes.
-# ab: the Gluon kernels' GPU tests, then the A/Bs that may widen the nvfp4 decode kernel's rule:
-# its GEMMs alone with the pipelined consumers (dev_gluon_fp4_decode.py), DeepSeek-V3 nvfp4 at
-# T = 16-512 with MOE_OPS_WS_FP4_MAX_ROWS 4 (default) and 16, and 16 pipelined; gpt-oss-120b
-# mxfp4 decode with the kernel (MOE_OPS_WS_MXFP4=1) and without; about 7 minutes.
+# ab: the 4-bit Gluon kernel (kernels/ws_fp4.py): its GPU tests (mxfp4 with the scale loads
+# fixed, the 64-slot prefill form), its GEMMs alone (dev_gluon_fp4_decode.py: decode and
+# prefill cases), DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 prefill (T = 1024-16384) with
+# MOE_OPS_WS_FP4_PREFILL_MIN_ROWS 0 and 32 (serial and pipelined consumers, mxfp4 on the kernel),
+# gpt-oss mxfp4 decode with MOE_OPS_WS_MXFP4 0 and 1; about 7 minutes.
 # ab8: the fp8 A/Bs: the padding skip (now tested once a tile) on both GEMM shapes of DeepSeek-V3
 # fp8_block (its block scales loaded before and after the wgmmas, MOE_OPS_WS_SCALE_LOADS) and
 # Mixtral fp8 at T = 16384 (dev_ws_fp8_block.py), and the prefill buckets whose
@@ -101,23 +102,23 @@ if [[ "$what" == ws4 ]]; then
   done
 fi
 if [[ "$what" == ab ]]; then
-  # (a kernel that hung would take the whole call: the tests get 330 s, verbose, so the log
+  # (a kernel that hung would take the whole call: the tests get 250 s, verbose, so the log
   # names the last one started)
-  timeout 330 python3 -m pytest -v -p no:cacheprovider tests/test_ws_gemm.py tests/test_ws_fp4.py \
-    > "$out/pytest_ws.log" 2>&1 || status=1
-  tail -n 3 "$out/pytest_ws.log"
-  python3 benchmarks/dev_gluon_fp4_decode.py --out "$out" > "$out/gluon_fp4_decode.log" 2>&1 \
+  timeout 250 python3 -m pytest -v -p no:cacheprovider tests/test_ws_fp4.py \
+    > "$out/pytest_ws_fp4.log" 2>&1 || status=1
+  tail -n 3 "$out/pytest_ws_fp4.log"
+  python3 benchmarks/dev_gluon_fp4_decode.py --out "$out" > "$out/gluon_fp4.log" 2>&1 \
     || status=1
-  tail -n 16 "$out/gluon_fp4_decode.log"
+  tail -n 22 "$out/gluon_fp4.log"
   ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
-  for arm in 4:0 16:0 16:1; do
-    rows=${arm%:*} pipe=${arm#*:}
-    MOE_OPS_WS_FP4_MAX_ROWS=$rows MOE_OPS_WS_FP4_PIPELINE=$pipe $ab --deadline-s 70 \
-      --models deepseek_v3 --quant nvfp4 --tokens 16 64 128 256 512 \
-      --out "$out/ab_fp4_rows_${rows}_pipe_$pipe.json" > "$out/ab_fp4_rows_${rows}_pipe_$pipe.log" 2>&1 \
-      || status=1
-    echo "MOE_OPS_WS_FP4_MAX_ROWS=$rows MOE_OPS_WS_FP4_PIPELINE=$pipe"
-    grep -A6 '^ *model' "$out/ab_fp4_rows_${rows}_pipe_$pipe.log" | cut -c1-100
+  for arm in 0:0:0 32:0:1 32:1:1; do
+    IFS=: read -r rows pipe mx <<< "$arm"
+    MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=$rows MOE_OPS_WS_FP4_PIPELINE=$pipe MOE_OPS_WS_MXFP4=$mx \
+      $ab --deadline-s 90 --models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4 --listed-only \
+      --tokens 1024 4096 16384 --out "$out/ab_fp4_prefill_${rows}_${pipe}_$mx.json" \
+      > "$out/ab_fp4_prefill_${rows}_${pipe}_$mx.log" 2>&1 || status=1
+    echo "MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=$rows MOE_OPS_WS_FP4_PIPELINE=$pipe MOE_OPS_WS_MXFP4=$mx"
+    grep -A7 '^ *model' "$out/ab_fp4_prefill_${rows}_${pipe}_$mx.log" | cut -c1-100
   done
   for mx in 0 1; do
     MOE_OPS_WS_MXFP4=$mx $ab --deadline-s 60 --models gpt_oss_120b --quant mxfp4 \

@@ -71,6 +71,12 @@ def test_rows_an_expert_threshold(tokens, expected, ws_fp4_calls, poisoned_empty
 def test_bad_calls_are_refused():
     with pytest.raises(ValueError, match="gemm=1 needs an activation"):
         ws_fp4.gemm(None, None, None, None, None, None, None, gemm=1, activation="none")
+    with pytest.raises(ValueError, match="slots must be one of"):
+        ws_fp4.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
+                    slots=32)
+    with pytest.raises(ValueError, match="consumers: the 64-slot form runs 2"):
+        ws_fp4.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
+                    slots=64, consumers=4)
     w = torch.zeros(2, 192, 128, dtype=torch.uint8)     # N = 192: not a whole 128-row tile
     with pytest.raises(ValueError, match="N a multiple of 128"):
         ws_fp4.gemm(None, w, None, None, None, None, None, gemm=2, activation="none",
@@ -130,17 +136,20 @@ def test_experts_on_ws_fp4(activation, bias, I, tokens, consumers, which, monkey
 
 def test_decode_benchmark_builds():
     """benchmarks/dev_gluon_fp4_decode.py --aot (the kernel's sm_90 K loop, both consumer
-    counts, serial and pipelined, nvfp4 and mxfp4) runs without a GPU; no spill but in the
-    pipelined four-consumer form (two decoded operands in 112 registers: 16 bytes of stack in
-    GEMM2's build, 56 in GEMM1's)."""
+    counts, serial and pipelined, nvfp4 and mxfp4, decode's 16-slot and prefill's 64-slot
+    forms) runs without a GPU; no spill but in the pipelined four-consumer form (two decoded
+    operands in 112 registers: 16 bytes of stack in GEMM2's build, 56 in GEMM1's); every
+    build's shared memory within the 227 KB a block may take."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "dev_gluon_fp4_decode.py")
     done = subprocess.run([sys.executable, script, "--aot"], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     builds = [line for line in done.stdout.splitlines() if "consumers" in line]
-    assert len(builds) == 6, done.stdout
+    assert len(builds) == 9, done.stdout
     assert all("stack 0 B" in line for line in builds if "4 consumers, pipe" not in line)
+    shared = [int(line.split("shared ")[1].split()[0]) for line in builds]
+    assert max(shared) <= 227 * 1024, shared
 
 
 @needs_hopper
@@ -164,6 +173,29 @@ def test_experts_on_ws_fp4_mxfp4(activation, bias, H, I, tokens, pipeline, which
                                               offset=1, num_global=10, invalid_ids=tokens > 1)
     run_and_check("mxfp4", ckpt, kernel, x, ids, weights, activation=activation, offset=1)
     assert ws_fp4_calls == ([1, 2] if which == "1" and H % 128 == 0 else [1])
+
+
+@needs_hopper
+@pytest.mark.parametrize("quant,activation,bias,H,I,tokens,pipeline", [
+    ("nvfp4", "swiglu", False, 768, 256, 300, False),
+    ("nvfp4", "swiglu_oai", True, 512, 384, 200, True),
+    ("mxfp4", "swiglu_oai", True, 1024, 512, 300, False)])
+def test_experts_on_ws_fp4_prefill(quant, activation, bias, H, I, tokens, pipeline, monkeypatch,
+                                   gemm_calls, poisoned_empty):
+    """Prefill-sized calls (MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=32; here 50-75 routed rows an
+    expert, several 64-slot blocks each, the last part padding) run both GEMMs on the kernel's
+    64-slot form, serial and pipelined consumers, nvfp4 and mxfp4, against the oracle."""
+    monkeypatch.setattr(experts_mod, "WS_FP4", "1")
+    monkeypatch.setattr(experts_mod, "WS_FP4_PREFILL_MIN_ROWS", 32)
+    if quant == "mxfp4":
+        monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
+    monkeypatch.setattr(ws_fp4, "PIPELINE", pipeline)
+    slots = gemm_calls(ws_fp4, "gemm", record="slots")
+    ckpt, kernel, x, ids, weights = make_case(quant, tokens, H, I, 8, 2, activation=activation,
+                                              bias=bias, seed=19, offset=1, num_global=10,
+                                              invalid_ids=True)
+    run_and_check(quant, ckpt, kernel, x, ids, weights, activation=activation, offset=1)
+    assert slots == [ws_fp4.PREFILL_SLOTS] * 2, slots
 
 
 def test_mxfp4_off_by_default():

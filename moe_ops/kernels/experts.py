@@ -126,6 +126,11 @@ WS_FP4 = ws_gemm.env_choice("MOE_OPS_WS_FP4", "1", ("0", "gemm1", "1"))
 WS_FP4_QUANTS = ("nvfp4", "mxfp4") if ws_gemm.env_choice(
     "MOE_OPS_WS_MXFP4", "0", ("0", "1")) == "1" else ("nvfp4", )
 WS_FP4_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_MAX_ROWS", 16)
+# 4-bit prefill on the same kernel's 64-slot form (ws_fp4.PREFILL_SLOTS) from this many routed
+# rows an expert on average: built and CPU-tested, not yet measured, so 0 (never) unless
+# MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=n. (The Triton W4A16 kernels reach 250-340 TFLOP/s at
+# prefill, below our bf16 path on the dequantized weights: results/h200.json.)
+WS_FP4_PREFILL_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", 0)
 
 
 def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool,
@@ -255,14 +260,15 @@ def triton_experts(
     x = x.contiguous()
     direct = use_direct_dispatch(T, top_k, E)
     # (explicit configs, the tuner's candidates among them, run what they name)
-    fp4_decode = (WS_FP4 != "0" and quant in WS_FP4_QUANTS
-                  and T * top_k <= WS_FP4_MAX_ROWS * E
-                  and gemm1_config is None and gemm2_config is None
-                  and ((w13_global_scale is not None and w2_global_scale is not None)
-                       if quant == "nvfp4" else
-                       (w13_global_scale is None and w2_global_scale is None)))
-    ws_fp4_1 = fp4_decode and ws_fp4.applies(quant, activation, w13.shape[1], x, w13)
-    ws_fp4_2 = fp4_decode and WS_FP4 == "1" and ws_fp4.applies(quant, "none", H, x, w2)
+    fp4_slots = (ws_fp4.BLOCK_M if T * top_k <= WS_FP4_MAX_ROWS * E else
+                 ws_fp4.PREFILL_SLOTS if 0 < WS_FP4_PREFILL_MIN_ROWS * E <= T * top_k else None)
+    fp4_ws = (WS_FP4 != "0" and quant in WS_FP4_QUANTS and fp4_slots is not None
+              and gemm1_config is None and gemm2_config is None
+              and ((w13_global_scale is not None and w2_global_scale is not None)
+                   if quant == "nvfp4" else
+                   (w13_global_scale is None and w2_global_scale is None)))
+    ws_fp4_1 = fp4_ws and ws_fp4.applies(quant, activation, w13.shape[1], x, w13, fp4_slots)
+    ws_fp4_2 = fp4_ws and WS_FP4 == "1" and ws_fp4.applies(quant, "none", H, x, w2, fp4_slots)
     if ws_fp4_1 or ws_fp4_2:
         direct = False
     tile1 = ws_tile(quant, T * top_k, E, direct, activation, b13 is not None)
@@ -285,8 +291,8 @@ def triton_experts(
         # (A config's block_m counts only where its Triton kernel runs: a larger one would pad
         # every expert's rows further, decode's 16-row blocks to 32 or 64.)
         align_block_m = max(
-            ws_gemm.block_m(tile1) if ws1 else ws_fp4.BLOCK_M if ws_fp4_1 else config1.block_m,
-            ws_gemm.block_m(tile2) if ws2 else ws_fp4.BLOCK_M if ws_fp4_2 else config2.block_m)
+            ws_gemm.block_m(tile1) if ws1 else fp4_slots if ws_fp4_1 else config1.block_m,
+            ws_gemm.block_m(tile2) if ws2 else fp4_slots if ws_fp4_2 else config2.block_m)
         aligned = moe_align(topk_ids, E, align_block_m, local_expert_offset)
         routing.sorted_pair_ids = aligned.sorted_pair_ids
         routing.block_expert_ids = aligned.block_expert_ids
@@ -303,7 +309,8 @@ def triton_experts(
     if ws_fp4_1:
         rows, _ = gather_rows(x, None, routing)
         ws_fp4.gemm(rows, w13, w13_scale, w13_global_scale, b13, intermediate, routing, gemm=1,
-                    activation=activation, alpha=alpha, limit=limit, quant=quant)
+                    activation=activation, alpha=alpha, limit=limit, quant=quant,
+                    slots=fp4_slots)
         del rows
     elif ws1:
         rows, row_scales = gather_rows(a1, a1_scale, routing)
@@ -339,7 +346,7 @@ def triton_experts(
     pair_out = torch.empty((routing.num_pairs, H), dtype=x.dtype, device=x.device)
     if ws_fp4_2:
         ws_fp4.gemm(a2, w2, w2_scale, w2_global_scale, b2, pair_out, routing, gemm=2,
-                    activation="none", quant=quant)
+                    activation="none", quant=quant, slots=fp4_slots)
     elif ws2:
         ws_gemm.gemm(a2, a2_scale, w2, w2_scale, b2, pair_out, routing, gemm=2,
                      activation="none", tile=tile2, quant=quant)

@@ -55,9 +55,18 @@ from moe_ops.kernels.ws_gemm import (
 QUANTS = ("nvfp4", "mxfp4")
 GROUP = {"nvfp4": 16, "mxfp4": 32}      # columns a block scale
 ROWS = 64                  # weight rows a consumer warpgroup (the MMA's M)
-BLOCK_M = 16               # dispatch slots a tile (the MMA's N)
+BLOCK_M = 16               # dispatch slots a tile (the MMA's N) at decode
+# Prefill's form: 64 slots a tile, so each decoded weight tile feeds 4 times the MMA work
+# (m64n64k16 wgmmas): the decode's integer work, ~0.45 us a K step on an SM against the
+# MMA's ~0.8 us at bf16's rate, can hide behind the other consumer's MMA. Two consumers only
+# (112 registers a thread of four hold neither the [64, 64] fp32 tile nor the operand beside
+# the decode), 3 ring slots of 50 KB (the epilogue's layout exchange takes 16 KB a consumer
+# more: 4 slots would pass the 227 KB a block). Built and CPU-tested;
+# experts.WS_FP4_PREFILL_MIN_ROWS (off by default) runs it for the GPU's A/B.
+PREFILL_SLOTS = 64
+SLOTS = (BLOCK_M, PREFILL_SLOTS)
 BLOCK_K = 256              # columns a K step: 4 runs of 32 bytes a row
-STAGES = 4
+STAGES = {BLOCK_M: 4, PREFILL_SLOTS: 3}     # ring slots by the form's slots a tile
 # consumer warpgroups -> registers a worker consumer thread, a producer thread, the launch's
 # maxnreg (the default partition, consumer 0, gets what is left). The launch holds maxnreg a
 # thread for all its warps, the producer's padded to a warpgroup: 12 warps x 168 = 64512 and
@@ -249,7 +258,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     BN: gl.constexpr = w_bufs.type.shape[1]
     BM: gl.constexpr = x_bufs.type.shape[1]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 16, 16])
+                                                  instr_shape=[16, BM, 16])
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     # ACTIVATION: an index into ws_gemm.ACTIVATIONS (0 none: GEMM2)
     num_m = gl.load(num_padded_ptr) // BM
@@ -365,10 +374,10 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _layouts():
+def _layouts(slots: int = BLOCK_M):
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
     s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+    x_layout = gl.NVMMASharedLayout.get_default_for([slots, BLOCK_K], gl.bfloat16)
     return w_layout, s_layout, x_layout
 
 
@@ -377,28 +386,40 @@ def block_n(consumers: int) -> int:
     return consumers * ROWS
 
 
-def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tensor) -> bool:
+def consumers_for(slots: int) -> int:
+    """Consumer warpgroups of a form: decode's CONSUMERS, prefill's 2."""
+    return CONSUMERS if slots == BLOCK_M else 2
+
+
+def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tensor,
+            slots: int = BLOCK_M) -> bool:
     """Whether this kernel can run a launch: nvfp4 or mxfp4 weights with bf16 activations on a
     Hopper GPU, whole tiles of N, weights contiguous and 16-byte aligned (TMA over
     [E * N, 4, Kp/8] and the scales' [E * N, Kp/16 or Kp/32], whose rows must be whole 16 bytes:
     mxfp4 needs Kp a multiple of 512); the activation rows' stride 16-byte aligned."""
     kp = w.shape[-1] * 2
     return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
-            and a.dtype == torch.bfloat16 and n % block_n(CONSUMERS) == 0 and w.is_contiguous()
+            and a.dtype == torch.bfloat16 and n % block_n(consumers_for(slots)) == 0
+            and w.is_contiguous()
             and w.data_ptr() % 16 == 0 and (a.shape[1] * 2) % 16 == 0
             and (kp // GROUP[quant]) % 16 == 0)
 
 
 def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activation: str,
          alpha: float = 0.0, limit: float = 0.0, programs: Optional[int] = None,
-         consumers: Optional[int] = None, quant: str = "nvfp4") -> None:
-    """One nvfp4 / mxfp4 GEMM over the dispatch's live 16-slot blocks (see the module
-    docstring); mxfp4 has no global scale (w_global_scale None)."""
+         consumers: Optional[int] = None, quant: str = "nvfp4", slots: int = BLOCK_M) -> None:
+    """One nvfp4 / mxfp4 GEMM over the dispatch's live blocks of `slots` rows (16: decode's
+    form, PREFILL_SLOTS: prefill's, two consumers; see the module docstring); mxfp4 has no
+    global scale (w_global_scale None)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+    if slots not in SLOTS:
+        raise ValueError(f"slots must be one of {SLOTS}, got {slots}")
     if gemm == 1 and activation == "none":
         raise ValueError("gemm=1 needs an activation (GEMM1's epilogue applies it)")
-    consumers = consumers or CONSUMERS
+    consumers = consumers or consumers_for(slots)
+    if slots != BLOCK_M and consumers != 2:
+        raise ValueError(f"consumers: the {slots}-slot form runs 2, got {consumers}")
     bn = block_n(consumers)
     consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
     E, N, half_kp = w.shape
@@ -417,17 +438,19 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
             w_global_scale is not None and w_global_scale.shape != (E, N)):
         raise ValueError(f"w_global_scale: nvfp4 needs [E, N] = {(E, N)}, mxfp4 none; got "
                          f"{None if w_global_scale is None else tuple(w_global_scale.shape)}")
-    if routing.direct or routing.align_block_m % BLOCK_M:
-        raise ValueError(f"the fp4 decode kernel needs a dispatch aligned to {BLOCK_M} rows")
+    if routing.direct or routing.align_block_m % slots:
+        raise ValueError(f"routing: the fp4 kernel's {slots}-slot form needs a dispatch "
+                         f"aligned to {slots} rows, got "
+                         f"{'direct' if routing.direct else routing.align_block_m}")
     a = a.contiguous() if a.stride(-1) != 1 else a
-    w_layout, s_layout, x_layout = _layouts()
+    w_layout, s_layout, x_layout = _layouts(slots)
     w_desc = TensorDescriptor(w.view(E * N, 4, kp // 8), [E * N, 4, kp // 8],
                               [4 * (kp // 8), kp // 8, 1], [bn, 4, 32], w_layout)
     scales = w_scale.view(torch.uint8).view(E * N, kp // group)
     s_desc = TensorDescriptor(scales, [E * N, kp // group], [kp // group, 1], [bn, 16],
                               s_layout)
     x_desc = TensorDescriptor(a, [a.shape[0], a.shape[1]], [a.stride(0), 1],
-                              [BLOCK_M, BLOCK_K], x_layout)
+                              [slots, BLOCK_K], x_layout)
     if programs is None:
         programs = device_properties(a.device).multi_processor_count
     dummy = routing.topk_weights
@@ -438,7 +461,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         routing.num_padded, N, kp, routing.num_pairs,
         w_global_scale.stride(0) if w_global_scale is not None else 0,
         bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
-        ALIGN_M=routing.align_block_m, STAGES=STAGES,
+        ALIGN_M=routing.align_block_m, STAGES=STAGES[slots],
         ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs, PIPELINE=int(PIPELINE), MX=int(quant == "mxfp4"),
@@ -446,24 +469,25 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
 
 
 def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = False,
-                 consumers: int = 2, pipeline: Optional[bool] = None, quant: str = "nvfp4"):
+                 consumers: int = 2, pipeline: Optional[bool] = None, quant: str = "nvfp4",
+                 slots: int = BLOCK_M):
     """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    w_layout, s_layout, x_layout = _layouts()
+    w_layout, s_layout, x_layout = _layouts(slots)
     bn = block_n(consumers)
     consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
     signature = {
         "w_desc": f"tensordesc<u8[{bn}, 4, 32],{w_layout!r}>",
         "s_desc": f"tensordesc<u8[{bn}, 16],{s_layout!r}>",
-        "x_desc": f"tensordesc<bf16[{BLOCK_M}, {BLOCK_K}],{x_layout!r}>",
+        "x_desc": f"tensordesc<bf16[{slots}, {BLOCK_K}],{x_layout!r}>",
         "gscale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
         "sorted_pair_ids_ptr": "*i32", "topk_weights_ptr": "*fp32", "block_expert_ptr": "*i32",
         "num_padded_ptr": "*i32", "N": "i32", "KP": "i32", "num_pairs": "i32",
         "stride_ge": "i32", "stride_be": "i32", "stride_om": "i32", "alpha": "fp32",
         "limit": "fp32"}
-    consts = dict(ALIGN_M=BLOCK_M, STAGES=STAGES,
+    consts = dict(ALIGN_M=slots, STAGES=STAGES[slots],
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
                   PRODUCER_REGS=producer_regs,
