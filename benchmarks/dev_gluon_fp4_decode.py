@@ -8,7 +8,8 @@ form "gluon prefill", TFLOP/s beside TB/s), nvfp4 weights W_e [N, K] (kernel-ord
 global scale per row); out[pair] = x[slot] . W_e (routing weight 1). Variants: "gluon 2
 consumers" / "gluon 4 consumers" (ws_fp4 with 2 or 4 consumer warpgroups; "pipelined": each
 decoding step k + 1 while its wgmma of step k runs, ws_fp4.PIPELINE), "ours"
-(grouped_gemm.gemm2 with the default 4-bit decode config). Each is compared with a float32
+(grouped_gemm.gemm2 with the default 4-bit config for the rows an expert: decode's 16-row
+tiles, prefill's 128 x 128). Each is compared with a float32
 reference (dequantized weights) on random data, outputs NaN-poisoned first; times by
 triton.testing.do_bench (median); TB/s over the packed weights and their scales.
 
@@ -126,12 +127,9 @@ def run_ours(pb, routing, out_pairs):
 
 def run_gluon(pb, routing, out_pairs, consumers, pipeline=False, slots=SLOTS):
     from moe_ops.kernels import ws_fp4
-    saved, ws_fp4.PIPELINE = ws_fp4.PIPELINE, pipeline
-    try:
-        ws_fp4.gemm(pb["x"], pb["w_packed"], pb["w_scale"], pb["gscale"], None, out_pairs,
-                    routing, gemm=2, activation="none", consumers=consumers, slots=slots)
-    finally:
-        ws_fp4.PIPELINE = saved
+    ws_fp4.gemm(pb["x"], pb["w_packed"], pb["w_scale"], pb["gscale"], None, out_pairs,
+                routing, gemm=2, activation="none", consumers=consumers, slots=slots,
+                pipeline=pipeline)
 
 
 def main():

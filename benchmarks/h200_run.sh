@@ -20,13 +20,10 @@
 # prefill cases), DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 prefill (T = 1024-16384) with
 # MOE_OPS_WS_FP4_PREFILL_MIN_ROWS 0 and 32 (serial and pipelined consumers, mxfp4 on the kernel),
 # gpt-oss mxfp4 decode with MOE_OPS_WS_MXFP4 0 and 1; about 7 minutes.
-# ab8: the fp8 A/Bs: the padding skip (now tested once a tile) on both GEMM shapes of DeepSeek-V3
-# fp8_block (its block scales loaded before and after the wgmmas, MOE_OPS_WS_SCALE_LOADS) and
-# Mixtral fp8 at T = 16384 (dev_ws_fp8_block.py), and the prefill buckets whose
-# tables' configs are not persistent (Qwen3 fp8, DeepSeek fp8_block T = 1024 / 2048) with
-# MOE_OPS_WS_MIN_ROWS unset and 32; DeepSeek-V3 fp8_block T = 4096 / 16384 on the tile rule's
-# forms and on the 128 x 256 "wide" tiles (dev_ws_fp8_block's "package wide" too); about 7
-# minutes.
+# ab8: the 128 x 256 "wide" tiles on every GEMM that admits them (ws_gemm.WIDE_BUILDS: GEMM1 of
+# DeepSeek-V3 fp8_block and of fp8 per tensor, not yet measured): their GPU tests, then Mixtral
+# and Llama 4 fp8, DeepSeek fp8_block at T = 2048-16384 with MOE_OPS_WS_WIDE gemm2 (default)
+# and all; about 5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -113,11 +110,11 @@ if [[ "$what" == ab ]]; then
   ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
   for arm in 0:0:0 32:0:1 32:1:1; do
     IFS=: read -r rows pipe mx <<< "$arm"
-    MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=$rows MOE_OPS_WS_FP4_PIPELINE=$pipe MOE_OPS_WS_MXFP4=$mx \
+    MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=$rows MOE_OPS_WS_FP4_PREFILL_PIPELINE=$pipe MOE_OPS_WS_MXFP4=$mx \
       $ab --deadline-s 90 --models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4 --listed-only \
       --tokens 1024 4096 16384 --out "$out/ab_fp4_prefill_${rows}_${pipe}_$mx.json" \
       > "$out/ab_fp4_prefill_${rows}_${pipe}_$mx.log" 2>&1 || status=1
-    echo "MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=$rows MOE_OPS_WS_FP4_PIPELINE=$pipe MOE_OPS_WS_MXFP4=$mx"
+    echo "MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=$rows MOE_OPS_WS_FP4_PREFILL_PIPELINE=$pipe MOE_OPS_WS_MXFP4=$mx"
     grep -A7 '^ *model' "$out/ab_fp4_prefill_${rows}_${pipe}_$mx.log" | cut -c1-100
   done
   for mx in 0 1; do
@@ -128,25 +125,15 @@ if [[ "$what" == ab ]]; then
   done
 fi
 if [[ "$what" == ab8 ]]; then
-  for arm in deepseek_v3:before deepseek_v3:after mixtral_8x7b:after; do
-    model=${arm%:*} loads=${arm#*:}
-    mkdir -p "$out/ab_${model}_$loads"
-    MOE_OPS_WS_SCALE_LOADS=$loads python3 benchmarks/dev_ws_fp8_block.py --model $model \
-      --variants package --tokens 16384 --out "$out/ab_${model}_$loads" \
-      > "$out/ab_${model}_$loads.log" 2>&1 || status=1
-    echo "$model MOE_OPS_WS_SCALE_LOADS=$loads"; tail -n 13 "$out/ab_${model}_$loads.log"
-  done
+  timeout 200 python3 -m pytest -v -p no:cacheprovider tests/test_ws_gemm.py -k "wide or tile" \
+    > "$out/pytest_ws_wide.log" 2>&1 || status=1
+  tail -n 3 "$out/pytest_ws_wide.log"
   ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
-  for rows in 0 32; do
-    MOE_OPS_WS_MIN_ROWS=$rows $ab --deadline-s 100 --models qwen3_30b_a3b deepseek_v3 \
-      --quant fp8 fp8_block --listed-only --tokens 1024 2048 4096 16384 \
-      --out "$out/ab_ws_min_rows_$rows.json" > "$out/ab_ws_min_rows_$rows.log" 2>&1 || status=1
-    echo "MOE_OPS_WS_MIN_ROWS=$rows"; grep -A9 '^ *model' "$out/ab_ws_min_rows_$rows.log" | cut -c1-100
-  done
-  for tile in auto wide; do
-    MOE_OPS_WS_FP8_BLOCK_TILE=$tile $ab --deadline-s 80 --models deepseek_v3 --quant fp8_block \
-      --tokens 4096 16384 --out "$out/ab_tile_$tile.json" > "$out/ab_tile_$tile.log" 2>&1 || status=1
-    echo "MOE_OPS_WS_FP8_BLOCK_TILE=$tile"; grep -A3 '^ *model' "$out/ab_tile_$tile.log" | cut -c1-100
+  for wide in gemm2 all; do
+    MOE_OPS_WS_WIDE=$wide $ab --deadline-s 120 --models mixtral_8x7b llama4_scout deepseek_v3 \
+      --quant fp8 fp8_block --listed-only --tokens 2048 4096 16384 \
+      --out "$out/ab_wide_$wide.json" > "$out/ab_wide_$wide.log" 2>&1 || status=1
+    echo "MOE_OPS_WS_WIDE=$wide"; grep -A10 '^ *model' "$out/ab_wide_$wide.log" | cut -c1-100
   done
 fi
 if [[ "$what" == tune ]]; then

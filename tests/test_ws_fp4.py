@@ -162,8 +162,8 @@ def test_experts_on_ws_fp4_mxfp4(activation, bias, H, I, tokens, pipeline, which
     """mxfp4 on the kernel (MOE_OPS_WS_MXFP4=1): e8m0 scales loaded 16 bytes a row from a
     16-byte-aligned column (K steps 2j and 2j + 1's), each step its half, no global scale; gpt-oss's swiglu_oai with biases; K of 2-6
     steps (H = 512-1536), the pipelined consumer, GEMM1 alone; gpt-oss's own sizes (H = I =
-    2880: K padded to 3072, the last step's activation box and scale bytes partly past the
-    end; GEMM2's N = 2880 no whole tiles, so it runs grouped_gemm's)."""
+    2880: K padded to 3072, the last step's activation box partly past the end; GEMM2's
+    N = 2880 no whole tiles, so it runs grouped_gemm's)."""
     monkeypatch.setattr(experts_mod, "WS_FP4", which)
     monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
     monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)
@@ -189,7 +189,7 @@ def test_experts_on_ws_fp4_prefill(quant, activation, bias, H, I, tokens, pipeli
     monkeypatch.setattr(experts_mod, "WS_FP4_PREFILL_MIN_ROWS", 32)
     if quant == "mxfp4":
         monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
-    monkeypatch.setattr(ws_fp4, "PIPELINE", pipeline)
+    monkeypatch.setattr(ws_fp4, "PREFILL_PIPELINE", pipeline)
     slots = gemm_calls(ws_fp4, "gemm", record="slots")
     ckpt, kernel, x, ids, weights = make_case(quant, tokens, H, I, 8, 2, activation=activation,
                                               bias=bias, seed=19, offset=1, num_global=10,
@@ -221,19 +221,19 @@ def test_pipelined_consumers(H, consumers, monkeypatch, ws_fp4_calls, poisoned_e
 
 
 @needs_hopper
-@pytest.mark.parametrize("align,pipeline,large_path", [
-    (16, False, False), (32, False, True), (64, False, False), (64, True, True),
-    (128, False, False)])
-def test_padding_blocks_are_skipped(align, pipeline, large_path, monkeypatch):
-    """GEMM2 on a dispatch aligned to more rows than the kernel's 16-slot blocks (what a larger
-    grouped_gemm block_m for the other GEMM gives): the blocks of padding only are skipped by
+@pytest.mark.parametrize("align,pipeline,large_path,slots", [
+    (16, False, False, 16), (32, False, True, 16), (64, False, False, 16), (64, True, True, 16),
+    (128, False, False, 16), (128, False, False, 64), (256, True, True, 64)])
+def test_padding_blocks_are_skipped(align, pipeline, large_path, slots, monkeypatch):
+    """GEMM2 on a dispatch aligned to more rows than the kernel's blocks (16 slots, or the
+    prefill form's 64: what a larger grouped_gemm block_m for the other GEMM gives, e.g.
+    gpt-oss's GEMM2 on grouped_gemm at 128 rows): the blocks of padding only are skipped by
     every partition (a producer and consumers out of step would hang or mix tiles), every
     pair's row is written and matches grouped_gemm's kernel on the same dispatch, and no
     padding row is touched (the output has a poisoned row past the pairs). Two experts get
     17-40 pairs (live 16-slot blocks past a region's first), on both of moe_align's paths."""
     from moe_ops.kernels import grouped_gemm as gg
     from moe_ops.kernels.align import moe_align
-    monkeypatch.setattr(ws_fp4, "PIPELINE", pipeline)
     E, k, T, H, I = 8, 2, 24, 512, 256
     _, kernel, _, ids, weights = make_case("nvfp4", T, H, I, E, k, seed=9)
     dev = ids.device
@@ -253,7 +253,8 @@ def test_padding_blocks_are_skipped(align, pipeline, large_path, monkeypatch):
         out = torch.full((T * k + 1, H), float("nan"), device=dev, dtype=torch.bfloat16)
         if use_ws:
             ws_fp4.gemm(rows, kernel["w2"], kernel["w2_scale"], kernel["w2_global_scale"], None,
-                        out, routing, gemm=2, activation="none", programs=5)
+                        out, routing, gemm=2, activation="none", programs=5, slots=slots,
+                        pipeline=pipeline)
         else:
             gg.gemm2(rows, None, kernel["w2"], kernel["w2_scale"], None, out, routing,
                      gg.GemmConfig(16, 64, 128, 1, 4, 3), quant="nvfp4", atomic_out=False,

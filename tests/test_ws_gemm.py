@@ -216,16 +216,23 @@ def test_experts_with_scale_loads_after(tile, activation, bias, skip, monkeypatc
 
 
 @needs_hopper
-@pytest.mark.parametrize("activation,bias", [("swiglu", False), ("swiglu", True), ("relu2", False)])
-def test_experts_on_wide_tiles(activation, bias, monkeypatch, gemm_calls, poisoned_empty):
-    """MOE_OPS_WS_FP8_BLOCK_TILE=wide: GEMM2 on 128 x 256 tiles, each warpgroup both column
-    halves of its 64 rows in turn; GEMM1, which the form does not admit (ws_gemm.WIDE_BUILDS),
-    on the rule's form of the same kernel, one 128-aligned dispatch for both. Several weight
-    scale blocks along N and K, expert-parallel ids, one expert with most rows."""
+@pytest.mark.parametrize("quant,activation,bias", [
+    ("fp8_block", "swiglu", False), ("fp8_block", "swiglu", True), ("fp8_block", "relu2", False),
+    ("fp8", "swiglu", False), ("fp8", "relu2", True), ("fp8", "swiglu_oai", True)])
+def test_experts_on_wide_tiles(quant, activation, bias, monkeypatch, gemm_calls,
+                               poisoned_empty):
+    """MOE_OPS_WS_FP8_BLOCK_TILE=wide: the GEMMs the form admits (ws_gemm.WIDE_BUILDS) on
+    128 x 256 tiles, each warpgroup both column halves of its 64 rows in turn (fp8_block's
+    GEMM2 and DeepSeek's swiglu GEMM1, fp8 per tensor's GEMM1 and its GEMM2 with a bias); the
+    others on the rule's form of the same kernel, one 128-aligned dispatch for both. Several
+    weight scale blocks along N and K, expert-parallel ids, one expert with most rows."""
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "wide")
+    monkeypatch.setattr(experts_mod, "WS_FP8", True)
     tiles = gemm_calls(ws_gemm, "gemm", record="tile")
-    check_skewed_experts("fp8_block", activation, bias, seed=47)
-    assert tiles == [experts_mod.ws_tile_rule(300 * 2, 4), "wide"], tiles
+    check_skewed_experts(quant, activation, bias, seed=47)
+    rule = experts_mod.ws_tile_rule(300 * 2, 4)
+    assert tiles == ["wide" if ws_gemm.wide_admits(quant, activation, bias) else rule,
+                     "wide" if ws_gemm.wide_admits(quant, "none", bias) else rule], tiles
 
 
 WIDE_K_LOOP = """
@@ -233,7 +240,7 @@ import collections, sys
 sys.path.insert(0, "benchmarks")
 from aot_sm90 import loops
 from moe_ops.kernels import ws_gemm
-builds = list(ws_gemm.WIDE_BUILDS) + [("fp8_block", "swiglu", False)]
+builds = list(ws_gemm.WIDE_BUILDS) + [("fp8", "none", False)]
 for quant, activation, bias in builds:
     gemm = 2 if activation == "none" else 1
     kernel = ws_gemm.compile_sm90(tile="wide", gemm=gemm, activation=activation,
@@ -249,9 +256,10 @@ for quant, activation, bias in builds:
 
 def test_wide_builds_do_not_spill_in_their_k_loop():
     """The "wide" builds ws_gemm admits (WIDE_BUILDS) keep their three 64-register tiles in
-    registers through both consumers' K loops (sm_90 SASS: no local loads or stores there);
-    GEMM1's swiglu build, which it does not admit, spills in one of them (if that changes, the
-    form may admit it)."""
+    registers through both consumers' K loops (sm_90 SASS: at most one register exchanged
+    through local memory around a wgmma issue, 4 accesses a step); fp8 per tensor's GEMM2
+    without a bias, which it does not admit, spills (if that changes, the form may admit
+    it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", WIDE_K_LOOP], env=env, capture_output=True,
                           text=True, timeout=900,
@@ -260,8 +268,8 @@ def test_wide_builds_do_not_spill_in_their_k_loop():
     rows = [line.split() for line in done.stdout.splitlines()]
     assert len(rows) == len(ws_gemm.WIDE_BUILDS) + 1, done.stdout
     assert all(row[3] == "2" for row in rows), done.stdout
-    assert all(row[4] == "0" for row in rows[:-1]), done.stdout
-    assert int(rows[-1][4]) > 0, done.stdout
+    assert all(int(row[4]) <= 4 for row in rows[:-1]), done.stdout
+    assert int(rows[-1][4]) > 16, done.stdout
 
 
 @needs_hopper
@@ -286,7 +294,8 @@ def test_gemm2_matches_the_triton_persistent_kernel(tile, programs, quant):
     row written (the output is NaN-poisoned first). "wide" runs the same k32 wgmmas, promotions
     and epilogue as "rows" on each 128 columns: their results are equal bit for bit."""
     if tile == "wide" and quant == "fp8":
-        pytest.skip("the wide form is built for fp8_block only (ws_gemm.WIDE_BUILDS)")
+        pytest.skip("fp8 per tensor's GEMM2 without a bias spills in the wide form "
+                    "(ws_gemm.WIDE_BUILDS)")
     torch.manual_seed(5)
     E, N, K, T, k = 8, 512, 1024, 700, 4
     dev = torch.device("cuda")
@@ -339,17 +348,30 @@ def test_tile_rule(monkeypatch):
     # GEMM2 (activation "none") of fp8_block from 512 rows an expert: the 128 x 256 tiles
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) == "wide"
     assert experts_mod.ws_tile("fp8_block", 16383 * 8, 256, False) == "rows"
+    # N no whole number of 256-column tiles: the rule's form
+    assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False, n=7168) == "wide"
+    assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False, n=7296) == "rows"
+    # MOE_OPS_WS_WIDE=all: every build the form admits, GEMM1 and fp8 per tensor too
+    monkeypatch.setattr(ws_gemm, "WIDE", "all")
+    assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False, "swiglu") == "wide"
+    assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False, "geglu") == "rows"
+    monkeypatch.setattr(experts_mod, "WS_FP8", True)
+    assert experts_mod.ws_tile("fp8", 16384 * 8, 256, False, "swiglu") == "wide"
+    assert experts_mod.ws_tile("fp8", 16384 * 8, 256, False) == "rows"    # GEMM2 spills
+    assert experts_mod.ws_tile("fp8", 16384 * 8, 256, False, "none", True) == "wide"
+    monkeypatch.setattr(ws_gemm, "WIDE", "gemm2")
+    monkeypatch.setattr(experts_mod, "WS_FP8", False)
     assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, True) is None
     assert experts_mod.ws_tile("fp8", 16384 * 8, 256, False) is None
     monkeypatch.setattr(experts_mod, "WS_FP8", True)
-    assert experts_mod.ws_tile("fp8", 16384 * 8, 256, False) == "rows"    # no wide build
+    assert experts_mod.ws_tile("fp8", 16384 * 8, 256, False) == "rows"    # no wide GEMM2
     assert experts_mod.ws_tile("none", 16384 * 8, 256, False) is None
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "cols")
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) == "cols"
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "wide")
     assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, False) == "wide"
     # a GEMM the form does not admit (ws_gemm.WIDE_BUILDS) takes the rule's
-    assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, False, "swiglu", False) == "cols"
+    assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, False, "swiglu", True) == "cols"
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "none")
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) is None
 

@@ -88,8 +88,10 @@ FP8_SWAP_AB = False
 # the scale loads after the wgmmas 5.56 -> 4.39; results/h200_ab_scale_loads_*_fp8_block.json),
 # the layer 16.54 -> 16.23 ms eager, but at T = 4096 (128 rows) the layer 5.36 -> 5.78 ms (half
 # as many tiles to spread over the SMs; results/h200_ab_tile_*.json).
-# MOE_OPS_WS_FP8_BLOCK_TILE=rows|cols|wide|none overrides the rule ("none": never this kernel;
-# "wide" at any size for the launches it admits, the others on the rule's form).
+# MOE_OPS_WS_WIDE=all: "wide" from WS_WIDE_MIN_ROWS for every build WIDE_BUILDS admits (GEMM1,
+# fp8 per tensor: not yet measured). MOE_OPS_WS_FP8_BLOCK_TILE=rows|cols|wide|none overrides the
+# rule ("none": never this kernel; "wide" at any size for the launches it admits, the others on
+# the rule's form).
 # (It governs the fp8-per-tensor launches of WS_FP8 alike.) While tuning, the tuner times what
 # runs: a persistent fp8_block candidate on Hopper is timed on this kernel.
 WS_FP8_BLOCK_TILE: Optional[str] = ws_gemm.env_choice(
@@ -134,22 +136,25 @@ WS_FP4_PREFILL_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", 0)
 
 
 def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool,
-            activation: str = "none", has_bias: bool = False) -> Optional[str]:
+            activation: str = "none", has_bias: bool = False,
+            n: Optional[int] = None) -> Optional[str]:
     """The warp-specialized kernel's tile form for one GEMM (activation "none": GEMM2) of an
     fp8_block (or, with WS_FP8, fp8) call; None: not this kernel. num_pairs counts every routed
     pair, num_experts the local experts: with expert parallelism the rows an expert gets are
     overestimated (the rule then picks the 128-row tiles early; a speed matter, the results are
     the same). An override to "wide" holds for the builds ws_gemm admits it for; the others
-    take the rule's form."""
+    take the rule's form, as do GEMMs whose N (output columns, when given) is no whole number
+    of the wide tile's 256."""
+    wide_fits = (ws_gemm.wide_admits(quant, activation, has_bias)
+                 and (n is None or n % ws_gemm.TILES["wide"][1] == 0))
     if quant not in (("fp8_block", "fp8") if WS_FP8 else ("fp8_block",)):
         return None
     if direct or WS_FP8_BLOCK_TILE == "none":
         return None
-    if WS_FP8_BLOCK_TILE != "auto" and (
-            WS_FP8_BLOCK_TILE != "wide" or ws_gemm.wide_admits(quant, activation, has_bias)):
+    if WS_FP8_BLOCK_TILE != "auto" and (WS_FP8_BLOCK_TILE != "wide" or wide_fits):
         return WS_FP8_BLOCK_TILE
-    if (num_pairs >= WS_WIDE_MIN_ROWS * num_experts
-            and ws_gemm.wide_admits(quant, activation, has_bias)):
+    if (num_pairs >= WS_WIDE_MIN_ROWS * num_experts and wide_fits
+            and ws_gemm.wide_by_rule(quant, activation, has_bias)):
         return "wide"
     return ws_tile_rule(num_pairs, num_experts)
 
@@ -267,12 +272,15 @@ def triton_experts(
               and ((w13_global_scale is not None and w2_global_scale is not None)
                    if quant == "nvfp4" else
                    (w13_global_scale is None and w2_global_scale is None)))
-    ws_fp4_1 = fp4_ws and ws_fp4.applies(quant, activation, w13.shape[1], x, w13, fp4_slots)
-    ws_fp4_2 = fp4_ws and WS_FP4 == "1" and ws_fp4.applies(quant, "none", H, x, w2, fp4_slots)
+    ws_fp4_1 = fp4_ws and ws_fp4.applies(quant, activation, w13.shape[1], x, w13, w13_scale,
+                                         fp4_slots)
+    # (GEMM2 reads the intermediate's rows of I values)
+    ws_fp4_2 = fp4_ws and WS_FP4 == "1" and ws_fp4.applies(quant, "none", H, x, w2, w2_scale,
+                                                           fp4_slots, k=I)
     if ws_fp4_1 or ws_fp4_2:
         direct = False
-    tile1 = ws_tile(quant, T * top_k, E, direct, activation, b13 is not None)
-    tile2 = ws_tile(quant, T * top_k, E, direct, "none", b2 is not None)
+    tile1 = ws_tile(quant, T * top_k, E, direct, activation, b13 is not None, w13.shape[1])
+    tile2 = ws_tile(quant, T * top_k, E, direct, "none", b2 is not None, H)
     # x quantized is [T, H] e4m3 like the intermediate's [slots, I]: the same checks hold
     rows_ok = (WS_MIN_ROWS > 0 and T * top_k >= WS_MIN_ROWS * E
                and gemm1_config is None and gemm2_config is None)

@@ -24,7 +24,7 @@ Here the schedule is explicit:
              block scales each and exchange them. PIPELINE: each decodes step k + 1 while its
              wgmma of step k runs.
 Swap-AB: the weight rows are the MMA's M side, the dispatch's 16-slot blocks its N side (decode:
-up to 16 routed rows an expert). Its sm_90 K loop: 3.3 instructions a weight value for nvfp4,
+up to 16 routed rows an expert; prefill's form: 64-slot blocks, PREFILL_SLOTS). Its sm_90 K loop: 3.3 instructions a weight value for nvfp4,
 3.7 for mxfp4 (two multiplies a pair: see grouped_gemm's _E2M1_BF16_ASM_MXFP4)
 (benchmarks/dev_gluon_fp4_decode.py --aot), against the Triton loop's 5.1.
 
@@ -78,9 +78,14 @@ STAGES = {BLOCK_M: 4, PREFILL_SLOTS: 3}     # ring slots by the form's slots a t
 REGISTERS = {2: (232, 40, 168), 4: (112, 24, 96)}
 CONSUMERS = int(env_choice("MOE_OPS_WS_FP4_CONSUMERS", "2", ("2", "4")))
 # A consumer's decode of K step k + 1 while its wgmma of step k runs (a second register operand)
-# instead of decode, MMA, wait in turn: built, not yet measured, so off unless
-# MOE_OPS_WS_FP4_PIPELINE=1.
+# instead of decode, MMA, wait in turn. Measured on an H200 (results/h200_ab_fp4_rows_16_*.json,
+# h200_gluon_fp4_decode_pipelined.json, 2026-12-01): DeepSeek-V3 nvfp4 decode T = 16-512 6-7%
+# slower (T = 16 884 -> 938 us); so off unless MOE_OPS_WS_FP4_PIPELINE=1 (at decode the wgmma
+# of N = 16 is short; prefill's 64-slot form is where it may pay: `ab` of h200_run.sh).
 PIPELINE = env_choice("MOE_OPS_WS_FP4_PIPELINE", "0", ("0", "1")) == "1"
+# The same for the 64-slot prefill form (its wgmmas 4 times longer): not yet measured, so off
+# unless MOE_OPS_WS_FP4_PREFILL_PIPELINE=1.
+PREFILL_PIPELINE = env_choice("MOE_OPS_WS_FP4_PREFILL_PIPELINE", "0", ("0", "1")) == "1"
 
 # One K step's packed bytes of a warpgroup's 64 rows, [64, 128] (byte j = 32t + 2c + q of a row:
 # run t, slice c, pair q): each thread holds its two rows' (r, r + 8) run t, the bytes wgmma's A
@@ -392,25 +397,31 @@ def consumers_for(slots: int) -> int:
 
 
 def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tensor,
-            slots: int = BLOCK_M) -> bool:
-    """Whether this kernel can run a launch: nvfp4 or mxfp4 weights with bf16 activations on a
-    Hopper GPU, whole tiles of N, weights contiguous and 16-byte aligned (TMA over
-    [E * N, 4, Kp/8] and the scales' [E * N, Kp/16 or Kp/32], whose rows must be whole 16 bytes:
-    mxfp4 needs Kp a multiple of 512); the activation rows' stride 16-byte aligned."""
+            w_scale: torch.Tensor, slots: int = BLOCK_M, k: Optional[int] = None) -> bool:
+    """Whether this kernel can run a launch (what gemm() would otherwise refuse, or TMA
+    fault on): nvfp4 or mxfp4 weights with bf16 activations on a Hopper GPU, whole tiles of N,
+    packed rows of whole 256-column steps, weights and scales contiguous and 16-byte aligned
+    (TMA over [E * N, 4, Kp/8] and the scales' [E * N, Kp/16 or Kp/32], whose rows must be whole
+    16 bytes: mxfp4 needs Kp a multiple of 512); the activation rows (`k` values each, a's
+    by default: GEMM2 reads the intermediate's I) 16-byte aligned."""
     kp = w.shape[-1] * 2
+    k = a.shape[1] if k is None else k
     return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
             and a.dtype == torch.bfloat16 and n % block_n(consumers_for(slots)) == 0
-            and w.is_contiguous()
-            and w.data_ptr() % 16 == 0 and (a.shape[1] * 2) % 16 == 0
-            and (kp // GROUP[quant]) % 16 == 0)
+            and kp > 0 and kp % BLOCK_K == 0 and (kp // GROUP[quant]) % 16 == 0
+            and w.is_contiguous() and w.data_ptr() % 16 == 0
+            and w_scale.is_contiguous() and w_scale.data_ptr() % 16 == 0
+            and (k * 2) % 16 == 0)
 
 
 def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activation: str,
          alpha: float = 0.0, limit: float = 0.0, programs: Optional[int] = None,
-         consumers: Optional[int] = None, quant: str = "nvfp4", slots: int = BLOCK_M) -> None:
+         consumers: Optional[int] = None, quant: str = "nvfp4", slots: int = BLOCK_M,
+         pipeline: Optional[bool] = None) -> None:
     """One nvfp4 / mxfp4 GEMM over the dispatch's live blocks of `slots` rows (16: decode's
     form, PREFILL_SLOTS: prefill's, two consumers; see the module docstring); mxfp4 has no
-    global scale (w_global_scale None)."""
+    global scale (w_global_scale None). pipeline: the pipelined consumers (default: PIPELINE,
+    or PREFILL_PIPELINE for the prefill form)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if slots not in SLOTS:
@@ -464,8 +475,10 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         ALIGN_M=routing.align_block_m, STAGES=STAGES[slots],
         ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=producer_regs, PIPELINE=int(PIPELINE), MX=int(quant == "mxfp4"),
-        num_warps=4, maxnreg=maxnreg)
+        PRODUCER_REGS=producer_regs,
+        PIPELINE=int((PIPELINE if slots == BLOCK_M else PREFILL_PIPELINE)
+                     if pipeline is None else pipeline),
+        MX=int(quant == "mxfp4"), num_warps=4, maxnreg=maxnreg)
 
 
 def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = False,

@@ -69,14 +69,22 @@ TILES = {"rows": (2 * WG_ROWS, WG_COLS), "cols": (WG_ROWS, 2 * WG_COLS),
 FORMS = {"rows": 0, "cols": 1, "wide": 2}
 # "wide" holds 3 x 64 accumulator registers of a consumer's 232: the builds whose K loops (both
 # consumers') keep them (sm_90 SASS, tests/test_ws_gemm.py), (quant, activation, bias):
-# fp8_block's GEMM2, no local memory in its loops. Every GEMM1 form spills in one consumer's
-# loop (swiglu without bias: 36 local accesses a K step in the default partition's) and fp8
-# per tensor's GEMM2 too; a GEMM the form does not admit runs the rule's form.
-WIDE_BUILDS = (("fp8_block", "none", False), ("fp8_block", "none", True))
+# fp8_block's GEMM2 and its swiglu GEMM1 without bias (DeepSeek-V3's), fp8 per tensor's GEMM1
+# of every activation and its GEMM2 with a bias; at most one register exchanged through local
+# memory around a wgmma issue (4 accesses a K step: fp8_block's swiglu, fp8's relu2 without
+# bias), the others none. The builds left out spill 84-100 local accesses a step
+# (ptxas's choice at this register count moves with small changes of the code: the test pins
+# the list); a GEMM the form does not admit runs the rule's form.
+WIDE_BUILDS = (("fp8_block", "none", False), ("fp8_block", "none", True),
+               ("fp8_block", "swiglu", False), ("fp8", "none", True)) + tuple(
+    ("fp8", activation, bias) for activation in ("swiglu", "geglu", "swiglu_oai", "relu2")
+    for bias in (False, True))
 
 
 def wide_admits(quant: str, activation: str, has_bias: bool) -> bool:
     return (quant, activation, has_bias) in WIDE_BUILDS
+
+
 ACTIVATIONS = ("none", "swiglu", "geglu", "swiglu_oai", "relu2")
 # fp8_block: scales per 128 columns of K applied every K step; fp8 (per tensor): the partial
 # sums promoted every K step, one scale per row and per weight row in the epilogue.
@@ -106,6 +114,17 @@ def env_int(name: str, default: int) -> int:
     return int(value)
 
 
+# Where the rule of experts.ws_tile gives "wide": "gemm2" (fp8_block's GEMM2, measured) or
+# "all" (every build WIDE_BUILDS admits: GEMM1 and fp8 per tensor not yet measured).
+WIDE = env_choice("MOE_OPS_WS_WIDE", "gemm2", ("gemm2", "all"))
+
+
+def wide_by_rule(quant: str, activation: str, has_bias: bool) -> bool:
+    """Whether the tile rule may pick "wide" for this build (WIDE, WIDE_BUILDS)."""
+    return wide_admits(quant, activation, has_bias) and (
+        WIDE == "all" or (quant == "fp8_block" and activation == "none"))
+
+
 # The epilogue's stores through a row-contiguous layout (_store_rows); MOE_OPS_WS_STORE=mma
 # stores from the MMA's layout directly (for A/B).
 COALESCED_STORE = env_choice("MOE_OPS_WS_STORE", "coalesced", ("coalesced", "mma")) == "coalesced"
@@ -113,9 +132,10 @@ COALESCED_STORE = env_choice("MOE_OPS_WS_STORE", "coalesced", ("coalesced", "mma
 # 128-row tiles (results/h200_ws_fp8_block_skip.json, h200_ws_fp8_mixtral.json, 2026-12-01),
 # the test inside the K loop: GEMM2's shapes gain (DeepSeek-V3 fp8_block T = 16384 726 -> 737
 # TFLOP/s, Mixtral-8x7B fp8 1028 -> 1065) but GEMM1's lose (817 -> 690, 932 -> 862). The test is
-# now made once a tile (_consumer), which has not run on a GPU yet: off by default until it has
-# (the default builds are then the ones tested on the GPU); MOE_OPS_WS_SKIP_PADDING=gemm2:
-# GEMM2 only, 1: both GEMMs.
+# now made once a tile (_consumer); tested on the GPU and measured there at T = 16384
+# (results/h200_ab_scale_loads_*.json, 2026-12-01): DeepSeek-V3 GEMM1's shape 9.25 -> 9.07 ms,
+# GEMM2's 5.12 -> 5.16, Mixtral's 8.11 -> 8.33 and 3.58 -> 3.67: within the run-to-run spread
+# or worse, so off; MOE_OPS_WS_SKIP_PADDING=gemm2: GEMM2 only, 1: both GEMMs.
 SKIP_PADDING = env_choice("MOE_OPS_WS_SKIP_PADDING", "0", ("0", "gemm2", "1"))
 
 
@@ -123,7 +143,10 @@ SKIP_PADDING = env_choice("MOE_OPS_WS_SKIP_PADDING", "0", ("0", "gemm2", "1"))
 # then places their products between the step's first and second wgmma, whose issue waits for
 # the loads; the form measured and tested on the GPU) or after their issue ("after": the four
 # wgmmas issued back to back, the products after them, the loads' latency overlapping the
-# MMAs; built and CPU-tested, not yet run on a GPU).
+# MMAs). Both tested on the GPU; measured there (results/h200_ab_scale_loads_*_fp8_block.json,
+# 2026-12-01, DeepSeek-V3 T = 16384, GEMM alone, before -> after): "rows" GEMM1's shape 9.25 ->
+# 10.22 ms, GEMM2's 5.12 -> 5.56; "cols" 13.10 -> 10.88 and 5.63 -> 5.23; "wide" 8.51 -> 8.38
+# and 4.56 -> 4.39. No form gains beyond the spread on the tiles that run, so "before".
 SCALES_AFTER_MMA = env_choice("MOE_OPS_WS_SCALE_LOADS", "before", ("before", "after")) == "after"
 
 
@@ -405,8 +428,7 @@ def _mma_steps_wide(acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_s
     """_mma_steps for the "wide" form: each K step multiplies this warpgroup's 64 rows by both
     128-column halves of the slot's 256 weight rows in turn into one partial, promoted into
     acc (columns col0..) and acc_hi (col0 + 128..) before the next (two partials would not fit
-    the registers). The slot is released after the second. The step's scales are loaded
-    after the first wgmma is issued (SCALES_AFTER_MMA's placement)."""
+    the registers). The slot is released after the second."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     # gated: both halves of a 256-column span share the gate and up scale rows; otherwise the
     # low half's block and the high half's
@@ -415,9 +437,14 @@ def _mma_steps_wide(acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_s
         mbarrier.wait(ready.index(index), phase)
         a_tile = a_bufs.index(index).slice(ROW0, ROWS, dim=0)
         w_tile = w_bufs.index(index)
+        # the step's scales: GEMM2 (not gated) after the first wgmma's issue, the measured
+        # form; gated GEMM1 before it, where ptxas then keeps the three tiles in registers
+        # but for one exchanged around the issue (after it: 36 local accesses a step)
+        if BLOCK_SCALES and GATED:
+            s_a, s_b = _step_scales(a_scale_rows, kb, w_scale_a, w_scale_b, True)
         part = warpgroup_mma(a_tile, w_tile.slice(0, COLS, dim=0).permute((1, 0)), acc,
                              use_acc=False, is_async=True)
-        if BLOCK_SCALES:
+        if BLOCK_SCALES and not GATED:
             s_a, s_b = _step_scales(a_scale_rows, kb, w_scale_a, w_scale_b, True)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
         if BLOCK_SCALES:
