@@ -11,8 +11,9 @@ GEMM1 N = 28672, K = 4096, GEMM2 N = 4096, K = 14336; one scale per row and per 
 Each expert's rows padded to 128. Variants: "ours persistent" / "ours tile" (grouped_gemm's
 kernels with the tables' prefill config for the model), "package rows" / "package cols"
 (ws_gemm's two tile forms), the same with the epilogue's stores from the MMA layout
-("mma-store"), the 128-row tiles with the padding-half skip (ws_gemm.SKIP_PADDING), and for
-fp8_block the 128 x 256 tiles ("package wide").
+("mma-store"), the 128-row tiles with the padding-half skip (ws_gemm.SKIP_PADDING), the
+staggered consumers ("stagger n/s": a ring of n slots, consumer 1 s K steps behind;
+ws_gemm.STAGGER), and for fp8_block the 128 x 256 tiles ("package wide").
 
 Every run: output poisoned with NaN, compared with an fp32 torch reference (relative Frobenius
 error over the real rows; a NaN left means an unwritten row); timing by triton.testing.do_bench,
@@ -142,22 +143,27 @@ def run_ours(pb, out_pairs, config):
              quant=pb["quant"], atomic_out=False)
 
 
-def run_package(pb, out_pairs, tile, coalesced=True, skip_padding=False):
+def run_package(pb, out_pairs, tile, coalesced=True, skip_padding=False, stagger=None):
     """moe_ops.kernels.ws_gemm (this kernel as the package runs it: GEMM2's epilogue, one row
-    per pair times a routing weight of 1) on the same rows."""
+    per pair times a routing weight of 1) on the same rows. stagger: (ring slots, steps) of
+    the staggered consumers (ws_gemm.STAGGER)."""
     from moe_ops.kernels import grouped_gemm as gg, ws_gemm
     routing = gg.Routing(topk_ids=pb["topk_ids"], topk_weights=torch.ones(
         pb["pairs"], device=pb["a"].device), top_k=pb["top_k"], num_experts=pb["w"].shape[0],
         local_expert_offset=0, sorted_pair_ids=pb["sorted_pair_ids"],
         block_expert_ids=pb["block_expert_ids"], align_block_m=BLOCK_M,
         num_padded=pb["num_padded"])
-    saved = ws_gemm.COALESCED_STORE, ws_gemm.SKIP_PADDING
+    saved = (ws_gemm.COALESCED_STORE, ws_gemm.SKIP_PADDING, ws_gemm.RING_STAGES,
+             ws_gemm.STAGGER)
     ws_gemm.COALESCED_STORE, ws_gemm.SKIP_PADDING = coalesced, "1" if skip_padding else "0"
+    if stagger is not None:
+        ws_gemm.RING_STAGES, ws_gemm.STAGGER = stagger
     try:
         ws_gemm.gemm(pb["a"], pb["a_scale"], pb["w"], pb["w_scale"], None, out_pairs, routing,
                      gemm=2, activation="none", tile=tile, quant=pb["quant"])
     finally:
-        ws_gemm.COALESCED_STORE, ws_gemm.SKIP_PADDING = saved
+        (ws_gemm.COALESCED_STORE, ws_gemm.SKIP_PADDING, ws_gemm.RING_STAGES,
+         ws_gemm.STAGGER) = saved
 
 
 def main():
@@ -188,7 +194,10 @@ def main():
                         ("package rows", None, "rows"), ("package cols", None, "cols"),
                         ("package rows mma-store", None, "rows/mma"),
                         ("package cols mma-store", None, "cols/mma"),
-                        ("package rows skip-padding", None, "rows/skip")]
+                        ("package rows skip-padding", None, "rows/skip"),
+                        ("package rows stagger 6/3", None, "rows/6/3"),
+                        ("package rows stagger 6/5", None, "rows/6/5"),
+                        ("package cols stagger 5/3", None, "cols/5/3")]
             if quant == "fp8_block":
                 # 128 x 256 tiles (ws_gemm.WIDE_BUILDS: fp8_block's GEMM2 form builds without
                 # spilling; fp8 per tensor's does not)
@@ -199,9 +208,12 @@ def main():
             for name, persistent, pipe in variants:
                 try:
                     if pipe is not None:
-                        fn = (lambda: run_package(pb, out_pairs, pipe.split("/")[0],
+                        parts = pipe.split("/")
+                        stagger = ((int(parts[1]), int(parts[2])) if len(parts) == 3
+                                   else None)
+                        fn = (lambda: run_package(pb, out_pairs, parts[0],
                                                   not pipe.endswith("/mma"),
-                                                  pipe.endswith("/skip")))
+                                                  pipe.endswith("/skip"), stagger))
                     else:
                         config = GemmConfig(bm, bn, bk, group_m, warps, 3 if persistent else 4,
                                             persistent=persistent)

@@ -20,10 +20,12 @@
 # prefill cases), DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 prefill (T = 1024-16384) with
 # MOE_OPS_WS_FP4_PREFILL_MIN_ROWS 0 and 32 (serial and pipelined consumers, mxfp4 on the kernel),
 # gpt-oss mxfp4 decode with MOE_OPS_WS_MXFP4 0 and 1; about 7 minutes.
-# ab8: the 128 x 256 "wide" tiles on every GEMM that admits them (ws_gemm.WIDE_BUILDS: GEMM1 of
-# DeepSeek-V3 fp8_block and of fp8 per tensor, not yet measured): their GPU tests, then Mixtral
-# and Llama 4 fp8, DeepSeek fp8_block at T = 2048-16384 with MOE_OPS_WS_WIDE gemm2 (default)
-# and all; about 5 minutes.
+# ab8: the fp8 Gluon kernel's new forms, not yet measured: the 128 x 256 "wide" tiles on every
+# GEMM that admits them (ws_gemm.WIDE_BUILDS: GEMM1 of DeepSeek-V3 fp8_block and of fp8 per
+# tensor) and the staggered consumers (ws_gemm.STAGGER): their GPU tests; the GEMMs alone with
+# the stagger (dev_ws_fp8_block.py, DeepSeek and Mixtral, T = 16384); the layers with
+# MOE_OPS_WS_STAGES=6 MOE_OPS_WS_STAGGER=3 and without, then Mixtral and Llama 4 fp8, DeepSeek
+# fp8_block at T = 2048-16384 with MOE_OPS_WS_WIDE gemm2 (default) and all; about 9 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -125,10 +127,24 @@ if [[ "$what" == ab ]]; then
   done
 fi
 if [[ "$what" == ab8 ]]; then
-  timeout 200 python3 -m pytest -v -p no:cacheprovider tests/test_ws_gemm.py -k "wide or tile" \
+  timeout 200 python3 -m pytest -v -p no:cacheprovider tests/test_ws_gemm.py \
+    -k "wide or tile or stagger" \
     > "$out/pytest_ws_wide.log" 2>&1 || status=1
   tail -n 3 "$out/pytest_ws_wide.log"
+  for model in deepseek_v3 mixtral_8x7b; do
+    mkdir -p "$out/ab_stagger_$model"
+    python3 benchmarks/dev_ws_fp8_block.py --model $model --variants package --tokens 16384 \
+      --out "$out/ab_stagger_$model" > "$out/ab_stagger_$model.log" 2>&1 || status=1
+    echo "$model"; tail -n 24 "$out/ab_stagger_$model.log"
+  done
   ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
+  for arm in 4:0 6:3; do
+    MOE_OPS_WS_STAGES=${arm%:*} MOE_OPS_WS_STAGGER=${arm#*:} $ab --deadline-s 90 \
+      --models mixtral_8x7b deepseek_v3 --quant fp8 fp8_block --listed-only --tokens 4096 16384 \
+      --out "$out/ab_stagger_${arm/:/_}.json" > "$out/ab_stagger_${arm/:/_}.log" 2>&1 || status=1
+    echo "MOE_OPS_WS_STAGES=${arm%:*} MOE_OPS_WS_STAGGER=${arm#*:}"
+    grep -A5 '^ *model' "$out/ab_stagger_${arm/:/_}.log" | cut -c1-100
+  done
   for wide in gemm2 all; do
     MOE_OPS_WS_WIDE=$wide $ab --deadline-s 120 --models mixtral_8x7b llama4_scout deepseek_v3 \
       --quant fp8 fp8_block --listed-only --tokens 2048 4096 16384 \

@@ -336,6 +336,103 @@ def test_gemm2_matches_the_triton_persistent_kernel(tile, programs, quant):
         assert torch.equal(rows_out.float(), outs[0])
 
 
+@needs_hopper
+@pytest.mark.parametrize("tile,stages,stagger", [("rows", 6, 3), ("rows", 6, 5), ("cols", 5, 3)])
+@pytest.mark.parametrize("programs,K", [(3, 1024), (132, 256), (700, 1024)])
+def test_staggered_consumers(tile, stages, stagger, programs, K, monkeypatch):
+    """MOE_OPS_WS_STAGGER / MOE_OPS_WS_STAGES: consumer 1 starting s K steps behind consumer 0
+    changes when each computes, not what: GEMM2's rows equal the unstaggered kernel's bit for
+    bit, with few programs (many tiles each), tiles of fewer K steps than the stagger (K = 256:
+    2 steps) and more programs than tiles (a consumer 1 with no tile never waits)."""
+    torch.manual_seed(7)
+    E, N, T, k = 8, 512, 300, 4
+    dev = torch.device("cuda")
+    topk_ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)]).to(torch.int32)
+    weights = torch.rand(T, k, device=dev)
+    align = ws_gemm.block_m(tile)
+    dispatch = moe_align(topk_ids, E, align, 0)
+    routing = gg.Routing(topk_ids.reshape(-1), weights.reshape(-1), k, E, 0,
+                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, align,
+                         dispatch.num_padded)
+    rows = torch.randn(dispatch.sorted_pair_ids.numel(), K, device=dev, dtype=torch.bfloat16)
+    a, a_scale = act_quant(rows, "fp8_block")
+    w = (torch.randn(E, N, K, device=dev) * 0.5).to(torch.float8_e4m3fn)
+    w_scale = torch.rand(E, N // 128, K // 128, device=dev) * 0.01 + 1e-3
+    outs = []
+    for ring, steps in ((4, 0), (stages, stagger)):
+        monkeypatch.setattr(ws_gemm, "RING_STAGES", ring)
+        monkeypatch.setattr(ws_gemm, "STAGGER", steps)
+        assert ws_gemm.stagger_steps(tile, 2) == steps
+        out = torch.full((T * k, N), float("nan"), device=dev, dtype=torch.bfloat16)
+        ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=2, activation="none",
+                     tile=tile, quant="fp8_block", programs=programs)
+        torch.cuda.synchronize()
+        outs.append(out)
+    assert torch.isfinite(outs[1].float()).all(), "a pair's row was not written"
+    assert torch.equal(outs[0], outs[1])
+
+
+@needs_hopper
+@pytest.mark.parametrize("quant,activation,bias", [("fp8_block", "swiglu", False),
+                                                   ("fp8", "geglu", True)])
+def test_experts_with_staggered_consumers(quant, activation, bias, monkeypatch, ws_gemm_calls,
+                                          poisoned_empty):
+    """Both GEMMs (GEMM1's activation epilogue too) with consumer 1 three K steps behind, on
+    the skewed experts problem, against the oracle."""
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "rows")
+    monkeypatch.setattr(experts_mod, "WS_FP8", True)
+    monkeypatch.setattr(ws_gemm, "RING_STAGES", 6)
+    monkeypatch.setattr(ws_gemm, "STAGGER", 3)
+    check_skewed_experts(quant, activation, bias, seed=53)
+    assert ws_gemm_calls == [1, 2]
+
+
+STAGGER_K_LOOP = """
+import sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops
+from moe_ops.kernels import ws_gemm
+ws_gemm.RING_STAGES, ws_gemm.STAGGER = 6, 3
+for tile, gemm, activation, quant in (("rows", 1, "swiglu", "fp8_block"),
+                                      ("cols", 2, "none", "fp8_block"), ("rows", 1, "swiglu", "fp8")):
+    kernel = ws_gemm.compile_sm90(tile=tile, gemm=gemm, activation=activation, quant=quant)
+    k_loops = sorted((b for b in loops(kernel) if sum("QGMMA" in i for i in b) == 4), key=len)[:2]
+    local = max(sum(i.split()[0].startswith(("LDL", "STL")) for i in b) for b in k_loops)
+    print(tile, ws_gemm.ring_stages(tile), ws_gemm.stagger_steps(tile, gemm), len(k_loops), local,
+          kernel.metadata.shared)
+"""
+
+
+def test_staggered_builds_fit():
+    """The staggered consumers' builds (6 ring slots for "rows", 5 for "cols", 3 steps behind):
+    no local memory in either consumer's K loop, shared memory within the 227 KB a block may
+    take; "wide" never staggers (its loop spills with the check)."""
+    assert ws_gemm.MAX_STAGES == {"rows": 6, "cols": 5, "wide": 4}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", STAGGER_K_LOOP], env=env, capture_output=True,
+                          text=True, timeout=900,
+                          cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert [row[:3] for row in rows] == [["rows", "6", "3"], ["cols", "5", "3"],
+                                         ["rows", "6", "3"]], done.stdout
+    assert all(row[3] == "2" and row[4] == "0" and int(row[5]) <= 227 * 1024
+               for row in rows), done.stdout
+
+
+def test_stagger_limits(monkeypatch):
+    """The stagger stays below the ring's slots, off with the padding skip and for "wide"."""
+    monkeypatch.setattr(ws_gemm, "RING_STAGES", 8)
+    monkeypatch.setattr(ws_gemm, "STAGGER", 7)
+    monkeypatch.setattr(ws_gemm, "SKIP_PADDING", "0")
+    assert [ws_gemm.ring_stages(t) for t in ("rows", "cols", "wide")] == [6, 5, 4]
+    assert [ws_gemm.stagger_steps(t, 2) for t in ("rows", "cols", "wide")] == [5, 4, 0]
+    monkeypatch.setattr(ws_gemm, "SKIP_PADDING", "gemm2")
+    assert ws_gemm.stagger_steps("rows", 2) == 0 and ws_gemm.stagger_steps("rows", 1) == 5
+    monkeypatch.setattr(ws_gemm, "STAGGER", 0)
+    assert ws_gemm.stagger_steps("rows", 1) == 0
+
+
 def test_tile_rule(monkeypatch):
     """fp8_block calls with a dispatch take the 128-row tiles from 256 routed rows an expert on
     and the 256-column ones below; fp8 per tensor likewise unless WS_FP8 is off (on by

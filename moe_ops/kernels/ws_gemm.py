@@ -90,6 +90,8 @@ ACTIVATIONS = ("none", "swiglu", "geglu", "swiglu_oai", "relu2")
 # sums promoted every K step, one scale per row and per weight row in the epilogue.
 QUANTS = ("fp8_block", "fp8")
 STAGES = 4          # 4 x 32 KB of operand slots ("rows"), 4 x 40 KB ("cols"), 4 x 48 KB ("wide")
+# The most slots each form's shared memory holds (227 KB a block, the epilogue's ~20 KB with them)
+MAX_STAGES = {"rows": 6, "cols": 5, "wide": 4}
 GROUP_M = 8
 # Registers a thread: consumers 232 (two fp32 tiles and the addressing), the producer 40 (the
 # minimum that holds its loop); the launch's budget of 168 x 12 warps fits one program an SM.
@@ -112,6 +114,31 @@ def env_int(name: str, default: int) -> int:
     if not value.isdigit():
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     return int(value)
+
+
+# Staggered consumers (not yet measured, so off): both warpgroups of a tile finish it together,
+# so their epilogues leave the tensor cores idle at once. With MOE_OPS_WS_STAGGER=s, consumer 1
+# starts its first tile once consumer 0 has released s K steps' slots; the ring then keeps it
+# about s steps behind, and each one's epilogue runs beside the other's MMAs. s < the ring's
+# slots (MOE_OPS_WS_STAGES=n, up to MAX_STAGES of the form; default STAGES); off where the
+# padding skip is on (a skipped half would not release in step) and for "wide" (its K loop
+# spills with the check in it: 104 local accesses a step). The check costs 7-9 instructions a
+# K step in "rows" / "cols" (no spill; tests/test_ws_gemm.py).
+STAGGER = env_int("MOE_OPS_WS_STAGGER", 0)
+RING_STAGES = env_int("MOE_OPS_WS_STAGES", STAGES)
+
+
+def ring_stages(tile: str) -> int:
+    """Slots of the operand ring for a tile form: RING_STAGES, at most what it holds."""
+    return max(2, min(RING_STAGES, MAX_STAGES[tile]))
+
+
+def stagger_steps(tile: str, gemm: int) -> int:
+    """The K steps consumer 1 starts behind consumer 0 (STAGGER), less than the ring's slots;
+    0 with the padding skip and for "wide"."""
+    if skip_padding(gemm) or tile == "wide":
+        return 0
+    return min(STAGGER, ring_stages(tile) - 1)
 
 
 # Where the rule of experts.ws_tile gives "wide": "gemm2" (fp8_block's GEMM2, measured) or
@@ -197,7 +224,7 @@ def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr):
     a_desc, w_desc = descs
-    a_bufs, w_bufs, ready, empty = smem
+    a_bufs, w_bufs, ready, empty, go = smem
     block_expert_ptr = ptrs[5]
     num_padded_ptr = ptrs[6]
     N, K = sizes[0], sizes[1]
@@ -272,11 +299,12 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
                w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED: gl.constexpr,
                BLOCK_SCALES: gl.constexpr, FORM: gl.constexpr, ROW0: gl.constexpr,
                COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
-               SCALES_AFTER_MMA: gl.constexpr):
+               SCALES_AFTER_MMA: gl.constexpr, go, arrive_at, STAGGER: gl.constexpr):
     """A consumer's K loop over one tile: each step waits for its ring slot, multiplies its
     half of the tile (use_acc False: the step's partial product alone), releases the slot and
     promotes the partial product into the fp32 accumulator (fp8_block: times the step's row and
-    weight block scales). Returns the accumulator and the ring position after the tile."""
+    weight block scales). Returns the accumulator and the ring position after the tile.
+    STAGGER: after step arrive_at's release (-1: none) the `go` barrier gets its arrive."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     w_scale_a, w_scale_b = _scale_rows(w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED)
     for kb in range(k_steps):
@@ -298,6 +326,9 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
             s_a, s_b = _step_scales(a_scale_rows, kb, w_scale_a, w_scale_b, GATED)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
         mbarrier.arrive(empty.index(index), count=1)
+        if STAGGER > 0:
+            if kb == arrive_at:
+                mbarrier.arrive(go, count=1)
         if BLOCK_SCALES:
             acc = _promote(acc, part, s_a, s_b, GATED, False)
         else:
@@ -305,6 +336,9 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
             # (Hopper's fp8 MMA accumulates with few bits); the scales wait for the epilogue
             acc += part
         index, phase = ring_next(index, phase, STAGES)
+    if STAGGER > 0:
+        if arrive_at >= k_steps:    # fewer steps in the tile than the stagger
+            mbarrier.arrive(go, count=1)
     return acc, index, phase
 
 
@@ -313,9 +347,9 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               ALIGN_M: gl.constexpr, FORM: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
-              SCALES_AFTER_MMA: gl.constexpr, HALF: gl.constexpr):
+              SCALES_AFTER_MMA: gl.constexpr, STAGGER: gl.constexpr, HALF: gl.constexpr):
     a_desc, w_desc = descs
-    a_bufs, w_bufs, ready, empty = smem
+    a_bufs, w_bufs, ready, empty, go = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
      num_padded_ptr, topk_weights_ptr) = ptrs
     N, K, num_pairs, alpha, limit = sizes
@@ -341,6 +375,15 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
     index = 0
     phase = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        # STAGGER: consumer 0 signals `go` after its first tile's step STAGGER - 1, consumer 1
+        # waits for it before its first tile (its other arguments: no signal)
+        arrive_at = -1
+        if STAGGER > 0:
+            if tile == gl.program_id(0):
+                if HALF == 0:
+                    arrive_at = STAGGER - 1
+                else:
+                    mbarrier.wait(go, 0)
         pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
         expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
         slots = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=row_l)
@@ -361,7 +404,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                 acc, acc_hi, index, phase = _mma_steps_wide(
                     acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_steps,
                     a_scale_rows, w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED,
-                    BLOCK_SCALES, ROW0, ROWS, COLS)
+                    BLOCK_SCALES, ROW0, ROWS, COLS, go, arrive_at, STAGGER)
             else:
                 index, phase = _release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
@@ -374,7 +417,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                 acc, index, phase = _mma_steps(
                     acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
                     w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED, BLOCK_SCALES,
-                    FORM, ROW0, COL0, ROWS, COLS, SCALES_AFTER_MMA)
+                    FORM, ROW0, COL0, ROWS, COLS, SCALES_AFTER_MMA, go, arrive_at, STAGGER)
             else:
                 index, phase = _release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
@@ -424,7 +467,8 @@ def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
 def _mma_steps_wide(acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_steps,
                     a_scale_rows, w_scale_ptr, expert, col0, stride_wse, stride_wsn,
                     GATED: gl.constexpr, BLOCK_SCALES: gl.constexpr, ROW0: gl.constexpr,
-                    ROWS: gl.constexpr, COLS: gl.constexpr):
+                    ROWS: gl.constexpr, COLS: gl.constexpr, go, arrive_at,
+                    STAGGER: gl.constexpr):
     """_mma_steps for the "wide" form: each K step multiplies this warpgroup's 64 rows by both
     128-column halves of the slot's 256 weight rows in turn into one partial, promoted into
     acc (columns col0..) and acc_hi (col0 + 128..) before the next (two partials would not fit
@@ -455,11 +499,17 @@ def _mma_steps_wide(acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_s
                              use_acc=False, is_async=True)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
         mbarrier.arrive(empty.index(index), count=1)
+        if STAGGER > 0:
+            if kb == arrive_at:
+                mbarrier.arrive(go, count=1)
         if BLOCK_SCALES:
             acc_hi = _promote(acc_hi, part, s_a, s_b, GATED, True)
         else:
             acc_hi += part
         index, phase = ring_next(index, phase, STAGES)
+    if STAGGER > 0:
+        if arrive_at >= k_steps:    # fewer steps in the tile than the stagger
+            mbarrier.arrive(go, count=1)
     return acc, acc_hi, index, phase
 
 
@@ -518,14 +568,20 @@ def _ws_fp8_block_kernel(
     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
     BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
+    STAGGER: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                        w_desc.layout)
     ready, empty = ring_barriers(STAGES, 2)
+    if STAGGER > 0:
+        go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(go, count=1)
+    else:
+        go = ready      # (unused)
     descs = (a_desc, w_desc)
-    smem = (a_bufs, w_bufs, ready, empty)
+    smem = (a_bufs, w_bufs, ready, empty, go)
     ptrs = (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
             num_padded_ptr, topk_weights_ptr)
     sizes = (N, K, num_pairs, alpha, limit)
@@ -534,9 +590,11 @@ def _ws_fp8_block_kernel(
     # into tensors)
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
-                     HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA, 0)),
+                     HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
+                     STAGGER, 0)),
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
-                     HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA, 1)),
+                     HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
+                     STAGGER, 1)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -618,12 +676,13 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         routing.topk_weights, N, K, routing.num_pairs, a_scale.stride(0), w_scale.stride(0),
         w_scale.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
         alpha, limit,
-        ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=STAGES,
+        ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=ring_stages(tile),
         FORM=FORMS[tile], ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
         BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
-        SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), num_warps=4, maxnreg=MAXNREG)
+        SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm), num_warps=4,
+        maxnreg=MAXNREG)
 
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
@@ -644,12 +703,12 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "N": "i32", "K": "i32", "num_pairs": "i32", "stride_as": "i32", "stride_wse": "i32",
         "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32",
         "alpha": "fp32", "limit": "fp32"}
-    consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=STAGES, FORM=FORMS[tile],
+    consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=ring_stages(tile), FORM=FORMS[tile],
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
                   BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
-                  SCALES_AFTER_MMA=int(SCALES_AFTER_MMA))
+                  SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om")}
