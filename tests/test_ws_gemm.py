@@ -78,7 +78,7 @@ def test_builds_for_sm90(tile, gemm, activation, bias, store, quant, skip):
         assert staged == []
     else:
         bm, bn = ws_gemm.TILES[tile]
-        assert min(staged) >= ws_gemm.STAGES * (bm + bn) * 128, staged
+        assert min(staged) >= ws_gemm.ring_stages(tile) * (bm + bn) * 128, staged
         assert max(staged) - min(staged) >= 8192, staged
 
 
@@ -358,6 +358,7 @@ def test_staggered_consumers(tile, stages, stagger, programs, K, monkeypatch):
     a, a_scale = act_quant(rows, "fp8_block")
     w = (torch.randn(E, N, K, device=dev) * 0.5).to(torch.float8_e4m3fn)
     w_scale = torch.rand(E, N // 128, K // 128, device=dev) * 0.01 + 1e-3
+    monkeypatch.setattr(ws_gemm, "SKIP_PADDING", "0")
     outs = []
     for ring, steps in ((4, 0), (stages, stagger)):
         monkeypatch.setattr(ws_gemm, "RING_STAGES", ring)
@@ -383,6 +384,8 @@ def test_experts_with_staggered_consumers(quant, activation, bias, monkeypatch, 
     monkeypatch.setattr(experts_mod, "WS_FP8", True)
     monkeypatch.setattr(ws_gemm, "RING_STAGES", 6)
     monkeypatch.setattr(ws_gemm, "STAGGER", 3)
+    monkeypatch.setattr(ws_gemm, "SKIP_PADDING", "0")
+    assert ws_gemm.stagger_steps("rows", 1) == ws_gemm.stagger_steps("rows", 2) == 3
     check_skewed_experts(quant, activation, bias, seed=53)
     assert ws_gemm_calls == [1, 2]
 
@@ -392,21 +395,27 @@ import sys
 sys.path.insert(0, "benchmarks")
 from aot_sm90 import loops
 from moe_ops.kernels import ws_gemm
-ws_gemm.RING_STAGES, ws_gemm.STAGGER = 6, 3
+ws_gemm.SKIP_PADDING = "0"
 for tile, gemm, activation, quant in (("rows", 1, "swiglu", "fp8_block"),
                                       ("cols", 2, "none", "fp8_block"), ("rows", 1, "swiglu", "fp8")):
-    kernel = ws_gemm.compile_sm90(tile=tile, gemm=gemm, activation=activation, quant=quant)
+    inits = []
+    for stages, stagger in ((4, 0), (6, 3)):
+        ws_gemm.RING_STAGES, ws_gemm.STAGGER = stages, stagger
+        kernel = ws_gemm.compile_sm90(tile=tile, gemm=gemm, activation=activation, quant=quant)
+        inits.append(kernel.asm["ptx"].count("mbarrier.init"))
     k_loops = sorted((b for b in loops(kernel) if sum("QGMMA" in i for i in b) == 4), key=len)[:2]
     local = max(sum(i.split()[0].startswith(("LDL", "STL")) for i in b) for b in k_loops)
+    # the staggered build's barrier inits: the ring's two per slot and `go`
     print(tile, ws_gemm.ring_stages(tile), ws_gemm.stagger_steps(tile, gemm), len(k_loops), local,
-          kernel.metadata.shared)
+          kernel.metadata.shared, inits[0], inits[1])
 """
 
 
 def test_staggered_builds_fit():
     """The staggered consumers' builds (6 ring slots for "rows", 5 for "cols", 3 steps behind):
     no local memory in either consumer's K loop, shared memory within the 227 KB a block may
-    take; "wide" never staggers (its loop spills with the check)."""
+    take, one mbarrier more than the ring's (`go`: the stagger reached the kernel); "wide"
+    never staggers (its loop spills with the check)."""
     assert ws_gemm.MAX_STAGES == {"rows": 6, "cols": 5, "wide": 4}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", STAGGER_K_LOOP], env=env, capture_output=True,
@@ -418,6 +427,9 @@ def test_staggered_builds_fit():
                                          ["rows", "6", "3"]], done.stdout
     assert all(row[3] == "2" and row[4] == "0" and int(row[5]) <= 227 * 1024
                for row in rows), done.stdout
+    # the stagger reaches the kernel: its `go` barrier beside the ring's 2 x slots (4 -> 6 or 5)
+    assert all(int(row[7]) == int(row[6]) + 2 * (int(row[1]) - 4) + 1 for row in rows), \
+        done.stdout
 
 
 def test_stagger_limits(monkeypatch):
@@ -440,6 +452,7 @@ def test_tile_rule(monkeypatch):
     assert experts_mod.WS_FP8 is (os.environ.get("MOE_OPS_WS_FP8", "1") == "1")
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "auto")
     monkeypatch.setattr(experts_mod, "WS_FP8", False)
+    monkeypatch.setattr(ws_gemm, "WIDE", "gemm2")
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False, "swiglu") == "rows"
     assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, False) == "cols"
     # GEMM2 (activation "none") of fp8_block from 512 rows an expert: the 128 x 256 tiles

@@ -575,6 +575,8 @@ def _ws_fp8_block_kernel(
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                        w_desc.layout)
     ready, empty = ring_barriers(STAGES, 2)
+    # (a skipped half would never arrive on `go`: the host never builds both, see stagger_steps)
+    gl.static_assert(STAGGER == 0 or SKIP_PADDING == 0)
     if STAGGER > 0:
         go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(go, count=1)
