@@ -37,6 +37,16 @@ def sm90_ptx(module: str, arguments: str, **environment) -> str:
     return json.loads(done.stdout)
 
 
+def sm90_script_rows(code: str):
+    """Runs `code` (sm_90 builds and their SASS) in a fresh process without TRITON_INTERPRET,
+    from the repository root; returns its output lines split into words, and the process."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [line.split() for line in done.stdout.splitlines()], done
+
+
 @pytest.fixture
 def ws_gemm_calls(gemm_calls):
     """The `gemm` argument (1 or 2) of each ws_gemm.gemm call, in order."""
@@ -260,12 +270,7 @@ def test_wide_builds_do_not_spill_in_their_k_loop():
     through local memory around a wgmma issue, 4 accesses a step); fp8 per tensor's GEMM2
     without a bias, which it does not admit, spills (if that changes, the form may admit
     it)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", WIDE_K_LOOP], env=env, capture_output=True,
-                          text=True, timeout=900,
-                          cwd=os.path.join(os.path.dirname(__file__), ".."))
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split() for line in done.stdout.splitlines()]
+    rows, done = sm90_script_rows(WIDE_K_LOOP)
     assert len(rows) == len(ws_gemm.WIDE_BUILDS) + 1, done.stdout
     assert all(row[3] == "2" for row in rows), done.stdout
     assert all(int(row[4]) <= 4 for row in rows[:-1]), done.stdout
@@ -285,19 +290,11 @@ def test_only_gemm1_on_ws_gemm(tile_rule, monkeypatch, ws_gemm_calls, poisoned_e
     assert ws_gemm_calls == [1]
 
 
-@needs_hopper
-@pytest.mark.parametrize("tile", ["cols", "rows", "wide"])
-@pytest.mark.parametrize("programs,quant", [(3, "fp8_block"), (132, "fp8_block"), (5, "fp8")])
-def test_gemm2_matches_the_triton_persistent_kernel(tile, programs, quant):
-    """GEMM2 on one dispatch, by this kernel (few programs: many tiles each, the stage ring
-    wrapping across tiles) and by grouped_gemm's persistent kernel: the same rows, every pair's
-    row written (the output is NaN-poisoned first). "wide" runs the same k32 wgmmas, promotions
-    and epilogue as "rows" on each 128 columns: their results are equal bit for bit."""
-    if tile == "wide" and quant == "fp8":
-        pytest.skip("fp8 per tensor's GEMM2 without a bias spills in the wide form "
-                    "(ws_gemm.WIDE_BUILDS)")
-    torch.manual_seed(5)
-    E, N, K, T, k = 8, 512, 1024, 700, 4
+def gemm2_problem(tile, quant, E, N, K, T, k, seed):
+    """GEMM2 on one dispatch aligned to the tile's rows: random routing of T tokens to k of E
+    experts, activation rows quantized as the package does, e4m3 weights [E, N, K] with their
+    scales. Returns (a, a_scale, w, w_scale, routing)."""
+    torch.manual_seed(seed)
     dev = torch.device("cuda")
     topk_ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)]).to(torch.int32)
     weights = torch.rand(T, k, device=dev)
@@ -313,6 +310,23 @@ def test_gemm2_matches_the_triton_persistent_kernel(tile, programs, quant):
         w_scale = torch.rand(E, N // 128, K // 128, device=dev) * 0.01 + 1e-3
     else:
         w_scale = torch.rand(E, N, device=dev) * 0.01 + 1e-3
+    return a, a_scale, w, w_scale, routing
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile", ["cols", "rows", "wide"])
+@pytest.mark.parametrize("programs,quant", [(3, "fp8_block"), (132, "fp8_block"), (5, "fp8")])
+def test_gemm2_matches_the_triton_persistent_kernel(tile, programs, quant):
+    """GEMM2 on one dispatch, by this kernel (few programs: many tiles each, the stage ring
+    wrapping across tiles) and by grouped_gemm's persistent kernel: the same rows, every pair's
+    row written (the output is NaN-poisoned first). "wide" runs the same k32 wgmmas, promotions
+    and epilogue as "rows" on each 128 columns: their results are equal bit for bit."""
+    if tile == "wide" and quant == "fp8":
+        pytest.skip("fp8 per tensor's GEMM2 without a bias spills in the wide form "
+                    "(ws_gemm.WIDE_BUILDS)")
+    E, N, K, T, k = 8, 512, 1024, 700, 4
+    dev = torch.device("cuda")
+    a, a_scale, w, w_scale, routing = gemm2_problem(tile, quant, E, N, K, T, k, seed=5)
     outs = []
     for use_ws in (True, False):
         out = torch.full((T * k, N), float("nan"), device=dev, dtype=torch.bfloat16)
@@ -344,20 +358,9 @@ def test_staggered_consumers(tile, stages, stagger, programs, K, monkeypatch):
     changes when each computes, not what: GEMM2's rows equal the unstaggered kernel's bit for
     bit, with few programs (many tiles each), tiles of fewer K steps than the stagger (K = 256:
     2 steps) and more programs than tiles (a consumer 1 with no tile never waits)."""
-    torch.manual_seed(7)
     E, N, T, k = 8, 512, 300, 4
     dev = torch.device("cuda")
-    topk_ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)]).to(torch.int32)
-    weights = torch.rand(T, k, device=dev)
-    align = ws_gemm.block_m(tile)
-    dispatch = moe_align(topk_ids, E, align, 0)
-    routing = gg.Routing(topk_ids.reshape(-1), weights.reshape(-1), k, E, 0,
-                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, align,
-                         dispatch.num_padded)
-    rows = torch.randn(dispatch.sorted_pair_ids.numel(), K, device=dev, dtype=torch.bfloat16)
-    a, a_scale = act_quant(rows, "fp8_block")
-    w = (torch.randn(E, N, K, device=dev) * 0.5).to(torch.float8_e4m3fn)
-    w_scale = torch.rand(E, N // 128, K // 128, device=dev) * 0.01 + 1e-3
+    a, a_scale, w, w_scale, routing = gemm2_problem(tile, "fp8_block", E, N, K, T, k, seed=7)
     monkeypatch.setattr(ws_gemm, "SKIP_PADDING", "0")
     outs = []
     for ring, steps in ((4, 0), (stages, stagger)):
@@ -417,12 +420,7 @@ def test_staggered_builds_fit():
     take, one mbarrier more than the ring's (`go`: the stagger reached the kernel); "wide"
     never staggers (its loop spills with the check)."""
     assert ws_gemm.MAX_STAGES == {"rows": 6, "cols": 5, "wide": 4}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", STAGGER_K_LOOP], env=env, capture_output=True,
-                          text=True, timeout=900,
-                          cwd=os.path.join(os.path.dirname(__file__), ".."))
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split() for line in done.stdout.splitlines()]
+    rows, done = sm90_script_rows(STAGGER_K_LOOP)
     assert [row[:3] for row in rows] == [["rows", "6", "3"], ["cols", "5", "3"],
                                          ["rows", "6", "3"]], done.stdout
     assert all(row[3] == "2" and row[4] == "0" and int(row[5]) <= 227 * 1024
