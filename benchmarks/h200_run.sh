@@ -101,11 +101,15 @@ if [[ "$what" == ws4 ]]; then
   done
 fi
 if [[ "$what" == ab ]]; then
-  # (a kernel that hung would take the whole call: the tests get 250 s, verbose, so the log
-  # names the last one started)
-  timeout 250 python3 -m pytest -v -p no:cacheprovider tests/test_ws_fp4.py \
-    > "$out/pytest_ws_fp4.log" 2>&1 || status=1
-  tail -n 3 "$out/pytest_ws_fp4.log"
+  # (a kernel that hung would take the whole call: each group of tests gets a time limit,
+  # verbose, so the log names the last one started; a fault kills its process's CUDA context,
+  # so the forms new to the GPU run in processes of their own)
+  for group in mxfp4 prefill "not mxfp4 and not prefill"; do
+    log="$out/pytest_ws_fp4_${group// /_}.log"
+    timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_ws_fp4.py -k "$group" \
+      > "$log" 2>&1 || status=1
+    echo "ws_fp4 tests -k \"$group\""; tail -n 1 "$log"
+  done
   python3 benchmarks/dev_gluon_fp4_decode.py --out "$out" > "$out/gluon_fp4.log" 2>&1 \
     || status=1
   tail -n 22 "$out/gluon_fp4.log"
@@ -127,10 +131,11 @@ if [[ "$what" == ab ]]; then
   done
 fi
 if [[ "$what" == ab8 ]]; then
-  timeout 200 python3 -m pytest -v -p no:cacheprovider tests/test_ws_gemm.py \
-    -k "wide or tile or stagger" \
-    > "$out/pytest_ws_wide.log" 2>&1 || status=1
-  tail -n 3 "$out/pytest_ws_wide.log"
+  for group in wide stagger; do
+    timeout 120 python3 -m pytest -v -p no:cacheprovider tests/test_ws_gemm.py -k "$group" \
+      > "$out/pytest_ws_$group.log" 2>&1 || status=1
+    echo "ws_gemm tests -k $group"; tail -n 1 "$out/pytest_ws_$group.log"
+  done
   for model in deepseek_v3 mixtral_8x7b; do
     mkdir -p "$out/ab_stagger_$model"
     python3 benchmarks/dev_ws_fp8_block.py --model $model --variants package --tokens 16384 \
