@@ -4,8 +4,8 @@ decoded straight into wgmma's register operand) beside grouped_gemm's Triton ker
 The problem (one GEMM of a decode step, GEMM2's form so both kernels compute the same thing):
 E experts, `tokens` rows each in a dispatch of 16-slot blocks (rows bf16, the unused slots
 zero; prefill's cases: 256 or 1024 rows an expert in 128-row blocks, the kernel's 64-slot
-form "gluon prefill", TFLOP/s beside TB/s), nvfp4 weights W_e [N, K] (kernel-order packed bytes, e4m3 block scales per 16 columns, a
-global scale per row); out[pair] = x[slot] . W_e (routing weight 1). Variants: "gluon 2
+form "gluon prefill", TFLOP/s beside TB/s), nvfp4 weights W_e [N, K] (kernel-order packed
+bytes, e4m3 block scales per 16 columns, a global scale per row); out[pair] = x[slot] . W_e (routing weight 1). Variants: "gluon 2
 consumers" / "gluon 4 consumers" (ws_fp4 with 2 or 4 consumer warpgroups; "pipelined": each
 decoding step k + 1 while its wgmma of step k runs, ws_fp4.PIPELINE), "ours"
 (grouped_gemm.gemm2 with the default 4-bit config for the rows an expert: decode's 16-row

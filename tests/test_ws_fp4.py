@@ -77,8 +77,8 @@ def test_bad_calls_are_refused():
     with pytest.raises(ValueError, match="consumers: the 64-slot form runs 2"):
         ws_fp4.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
                     slots=64, consumers=4)
-    w = torch.zeros(2, 192, 128, dtype=torch.uint8)     # N = 192: not a whole 128-row tile
-    with pytest.raises(ValueError, match="N a multiple of 128"):
+    w = torch.zeros(2, 160, 128, dtype=torch.uint8)     # N = 160: not whole 64-row halves
+    with pytest.raises(ValueError, match="N a multiple of 64"):
         ws_fp4.gemm(None, w, None, None, None, None, None, gemm=2, activation="none",
                     consumers=2)
     with pytest.raises(ValueError, match="quant"):
@@ -160,10 +160,11 @@ def test_decode_benchmark_builds():
 def test_experts_on_ws_fp4_mxfp4(activation, bias, H, I, tokens, pipeline, which, monkeypatch,
                                  ws_fp4_calls, poisoned_empty):
     """mxfp4 on the kernel (MOE_OPS_WS_MXFP4=1): e8m0 scales loaded 16 bytes a row from a
-    16-byte-aligned column (K steps 2j and 2j + 1's), each step its half, no global scale; gpt-oss's swiglu_oai with biases; K of 2-6
-    steps (H = 512-1536), the pipelined consumer, GEMM1 alone; gpt-oss's own sizes (H = I =
-    2880: K padded to 3072, the last step's activation box partly past the end; GEMM2's
-    N = 2880 no whole tiles, so it runs grouped_gemm's)."""
+    16-byte-aligned column (K steps 2j and 2j + 1's), each step its half, no global scale;
+    gpt-oss's swiglu_oai with biases; K of 2-6 steps (H = 512-1536), the pipelined consumer,
+    GEMM1 alone; gpt-oss's own sizes (H = I = 2880: K padded to 3072, the last step's
+    activation box partly past the end; GEMM2's N = 2880, 22.5 tiles of 128 rows: the last
+    tile's second half idles)."""
     monkeypatch.setattr(experts_mod, "WS_FP4", which)
     monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
     monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)
@@ -172,7 +173,32 @@ def test_experts_on_ws_fp4_mxfp4(activation, bias, H, I, tokens, pipeline, which
                                               activation=activation, bias=bias, seed=17,
                                               offset=1, num_global=10, invalid_ids=tokens > 1)
     run_and_check("mxfp4", ckpt, kernel, x, ids, weights, activation=activation, offset=1)
-    assert ws_fp4_calls == ([1, 2] if which == "1" and H % 128 == 0 else [1])
+    assert ws_fp4_calls == ([1, 2] if which == "1" else [1])
+
+
+@needs_hopper
+@pytest.mark.parametrize("consumers,pipeline,slots", [(2, False, 16), (4, False, 16),
+                                                      (2, True, 16), (2, False, 64)])
+def test_partial_last_tile(consumers, pipeline, slots, monkeypatch, gemm_calls,
+                           poisoned_empty):
+    """N a multiple of 64 but not of the tile (H = 704: GEMM2's last tile 64 of 128 rows, or
+    192 of 256 with four consumers): the consumers whose rows lie past N idle through the ring
+    and write nothing; both GEMMs against the oracle (the poisoned output shows a missed
+    column), the prefill form too."""
+    monkeypatch.setattr(experts_mod, "WS_FP4", "1")
+    monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)
+    monkeypatch.setattr(ws_fp4, "CONSUMERS", consumers)
+    if slots == 64:
+        monkeypatch.setattr(experts_mod, "WS_FP4_PREFILL_MIN_ROWS", 32)
+        monkeypatch.setattr(ws_fp4, "PREFILL_PIPELINE", pipeline)
+    else:
+        monkeypatch.setattr(ws_fp4, "PIPELINE", pipeline)
+    calls = gemm_calls(ws_fp4, "gemm", record="slots")
+    tokens = 300 if slots == 64 else 20
+    ckpt, kernel, x, ids, weights = make_case("nvfp4", tokens, 704, 256, 8, 2, seed=23,
+                                              offset=1, num_global=10, invalid_ids=True)
+    run_and_check("nvfp4", ckpt, kernel, x, ids, weights, offset=1)
+    assert calls == [slots, slots], calls
 
 
 @needs_hopper

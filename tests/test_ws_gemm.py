@@ -400,7 +400,8 @@ from aot_sm90 import loops
 from moe_ops.kernels import ws_gemm
 ws_gemm.SKIP_PADDING = "0"
 for tile, gemm, activation, quant in (("rows", 1, "swiglu", "fp8_block"),
-                                      ("cols", 2, "none", "fp8_block"), ("rows", 1, "swiglu", "fp8")):
+                                      ("cols", 2, "none", "fp8_block"),
+                                      ("rows", 1, "swiglu", "fp8")):
     inits = []
     for stages, stagger in ((4, 0), (6, 3)):
         ws_gemm.RING_STAGES, ws_gemm.STAGGER = stages, stagger

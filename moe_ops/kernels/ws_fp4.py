@@ -24,9 +24,11 @@ Here the schedule is explicit:
              block scales each and exchange them. PIPELINE: each decodes step k + 1 while its
              wgmma of step k runs.
 Swap-AB: the weight rows are the MMA's M side, the dispatch's 16-slot blocks its N side (decode:
-up to 16 routed rows an expert; prefill's form: 64-slot blocks, PREFILL_SLOTS). Its sm_90 K loop: 3.3 instructions a weight value for nvfp4,
-3.7 for mxfp4 (two multiplies a pair: see grouped_gemm's _E2M1_BF16_ASM_MXFP4)
-(benchmarks/dev_gluon_fp4_decode.py --aot), against the Triton loop's 5.1.
+up to 16 routed rows an expert; prefill's form: 64-slot blocks, PREFILL_SLOTS). N need only be
+a multiple of 64: a consumer whose rows of the last tile lie past N idles through the ring.
+Its sm_90 K loop: 3.3 instructions a weight value for nvfp4, 3.7 for mxfp4 (two multiplies a
+pair: see grouped_gemm's _E2M1_BF16_ASM_MXFP4) (benchmarks/dev_gluon_fp4_decode.py --aot),
+against the Triton loop's 5.1.
 
 Contract (grouped_gemm's, dispatch mode only): activation rows [slots, K] in dispatch order
 (GEMM1's gathered by grouped_gemm.gather_rows), bf16; weights [E, N, Kp/2] kernel-order packed
@@ -50,7 +52,7 @@ from moe_ops.kernels.common import device_properties
 from moe_ops.kernels.grouped_gemm import (
     _E2M1_BF16_ASM_MXFP4, _E2M1_BF16_ASM_NVFP4, _E4M3_TO_BF16_P117, _launcher)
 from moe_ops.kernels.ws_gemm import (
-    ACTIVATIONS, available, env_choice, ring_barriers, ring_next, write_rows)
+    ACTIVATIONS, release_steps, available, env_choice, ring_barriers, ring_next, write_rows)
 
 QUANTS = ("nvfp4", "mxfp4")
 GROUP = {"nvfp4": 16, "mxfp4": 32}      # columns a block scale
@@ -160,7 +162,8 @@ def live_block(sorted_pair_ids_ptr, pid_m, num_pairs, BM: gl.constexpr):
 
 @gluon.jit
 def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
-              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MX: gl.constexpr):
+              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MX: gl.constexpr,
+              PARTIAL_N: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     sorted_pair_ids_ptr = ptrs[3]
@@ -172,6 +175,8 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     BM: gl.constexpr = x_bufs.type.shape[1]
     num_m = gl.load(num_padded_ptr) // BM
     num_n = N // BN
+    if PARTIAL_N:
+        num_n = gl.cdiv(N, BN)
     k_steps = KP // 256
     index = 0
     phase = 1  # a fresh mbarrier counts as having completed the phase before its first
@@ -252,7 +257,7 @@ def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, in
 @gluon.jit
 def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr,
-              PIPELINE: gl.constexpr, MX: gl.constexpr):
+              PIPELINE: gl.constexpr, MX: gl.constexpr, PARTIAL_N: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
@@ -268,6 +273,8 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     # ACTIVATION: an index into ws_gemm.ACTIVATIONS (0 none: GEMM2)
     num_m = gl.load(num_padded_ptr) // BM
     num_n = N // BN
+    if PARTIAL_N:
+        num_n = gl.cdiv(N, BN)
     k_steps = KP // 256
     index = 0
     phase = 0
@@ -276,61 +283,69 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
         if live_block(sorted_pair_ids_ptr, pid_m, num_pairs, BM):
             expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
             n0 = (tile % num_n) * BN + HALF * 64
-            acc = gl.zeros([64, BM], gl.float32, mma)
-            if PIPELINE:
-                # Step k + 1's decode runs while step k's wgmma does, into a second register
-                # operand: the warpgroup's integer work no longer waits for its own MMA. Two
-                # steps an iteration, so the two operands keep their registers (one step an
-                # iteration would copy the decoded tile back every step).
-                # (steps decoded here: 0, then 2j + 1 and 2j + 2, then the odd last of an
-                # even count, as mxfp4's always is)
-                w0 = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, MX, 0)
-                for kb in range((k_steps - 1) // 2):
-                    acc, w1, index, phase = _mma_then_decode_next(
-                        acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
-                        MX, 1)
-                    acc, w0, index, phase = _mma_then_decode_next(
-                        acc, w1, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
-                        MX, 0)
-                if (k_steps - 1) % 2 == 1:
-                    acc, w0, index, phase = _mma_then_decode_next(
-                        acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
-                        MX, 1)
-                acc = warpgroup_mma(w0, x_bufs.index(index).permute((1, 0)), acc,
-                                    is_async=True)
-                acc, w0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0))
-                mbarrier.arrive(empty.index(index), count=1)
-                index, phase = ring_next(index, phase, STAGES)
-            elif MX:
-                # two K steps an iteration (mxfp4's count is even), each its half of the
-                # scale bytes loaded for both
-                for kb in range(k_steps // 2):
-                    acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty,
-                                                  index, phase, HALF, DOT, MX, 0)
-                    acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty,
-                                                  index, phase, HALF, DOT, MX, 1)
+            # PARTIAL_N (N a multiple of 64, not of the tile): a half past N computes and
+            # writes nothing, its part of the ring taken all the same
+            past_n = False
+            if PARTIAL_N:
+                past_n = n0 >= N
+            if past_n:
+                index, phase = release_steps(ready, empty, index, phase, k_steps)
             else:
-                for kb in range(k_steps):
-                    acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty,
-                                                  index, phase, HALF, DOT, MX, 0)
+                acc = gl.zeros([64, BM], gl.float32, mma)
+                if PIPELINE:
+                    # Step k + 1's decode runs while step k's wgmma does, into a second register
+                    # operand: the warpgroup's integer work no longer waits for its own MMA. Two
+                    # steps an iteration, so the two operands keep their registers (one step an
+                    # iteration would copy the decoded tile back every step).
+                    # (steps decoded here: 0, then 2j + 1 and 2j + 2, then the odd last of an
+                    # even count, as mxfp4's always is)
+                    w0 = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, MX, 0)
+                    for kb in range((k_steps - 1) // 2):
+                        acc, w1, index, phase = _mma_then_decode_next(
+                            acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
+                            MX, 1)
+                        acc, w0, index, phase = _mma_then_decode_next(
+                            acc, w1, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
+                            MX, 0)
+                    if (k_steps - 1) % 2 == 1:
+                        acc, w0, index, phase = _mma_then_decode_next(
+                            acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
+                            MX, 1)
+                    acc = warpgroup_mma(w0, x_bufs.index(index).permute((1, 0)), acc,
+                                        is_async=True)
+                    acc, w0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0))
+                    mbarrier.arrive(empty.index(index), count=1)
+                    index, phase = ring_next(index, phase, STAGES)
+                elif MX:
+                    # two K steps an iteration (mxfp4's count is even), each its half of the
+                    # scale bytes loaded for both
+                    for kb in range(k_steps // 2):
+                        acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty,
+                                                      index, phase, HALF, DOT, MX, 0)
+                        acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty,
+                                                      index, phase, HALF, DOT, MX, 1)
+                else:
+                    for kb in range(k_steps):
+                        acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty,
+                                                      index, phase, HALF, DOT, MX, 0)
 
-            # Epilogue: acc [weight rows, slots] (nvfp4: * global scale * 512) (+ bias),
-            # transposed to [slots, columns]; GEMM1's activation into intermediate[slot],
-            # GEMM2's routing weight into out[pair]; padding slots (pair id >= num_pairs) are
-            # not written.
-            w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-            if not MX:
-                acc = acc * (gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0)[:, None]
-            if HAS_BIAS:
-                acc += gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)[:, None]
-            # slots along the rows, two adjacent columns (gate/up) in one thread
-            vals = gl.convert_layout(gl.permute(acc, [1, 0]),
-                                     gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0]))
-            slots = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, vals.type.layout))
-            pair_ids = gl.load(sorted_pair_ids_ptr + slots)
-            row_ok = pair_ids < num_pairs
-            write_rows(vals, slots, pair_ids, row_ok, n0, topk_weights_ptr, out_ptr, stride_om,
-                       alpha, limit, ACTIVATION, True)
+                # Epilogue: acc [weight rows, slots] (nvfp4: * global scale * 512) (+ bias),
+                # transposed to [slots, columns]; GEMM1's activation into intermediate[slot],
+                # GEMM2's routing weight into out[pair]; padding slots (pair id >= num_pairs) are
+                # not written.
+                w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+                if not MX:
+                    acc = acc * (gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0)[:, None]
+                if HAS_BIAS:
+                    acc += gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)[:, None]
+                # slots along the rows, two adjacent columns (gate/up) in one thread
+                vals = gl.convert_layout(gl.permute(acc, [1, 0]),
+                                         gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0]))
+                slots = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, vals.type.layout))
+                pair_ids = gl.load(sorted_pair_ids_ptr + slots)
+                row_ok = pair_ids < num_pairs
+                write_rows(vals, slots, pair_ids, row_ok, n0, topk_weights_ptr, out_ptr, stride_om,
+                           alpha, limit, ACTIVATION, True)
 
 
 @gluon.jit
@@ -339,7 +354,8 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                    N, KP, num_pairs, stride_ge, stride_be, stride_om, alpha, limit,
                    ALIGN_M: gl.constexpr, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                    HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, MX: gl.constexpr):
+                   PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, MX: gl.constexpr,
+                   PARTIAL_N: gl.constexpr):
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                        w_desc.layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape,
@@ -358,24 +374,24 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, MX)),
+                           PIPELINE, MX, PARTIAL_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, MX)),
+                           PIPELINE, MX, PARTIAL_N)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
-                         MX)),
+                         MX, PARTIAL_N)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, MX)),
+                           PIPELINE, MX, PARTIAL_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, MX)),
+                           PIPELINE, MX, PARTIAL_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
-                           PIPELINE, MX)),
+                           PIPELINE, MX, PARTIAL_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3,
-                           PIPELINE, MX)),
+                           PIPELINE, MX, PARTIAL_N)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
-                         MX)),
+                         MX, PARTIAL_N)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -399,7 +415,8 @@ def consumers_for(slots: int) -> int:
 def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tensor,
             w_scale: torch.Tensor, slots: int = BLOCK_M, k: Optional[int] = None) -> bool:
     """Whether this kernel can run a launch (what gemm() would otherwise refuse, or TMA
-    fault on): nvfp4 or mxfp4 weights with bf16 activations on a Hopper GPU, whole tiles of N,
+    fault on): nvfp4 or mxfp4 weights with bf16 activations on a Hopper GPU, N a multiple of
+    64 (a consumer's rows; the last tile's halves past N idle),
     packed rows of whole 256-column steps, weights and scales contiguous and 16-byte aligned
     (TMA over [E * N, 4, Kp/8] and the scales' [E * N, Kp/16 or Kp/32], whose rows must be whole
     16 bytes: mxfp4 needs Kp a multiple of 512); the activation rows (`k` values each, a's
@@ -407,7 +424,7 @@ def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tenso
     kp = w.shape[-1] * 2
     k = a.shape[1] if k is None else k
     return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
-            and a.dtype == torch.bfloat16 and n % block_n(consumers_for(slots)) == 0
+            and a.dtype == torch.bfloat16 and n % ROWS == 0
             and kp > 0 and kp % BLOCK_K == 0 and (kp // GROUP[quant]) % 16 == 0
             and w.is_contiguous() and w.data_ptr() % 16 == 0
             and w_scale.is_contiguous() and w_scale.data_ptr() % 16 == 0
@@ -435,8 +452,8 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
     E, N, half_kp = w.shape
     kp = half_kp * 2
-    if N % bn or kp % BLOCK_K or kp == 0:
-        raise ValueError(f"w: the kernel needs N a multiple of {bn} and packed rows of a "
+    if N % ROWS or kp % BLOCK_K or kp == 0:
+        raise ValueError(f"w: the kernel needs N a multiple of {ROWS} and packed rows of a "
                          f"multiple of {BLOCK_K} columns, got N={N}, {kp} columns")
     group = GROUP[quant]
     if w_scale.shape != (E, N, kp // group):
@@ -478,12 +495,12 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         PRODUCER_REGS=producer_regs,
         PIPELINE=int((PIPELINE if slots == BLOCK_M else PREFILL_PIPELINE)
                      if pipeline is None else pipeline),
-        MX=int(quant == "mxfp4"), num_warps=4, maxnreg=maxnreg)
+        MX=int(quant == "mxfp4"), PARTIAL_N=int(N % bn != 0), num_warps=4, maxnreg=maxnreg)
 
 
 def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = False,
                  consumers: int = 2, pipeline: Optional[bool] = None, quant: str = "nvfp4",
-                 slots: int = BLOCK_M):
+                 slots: int = BLOCK_M, partial_n: bool = False):
     """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -505,7 +522,7 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                   HAS_BIAS=has_bias, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
                   PRODUCER_REGS=producer_regs,
                   PIPELINE=int(PIPELINE if pipeline is None else pipeline),
-                  MX=int(quant == "mxfp4"))
+                  MX=int(quant == "mxfp4"), PARTIAL_N=int(partial_n))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "KP")}

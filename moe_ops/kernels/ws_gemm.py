@@ -406,7 +406,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                     a_scale_rows, w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED,
                     BLOCK_SCALES, ROW0, ROWS, COLS, go, arrive_at, STAGGER)
             else:
-                index, phase = _release_steps(ready, empty, index, phase, k_steps)
+                index, phase = release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
                       ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES)
             _epilogue(acc_hi, slots, col0 + COLS, expert, a_scale_rows, ptrs, sizes, strides,
@@ -419,13 +419,13 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                     w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED, BLOCK_SCALES,
                     FORM, ROW0, COL0, ROWS, COLS, SCALES_AFTER_MMA, go, arrive_at, STAGGER)
             else:
-                index, phase = _release_steps(ready, empty, index, phase, k_steps)
+                index, phase = release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
                       ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES)
 
 
 @gluon.jit
-def _release_steps(ready, empty, index, phase, k_steps):
+def release_steps(ready, empty, index, phase, k_steps):
     """A warpgroup with nothing to compute in a tile (its rows all padding) still takes part in
     the ring: each slot's loads are waited for before it is released (an early arrive would
     count toward the slot's current phase and free it under the other warpgroup)."""
