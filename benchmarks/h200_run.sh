@@ -116,7 +116,8 @@ if [[ "$what" == ab ]]; then
   ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
   for arm in 0:0:0 32:0:1 32:1:1; do
     IFS=: read -r rows pipe mx <<< "$arm"
-    MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=$rows MOE_OPS_WS_FP4_PREFILL_PIPELINE=$pipe MOE_OPS_WS_MXFP4=$mx \
+    MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=$rows MOE_OPS_WS_FP4_PREFILL_PIPELINE=$pipe \
+      MOE_OPS_WS_MXFP4=$mx MOE_OPS_WS_FP4_PARTIAL_N=$mx \
       $ab --deadline-s 90 --models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4 --listed-only \
       --tokens 1024 4096 16384 --out "$out/ab_fp4_prefill_${rows}_${pipe}_$mx.json" \
       > "$out/ab_fp4_prefill_${rows}_${pipe}_$mx.log" 2>&1 || status=1
@@ -124,7 +125,8 @@ if [[ "$what" == ab ]]; then
     grep -A7 '^ *model' "$out/ab_fp4_prefill_${rows}_${pipe}_$mx.log" | cut -c1-100
   done
   for mx in 0 1; do
-    MOE_OPS_WS_MXFP4=$mx $ab --deadline-s 60 --models gpt_oss_120b --quant mxfp4 \
+    MOE_OPS_WS_MXFP4=$mx MOE_OPS_WS_FP4_PARTIAL_N=$mx $ab --deadline-s 60 --models gpt_oss_120b \
+      --quant mxfp4 \
       --tokens 1 4 16 64 128 --out "$out/ab_mxfp4_$mx.json" > "$out/ab_mxfp4_$mx.log" 2>&1 \
       || status=1
     echo "MOE_OPS_WS_MXFP4=$mx"; grep -A6 '^ *model' "$out/ab_mxfp4_$mx.log" | cut -c1-100

@@ -169,6 +169,7 @@ def test_experts_on_ws_fp4_mxfp4(activation, bias, H, I, tokens, pipeline, which
     monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
     monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)
     monkeypatch.setattr(ws_fp4, "PIPELINE", pipeline)
+    monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", True)
     ckpt, kernel, x, ids, weights = make_case("mxfp4", tokens, H, I, 8, 2,
                                               activation=activation, bias=bias, seed=17,
                                               offset=1, num_global=10, invalid_ids=tokens > 1)
@@ -188,6 +189,7 @@ def test_partial_last_tile(consumers, pipeline, slots, monkeypatch, gemm_calls,
     monkeypatch.setattr(experts_mod, "WS_FP4", "1")
     monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)
     monkeypatch.setattr(ws_fp4, "CONSUMERS", consumers)
+    monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", True)
     if slots == 64:
         monkeypatch.setattr(experts_mod, "WS_FP4_PREFILL_MIN_ROWS", 32)
         monkeypatch.setattr(ws_fp4, "PREFILL_PIPELINE", pipeline)

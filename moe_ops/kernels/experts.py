@@ -123,8 +123,8 @@ WS_FP8 = ws_gemm.env_choice("MOE_OPS_WS_FP8", "1", ("0", "1")) == "1"
 WS_FP4 = ws_gemm.env_choice("MOE_OPS_WS_FP4", "1", ("0", "gemm1", "1"))
 # mxfp4 on the same kernel (its e8m0 scales decoded by a shift): its first GPU run stopped on
 # an illegal instruction (results/h200_pytest_ws_ab.log, 2026-12-01), so nvfp4 only unless
-# MOE_OPS_WS_MXFP4=1 (for debugging it). (gpt-oss-120b: both GEMMs, its GEMM2's N = 2880 with
-# the last tile's second half idle.)
+# MOE_OPS_WS_MXFP4=1 (for debugging it). (gpt-oss-120b: GEMM1; its GEMM2's N = 2880, 22.5
+# tiles, too with MOE_OPS_WS_FP4_PARTIAL_N=1.)
 WS_FP4_QUANTS = ("nvfp4", "mxfp4") if ws_gemm.env_choice(
     "MOE_OPS_WS_MXFP4", "0", ("0", "1")) == "1" else ("nvfp4", )
 WS_FP4_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_MAX_ROWS", 16)

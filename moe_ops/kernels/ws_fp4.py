@@ -85,6 +85,10 @@ CONSUMERS = int(env_choice("MOE_OPS_WS_FP4_CONSUMERS", "2", ("2", "4")))
 # slower (T = 16 884 -> 938 us); so off unless MOE_OPS_WS_FP4_PIPELINE=1 (at decode the wgmma
 # of N = 16 is short; prefill's 64-slot form is where it may pay: `ab` of h200_run.sh).
 PIPELINE = env_choice("MOE_OPS_WS_FP4_PIPELINE", "0", ("0", "1")) == "1"
+# N a multiple of 64 but not of the tile (the last tile's consumers past N idle; see the module
+# docstring): built and CPU-tested, not yet run on a GPU, so such launches stay on grouped_gemm's
+# kernels unless MOE_OPS_WS_FP4_PARTIAL_N=1.
+PARTIAL_N_OK = env_choice("MOE_OPS_WS_FP4_PARTIAL_N", "0", ("0", "1")) == "1"
 # The same for the 64-slot prefill form (its wgmmas 4 times longer): not yet measured, so off
 # unless MOE_OPS_WS_FP4_PREFILL_PIPELINE=1.
 PREFILL_PIPELINE = env_choice("MOE_OPS_WS_FP4_PREFILL_PIPELINE", "0", ("0", "1")) == "1"
@@ -415,8 +419,8 @@ def consumers_for(slots: int) -> int:
 def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tensor,
             w_scale: torch.Tensor, slots: int = BLOCK_M, k: Optional[int] = None) -> bool:
     """Whether this kernel can run a launch (what gemm() would otherwise refuse, or TMA
-    fault on): nvfp4 or mxfp4 weights with bf16 activations on a Hopper GPU, N a multiple of
-    64 (a consumer's rows; the last tile's halves past N idle),
+    fault on): nvfp4 or mxfp4 weights with bf16 activations on a Hopper GPU, whole tiles of N
+    (with PARTIAL_N_OK a multiple of 64: the last tile's consumers past N idle),
     packed rows of whole 256-column steps, weights and scales contiguous and 16-byte aligned
     (TMA over [E * N, 4, Kp/8] and the scales' [E * N, Kp/16 or Kp/32], whose rows must be whole
     16 bytes: mxfp4 needs Kp a multiple of 512); the activation rows (`k` values each, a's
@@ -424,7 +428,8 @@ def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tenso
     kp = w.shape[-1] * 2
     k = a.shape[1] if k is None else k
     return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
-            and a.dtype == torch.bfloat16 and n % ROWS == 0
+            and a.dtype == torch.bfloat16
+            and n % (ROWS if PARTIAL_N_OK else block_n(consumers_for(slots))) == 0
             and kp > 0 and kp % BLOCK_K == 0 and (kp // GROUP[quant]) % 16 == 0
             and w.is_contiguous() and w.data_ptr() % 16 == 0
             and w_scale.is_contiguous() and w_scale.data_ptr() % 16 == 0
