@@ -72,12 +72,14 @@ def make_problem(E, N, K, tokens, device, seed=0, slots=SLOTS):
     """`slots` rows an expert in the dispatch (a multiple of its alignment), `tokens` of them
     routed."""
     from moe_ops.quant import fp4_to_kernel_order, quantize_nvfp4
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(E, N, K, generator=g) * 0.05
+    # (generated and quantized on the device: the prefill cases hold up to 470 M weights)
+    g = torch.Generator(device).manual_seed(seed)
+    w = torch.randn(E, N, K, generator=g, device=device) * 0.05
     packed, block_scale, global_scale = quantize_nvfp4(w)
-    x = torch.zeros(E * slots, K)
+    del w
+    x = torch.zeros(E * slots, K, device=device)
     for e in range(E):
-        x[e * slots:e * slots + tokens] = torch.randn(tokens, K, generator=g)
+        x[e * slots:e * slots + tokens] = torch.randn(tokens, K, generator=g, device=device)
     return dict(w_packed=fp4_to_kernel_order(packed).to(device),
                 w_packed_natural=packed, w_scale=block_scale.to(device),
                 gscale=global_scale[:, None].expand(E, N).contiguous().to(device),

@@ -23,8 +23,9 @@
 # ab8: the fp8 Gluon kernel's new forms, not yet measured: the 128 x 256 "wide" tiles on every
 # GEMM that admits them (ws_gemm.WIDE_BUILDS: GEMM1 of DeepSeek-V3 fp8_block and of fp8 per
 # tensor) and the staggered consumers (ws_gemm.STAGGER): their GPU tests; the GEMMs alone with
-# the stagger (dev_ws_fp8_block.py, DeepSeek and Mixtral, T = 16384); the layers with
-# MOE_OPS_WS_STAGES=6 MOE_OPS_WS_STAGGER=3 and without, then Mixtral and Llama 4 fp8, DeepSeek
+# the stagger (dev_ws_fp8_block.py, DeepSeek and Mixtral, T = 16384); the layers (Mixtral fp8,
+# DeepSeek fp8_block, Qwen3 fp8 at T = 1024-16384) with MOE_OPS_WS_STAGES=6
+# MOE_OPS_WS_STAGGER=3 and without, then Mixtral and Llama 4 fp8, DeepSeek
 # fp8_block at T = 2048-16384 with MOE_OPS_WS_WIDE gemm2 (default) and all; about 9 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -146,11 +147,12 @@ if [[ "$what" == ab8 ]]; then
   done
   ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
   for arm in 4:0 6:3; do
-    MOE_OPS_WS_STAGES=${arm%:*} MOE_OPS_WS_STAGGER=${arm#*:} $ab --deadline-s 90 \
-      --models mixtral_8x7b deepseek_v3 --quant fp8 fp8_block --listed-only --tokens 4096 16384 \
+    MOE_OPS_WS_STAGES=${arm%:*} MOE_OPS_WS_STAGGER=${arm#*:} $ab --deadline-s 110 \
+      --models mixtral_8x7b deepseek_v3 qwen3_30b_a3b --quant fp8 fp8_block --listed-only \
+      --tokens 1024 4096 16384 \
       --out "$out/ab_stagger_${arm/:/_}.json" > "$out/ab_stagger_${arm/:/_}.log" 2>&1 || status=1
     echo "MOE_OPS_WS_STAGES=${arm%:*} MOE_OPS_WS_STAGGER=${arm#*:}"
-    grep -A5 '^ *model' "$out/ab_stagger_${arm/:/_}.log" | cut -c1-100
+    grep -A9 '^ *model' "$out/ab_stagger_${arm/:/_}.log" | cut -c1-100
   done
   for wide in gemm2 all; do
     MOE_OPS_WS_WIDE=$wide $ab --deadline-s 120 --models mixtral_8x7b llama4_scout deepseek_v3 \
