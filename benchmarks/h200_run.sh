@@ -15,11 +15,12 @@
 # ws4: the Gluon nvfp4 decode GEMM timed (dev_gluon_fp4_decode.py; DeepSeek-V3 nvfp4 decode
 # with MOE_OPS_WS_FP4 off and on) and the fp8 experts call kernel by kernel with fp8 per tensor
 # on the Gluon kernel and off; about 4 minutes.
-# ab: the 4-bit Gluon kernel (kernels/ws_fp4.py): its GPU tests (mxfp4 with the scale loads
-# fixed, the 64-slot prefill form), its GEMMs alone (dev_gluon_fp4_decode.py: decode and
+# ab: the 4-bit Gluon kernel (kernels/ws_fp4.py): its GPU tests in three processes (mxfp4 with
+# the scale loads fixed; the 64-slot prefill form; the rest), its GEMMs alone (dev_gluon_fp4_decode.py: decode and
 # prefill cases), DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 prefill (T = 1024-16384) with
 # MOE_OPS_WS_FP4_PREFILL_MIN_ROWS 0 and 32 (serial and pipelined consumers, mxfp4 on the kernel),
-# gpt-oss mxfp4 decode with MOE_OPS_WS_MXFP4 0 and 1; about 7 minutes.
+# gpt-oss mxfp4 decode with MOE_OPS_WS_MXFP4 (and MOE_OPS_WS_FP4_PARTIAL_N) 0 and 1; about 8
+# minutes.
 # ab8: the fp8 Gluon kernel's new forms, not yet measured: the 128 x 256 "wide" tiles on every
 # GEMM that admits them (ws_gemm.WIDE_BUILDS: GEMM1 of DeepSeek-V3 fp8_block and of fp8 per
 # tensor) and the staggered consumers (ws_gemm.STAGGER): their GPU tests; the GEMMs alone with

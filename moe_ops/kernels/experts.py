@@ -130,7 +130,7 @@ WS_FP4_QUANTS = ("nvfp4", "mxfp4") if ws_gemm.env_choice(
 WS_FP4_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_MAX_ROWS", 16)
 # 4-bit prefill on the same kernel's 64-slot form (ws_fp4.PREFILL_SLOTS) from this many routed
 # rows an expert on average: built and CPU-tested, not yet measured, so 0 (never) unless
-# MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=n. (The Triton W4A16 kernels reach 250-340 TFLOP/s at
+# MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=n. (The Triton W4A16 kernels reach 238-336 TFLOP/s at
 # prefill, below our bf16 path on the dequantized weights: results/h200.json.)
 WS_FP4_PREFILL_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", 0)
 

@@ -1,7 +1,8 @@
 """nvfp4 and mxfp4 (W4A16) decode GEMMs on Hopper, warp-specialized (Gluon). Run for both
 GEMMs of nvfp4 decode calls up to 16 routed rows an expert (experts.WS_FP4): measured on an
-H200, DeepSeek-V3's layer 4-36% faster than on grouped_gemm's Triton kernels at T = 4-512
-(the figures beside experts.WS_FP4). mxfp4's first GPU run stopped on an illegal instruction:
+H200, DeepSeek-V3's layer 8-15% faster than on grouped_gemm's Triton kernels at T = 4-128, and
+at T = 256 / 512 21% / 6% faster with up to 16 rows an expert than with up to 4 (the figures
+beside experts.WS_FP4). mxfp4's first GPU run stopped on an illegal instruction:
 its scale loads started at 8-byte columns, and TMA needs the innermost coordinate 16-byte
 aligned; each load now takes a 16-byte-aligned pair of K steps' scales (CPU-tested, not yet
 rerun on a GPU: experts.WS_FP4_QUANTS, MOE_OPS_WS_MXFP4=1).
@@ -83,7 +84,7 @@ CONSUMERS = int(env_choice("MOE_OPS_WS_FP4_CONSUMERS", "2", ("2", "4")))
 # instead of decode, MMA, wait in turn. Measured on an H200 (results/h200_ab_fp4_rows_16_*.json,
 # h200_gluon_fp4_decode_pipelined.json, 2026-12-01): DeepSeek-V3 nvfp4 decode T = 16-512 6-7%
 # slower (T = 16 884 -> 938 us); so off unless MOE_OPS_WS_FP4_PIPELINE=1 (at decode the wgmma
-# of N = 16 is short; prefill's 64-slot form is where it may pay: `ab` of h200_run.sh).
+# of N = 16 is short; prefill's 64-slot form may gain: PREFILL_PIPELINE below).
 PIPELINE = env_choice("MOE_OPS_WS_FP4_PIPELINE", "0", ("0", "1")) == "1"
 # N a multiple of 64 but not of the tile (the last tile's consumers past N idle; see the module
 # docstring): built and CPU-tested, not yet run on a GPU, so such launches stay on grouped_gemm's
