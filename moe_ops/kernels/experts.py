@@ -83,7 +83,7 @@ FP8_SWAP_AB = False
 # (512 rows an expert) 18.9 -> 17.2 ms with "rows" (17.7 "cols"), T = 4096 (128 rows) 5.78 ->
 # 5.40 ms with "cols" (5.71 "rows").
 # "wide" (128 x 256 tiles) from WS_WIDE_MIN_ROWS for the launches ws_gemm.WIDE_BUILDS admits
-# (fp8_block's GEMM2): measured on an H200 (results/h200_ab8_*, 2026-12-01), DeepSeek-V3's
+# (fp8_block's GEMM2): measured on an H200 (2026-12-01), DeepSeek-V3's
 # GEMM2 shape alone at T = 16384 (512 rows an expert) 5.12 -> 4.56 ms (751 -> 844 TFLOP/s; with
 # the scale loads after the wgmmas 5.56 -> 4.39; results/h200_ab_scale_loads_*_fp8_block.json),
 # the layer 16.54 -> 16.23 ms eager, but at T = 4096 (128 rows) the layer 5.36 -> 5.78 ms (half
@@ -154,7 +154,7 @@ def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool,
     if WS_FP8_BLOCK_TILE != "auto" and (WS_FP8_BLOCK_TILE != "wide" or wide_fits):
         return WS_FP8_BLOCK_TILE
     if (num_pairs >= WS_WIDE_MIN_ROWS * num_experts and wide_fits
-            and ws_gemm.wide_by_rule(quant, activation, has_bias)):
+            and ws_gemm.wide_by_rule(quant, activation)):
         return "wide"
     return ws_tile_rule(num_pairs, num_experts)
 

@@ -146,10 +146,9 @@ def stagger_steps(tile: str, gemm: int) -> int:
 WIDE = env_choice("MOE_OPS_WS_WIDE", "gemm2", ("gemm2", "all"))
 
 
-def wide_by_rule(quant: str, activation: str, has_bias: bool) -> bool:
-    """Whether the tile rule may pick "wide" for this build (WIDE, WIDE_BUILDS)."""
-    return wide_admits(quant, activation, has_bias) and (
-        WIDE == "all" or (quant == "fp8_block" and activation == "none"))
+def wide_by_rule(quant: str, activation: str) -> bool:
+    """Whether the tile rule may pick "wide" for a build WIDE_BUILDS admits (WIDE)."""
+    return WIDE == "all" or (quant == "fp8_block" and activation == "none")
 
 
 # The epilogue's stores through a row-contiguous layout (_store_rows); MOE_OPS_WS_STORE=mma
@@ -404,7 +403,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                 acc, acc_hi, index, phase = _mma_steps_wide(
                     acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_steps,
                     a_scale_rows, w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED,
-                    BLOCK_SCALES, ROW0, ROWS, COLS, go, arrive_at, STAGGER)
+                    BLOCK_SCALES, ROW0, ROWS, COLS)
             else:
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
@@ -467,8 +466,7 @@ def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
 def _mma_steps_wide(acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_steps,
                     a_scale_rows, w_scale_ptr, expert, col0, stride_wse, stride_wsn,
                     GATED: gl.constexpr, BLOCK_SCALES: gl.constexpr, ROW0: gl.constexpr,
-                    ROWS: gl.constexpr, COLS: gl.constexpr, go, arrive_at,
-                    STAGGER: gl.constexpr):
+                    ROWS: gl.constexpr, COLS: gl.constexpr):
     """_mma_steps for the "wide" form: each K step multiplies this warpgroup's 64 rows by both
     128-column halves of the slot's 256 weight rows in turn into one partial, promoted into
     acc (columns col0..) and acc_hi (col0 + 128..) before the next (two partials would not fit
@@ -499,17 +497,11 @@ def _mma_steps_wide(acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_s
                              use_acc=False, is_async=True)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
         mbarrier.arrive(empty.index(index), count=1)
-        if STAGGER > 0:
-            if kb == arrive_at:
-                mbarrier.arrive(go, count=1)
         if BLOCK_SCALES:
             acc_hi = _promote(acc_hi, part, s_a, s_b, GATED, True)
         else:
             acc_hi += part
         index, phase = ring_next(index, phase, STAGES)
-    if STAGGER > 0:
-        if arrive_at >= k_steps:    # fewer steps in the tile than the stagger
-            mbarrier.arrive(go, count=1)
     return acc, acc_hi, index, phase
 
 
@@ -575,8 +567,9 @@ def _ws_fp8_block_kernel(
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                        w_desc.layout)
     ready, empty = ring_barriers(STAGES, 2)
-    # (a skipped half would never arrive on `go`: the host never builds both, see stagger_steps)
-    gl.static_assert(STAGGER == 0 or SKIP_PADDING == 0)
+    # (a skipped half would never arrive on `go`, and the wide K loop has no arrive: the host
+    # never builds those with a stagger, see stagger_steps)
+    gl.static_assert(STAGGER == 0 or (SKIP_PADDING == 0 and FORM != 2))
     if STAGGER > 0:
         go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(go, count=1)
