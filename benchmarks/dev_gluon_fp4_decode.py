@@ -4,7 +4,7 @@ decoded straight into wgmma's register operand) beside grouped_gemm's Triton ker
 The problem (one GEMM of a decode step, GEMM2's form so both kernels compute the same thing):
 E experts, `tokens` rows each in a dispatch of 16-slot blocks (rows bf16, the unused slots
 zero; prefill's cases: 256 or 1024 rows an expert in 128-row blocks, the kernel's 64-slot
-form "gluon prefill", TFLOP/s beside TB/s), nvfp4 weights W_e [N, K] (kernel-order packed
+form "gluon prefill" and 128-slot form "gluon prefill 128", TFLOP/s beside TB/s), nvfp4 weights W_e [N, K] (kernel-order packed
 bytes, e4m3 block scales per 16 columns, a global scale per row); out[pair] = x[slot] . W_e (routing weight 1). Variants: "gluon 2
 consumers" / "gluon 4 consumers" (ws_fp4 with 2 or 4 consumer warpgroups; "pipelined": each
 decoding step k + 1 while its wgmma of step k runs, ws_fp4.PIPELINE), "ours"
@@ -50,7 +50,8 @@ def aot():
     for consumers, pipeline, quant, slots in (
             (2, False, "nvfp4", 16), (4, False, "nvfp4", 16), (2, True, "nvfp4", 16),
             (4, True, "nvfp4", 16), (2, False, "mxfp4", 16), (2, True, "mxfp4", 16),
-            (2, False, "nvfp4", 64), (2, True, "nvfp4", 64), (2, False, "mxfp4", 64)):
+            (2, False, "nvfp4", 64), (2, True, "nvfp4", 64), (2, False, "mxfp4", 64),
+            (2, False, "nvfp4", 128), (2, False, "mxfp4", 128)):
         kernel = ws_fp4.compile_sm90(gemm=2, activation="none", consumers=consumers,
                                      pipeline=pipeline, quant=quant, slots=slots)
         loop = k_loop(kernel)
@@ -138,6 +139,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--aot", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cases", choices=("all", "decode", "prefill"), default="all")
     args = ap.parse_args()
     if args.aot:
         aot()
@@ -153,7 +155,9 @@ def main():
     prefill_cases = (("gemm1 256/expert", 16, 4096, 7168, 256),
                      ("gemm2 256/expert", 16, 7168, 2048, 256),
                      ("gemm1 1024/expert", 8, 4096, 7168, 1024))
-    for name, E, N, K, tokens in decode_cases + prefill_cases:
+    cases = ((decode_cases if args.cases != "prefill" else ())
+             + (prefill_cases if args.cases != "decode" else ()))
+    for name, E, N, K, tokens in cases:
         prefill = tokens > SLOTS
         pb = make_problem(E, N, K, tokens, dev, slots=tokens if prefill else SLOTS)
         ref = reference(pb)
@@ -166,6 +170,7 @@ def main():
                 ("gluon prefill", lambda: run_gluon(pb, routing, out_pairs, 2, slots=64)),
                 ("gluon prefill pipelined",
                  lambda: run_gluon(pb, routing, out_pairs, 2, True, slots=64)),
+                ("gluon prefill 128", lambda: run_gluon(pb, routing, out_pairs, 2, slots=128)),
                 ("ours", lambda: run_ours(pb, routing, out_pairs)))
         else:
             variants = (

@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -18,7 +18,8 @@
 # ab: the 4-bit Gluon kernel (kernels/ws_fp4.py): its GPU tests in three processes (mxfp4 with
 # the scale loads fixed; the 64-slot prefill form; the rest), its GEMMs alone (dev_gluon_fp4_decode.py: decode and
 # prefill cases), DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 prefill (T = 1024-16384) with
-# MOE_OPS_WS_FP4_PREFILL_MIN_ROWS 0 and 32 (serial and pipelined consumers, mxfp4 on the kernel),
+# MOE_OPS_WS_FP4_PREFILL_MIN_ROWS 0 and 32 (serial and pipelined consumers, mxfp4 on the kernel;
+# the 128-slot form off),
 # gpt-oss mxfp4 decode with MOE_OPS_WS_MXFP4 (and MOE_OPS_WS_FP4_PARTIAL_N) 0 and 1; about 8
 # minutes.
 # ab8: the fp8 Gluon kernel's new forms, not yet measured: the 128 x 256 "wide" tiles on every
@@ -27,7 +28,11 @@
 # the stagger (dev_ws_fp8_block.py, DeepSeek and Mixtral, T = 16384); the layers (Mixtral fp8,
 # DeepSeek fp8_block, Qwen3 fp8 at T = 1024-16384) with MOE_OPS_WS_STAGES=6
 # MOE_OPS_WS_STAGGER=3 and without, then Mixtral and Llama 4 fp8, DeepSeek
-# fp8_block at T = 2048-16384 with MOE_OPS_WS_WIDE gemm2 (default) and all; about 9 minutes.
+# fp8_block at T = 2048-16384 with MOE_OPS_WS_WIDE gemm2 and all; about 9 minutes.
+# ab4w: the 4-bit Gluon kernel's 128-slot prefill form (ws_fp4.WIDE_SLOTS): its GPU tests, the
+# GEMMs alone (dev_gluon_fp4_decode.py --cases prefill: 64 and 128 slots beside Triton), then
+# DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 4096 / 16384 with
+# MOE_OPS_WS_FP4_WIDE_MIN_ROWS 0 and 256; about 2.5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -119,7 +124,7 @@ if [[ "$what" == ab ]]; then
   for arm in 0:0:0 32:0:1 32:1:1; do
     IFS=: read -r rows pipe mx <<< "$arm"
     MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=$rows MOE_OPS_WS_FP4_PREFILL_PIPELINE=$pipe \
-      MOE_OPS_WS_MXFP4=$mx MOE_OPS_WS_FP4_PARTIAL_N=$mx \
+      MOE_OPS_WS_MXFP4=$mx MOE_OPS_WS_FP4_PARTIAL_N=$mx MOE_OPS_WS_FP4_WIDE_MIN_ROWS=0 \
       $ab --deadline-s 90 --models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4 --listed-only \
       --tokens 1024 4096 16384 --out "$out/ab_fp4_prefill_${rows}_${pipe}_$mx.json" \
       > "$out/ab_fp4_prefill_${rows}_${pipe}_$mx.log" 2>&1 || status=1
@@ -160,6 +165,21 @@ if [[ "$what" == ab8 ]]; then
       --quant fp8 fp8_block --listed-only --tokens 2048 4096 16384 \
       --out "$out/ab_wide_$wide.json" > "$out/ab_wide_$wide.log" 2>&1 || status=1
     echo "MOE_OPS_WS_WIDE=$wide"; grep -A10 '^ *model' "$out/ab_wide_$wide.log" | cut -c1-100
+  done
+fi
+if [[ "$what" == ab4w ]]; then
+  timeout 110 python3 -m pytest -v -p no:cacheprovider tests/test_ws_fp4.py -k "128" \
+    > "$out/pytest_ws_fp4_128.log" 2>&1 || status=1
+  echo "ws_fp4 tests -k 128"; tail -n 1 "$out/pytest_ws_fp4_128.log"
+  timeout 80 python3 benchmarks/dev_gluon_fp4_decode.py --cases prefill --out "$out" \
+    > "$out/gluon_fp4_prefill.log" 2>&1 || status=1
+  tail -n 13 "$out/gluon_fp4_prefill.log"
+  ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
+  for rows in 0 256; do
+    MOE_OPS_WS_FP4_WIDE_MIN_ROWS=$rows timeout 55 $ab --deadline-s 35 --models deepseek_v3 \
+      gpt_oss_120b --quant nvfp4 mxfp4 --listed-only --tokens 4096 16384 \
+      --out "$out/ab_fp4_wide_$rows.json" > "$out/ab_fp4_wide_$rows.log" 2>&1 || status=1
+    echo "MOE_OPS_WS_FP4_WIDE_MIN_ROWS=$rows"; grep -A5 '^ *model' "$out/ab_fp4_wide_$rows.log" | cut -c1-100
   done
 fi
 if [[ "$what" == tune ]]; then

@@ -77,6 +77,9 @@ def test_bad_calls_are_refused():
     with pytest.raises(ValueError, match="consumers: the 64-slot form runs 2"):
         ws_fp4.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
                     slots=64, consumers=4)
+    with pytest.raises(ValueError, match="pipeline: the 128-slot form has serial consumers"):
+        ws_fp4.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
+                    slots=128, pipeline=True)
     w = torch.zeros(2, 160, 128, dtype=torch.uint8)     # N = 160: not whole 64-row halves
     with pytest.raises(ValueError, match="N a multiple of 64"):
         ws_fp4.gemm(None, w, None, None, None, None, None, gemm=2, activation="none",
@@ -136,8 +139,8 @@ def test_experts_on_ws_fp4(activation, bias, I, tokens, consumers, which, monkey
 
 def test_decode_benchmark_builds():
     """benchmarks/dev_gluon_fp4_decode.py --aot (the kernel's sm_90 K loop, both consumer
-    counts, serial and pipelined, nvfp4 and mxfp4, decode's 16-slot and prefill's 64-slot
-    forms) runs without a GPU; no spill but in the pipelined four-consumer form (two decoded
+    counts, serial and pipelined, nvfp4 and mxfp4, decode's 16-slot and prefill's 64- and
+    128-slot forms) runs without a GPU; no spill but in the pipelined four-consumer form (two decoded
     operands in 112 registers: 16 bytes of stack in GEMM2's build, 56 in GEMM1's); every
     build's shared memory within the 227 KB a block may take."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -146,7 +149,7 @@ def test_decode_benchmark_builds():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     builds = [line for line in done.stdout.splitlines() if "consumers" in line]
-    assert len(builds) == 9, done.stdout
+    assert len(builds) == 11, done.stdout
     assert all("stack 0 B" in line for line in builds if "4 consumers, pipe" not in line)
     shared = [int(line.split("shared ")[1].split()[0]) for line in builds]
     assert max(shared) <= 227 * 1024, shared
@@ -179,24 +182,27 @@ def test_experts_on_ws_fp4_mxfp4(activation, bias, H, I, tokens, pipeline, which
 
 @needs_hopper
 @pytest.mark.parametrize("consumers,pipeline,slots", [(2, False, 16), (4, False, 16),
-                                                      (2, True, 16), (2, False, 64)])
+                                                      (2, True, 16), (2, False, 64),
+                                                      (2, False, 128)])
 def test_partial_last_tile(consumers, pipeline, slots, monkeypatch, gemm_calls,
                            poisoned_empty):
     """N a multiple of 64 but not of the tile (H = 704: GEMM2's last tile 64 of 128 rows, or
     192 of 256 with four consumers): the consumers whose rows lie past N idle through the ring
     and write nothing; both GEMMs against the oracle (the poisoned output shows a missed
-    column), the prefill form too."""
+    column), the prefill forms too."""
     monkeypatch.setattr(experts_mod, "WS_FP4", "1")
     monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)
     monkeypatch.setattr(ws_fp4, "CONSUMERS", consumers)
     monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", True)
-    if slots == 64:
+    if slots == 128:
+        monkeypatch.setattr(experts_mod, "WS_FP4_WIDE_MIN_ROWS", 32)
+    elif slots == 64:
         monkeypatch.setattr(experts_mod, "WS_FP4_PREFILL_MIN_ROWS", 32)
         monkeypatch.setattr(ws_fp4, "PREFILL_PIPELINE", pipeline)
     else:
         monkeypatch.setattr(ws_fp4, "PIPELINE", pipeline)
     calls = gemm_calls(ws_fp4, "gemm", record="slots")
-    tokens = 300 if slots == 64 else 20
+    tokens = 300 if slots > 16 else 20
     ckpt, kernel, x, ids, weights = make_case("nvfp4", tokens, 704, 256, 8, 2, seed=23,
                                               offset=1, num_global=10, invalid_ids=True)
     run_and_check("nvfp4", ckpt, kernel, x, ids, weights, offset=1)
@@ -204,32 +210,44 @@ def test_partial_last_tile(consumers, pipeline, slots, monkeypatch, gemm_calls,
 
 
 @needs_hopper
-@pytest.mark.parametrize("quant,activation,bias,H,I,tokens,pipeline", [
-    ("nvfp4", "swiglu", False, 768, 256, 300, False),
-    ("nvfp4", "swiglu_oai", True, 512, 384, 200, True),
-    ("mxfp4", "swiglu_oai", True, 1024, 512, 300, False)])
-def test_experts_on_ws_fp4_prefill(quant, activation, bias, H, I, tokens, pipeline, monkeypatch,
-                                   gemm_calls, poisoned_empty):
-    """Prefill-sized calls (MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=32; here 50-75 routed rows an
-    expert, several 64-slot blocks each, the last part padding) run both GEMMs on the kernel's
-    64-slot form, serial and pipelined consumers, nvfp4 and mxfp4, against the oracle."""
+@pytest.mark.parametrize("quant,activation,bias,H,I,tokens,pipeline,slots", [
+    ("nvfp4", "swiglu", False, 768, 256, 300, False, 64),
+    ("nvfp4", "swiglu_oai", True, 512, 384, 200, True, 64),
+    ("mxfp4", "swiglu_oai", True, 1024, 512, 300, False, 64),
+    ("nvfp4", "swiglu", False, 768, 256, 600, False, 128),
+    ("mxfp4", "swiglu_oai", True, 1024, 512, 300, False, 128)])
+def test_experts_on_ws_fp4_prefill(quant, activation, bias, H, I, tokens, pipeline, slots,
+                                   monkeypatch, gemm_calls, poisoned_empty):
+    """Prefill-sized calls (MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=32; here 50-150 routed rows an
+    expert, one or more blocks each, the last part padding) run both GEMMs on the kernel's
+    64-slot form, serial and pipelined consumers, or on its 128-slot form
+    (MOE_OPS_WS_FP4_WIDE_MIN_ROWS), nvfp4 and mxfp4, against the oracle."""
     monkeypatch.setattr(experts_mod, "WS_FP4", "1")
     monkeypatch.setattr(experts_mod, "WS_FP4_PREFILL_MIN_ROWS", 32)
+    monkeypatch.setattr(experts_mod, "WS_FP4_WIDE_MIN_ROWS", 32 if slots == 128 else 0)
     if quant == "mxfp4":
         monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
     monkeypatch.setattr(ws_fp4, "PREFILL_PIPELINE", pipeline)
-    slots = gemm_calls(ws_fp4, "gemm", record="slots")
+    calls = gemm_calls(ws_fp4, "gemm", record="slots")
     ckpt, kernel, x, ids, weights = make_case(quant, tokens, H, I, 8, 2, activation=activation,
                                               bias=bias, seed=19, offset=1, num_global=10,
                                               invalid_ids=True)
     run_and_check(quant, ckpt, kernel, x, ids, weights, activation=activation, offset=1)
-    assert slots == [ws_fp4.PREFILL_SLOTS] * 2, slots
+    assert calls == [slots] * 2, calls
 
 
-def test_mxfp4_off_by_default():
-    """mxfp4 stays on grouped_gemm's kernels until its GPU tests have run (MOE_OPS_WS_MXFP4)."""
+def test_fp4_defaults():
+    """The measured defaults (the figures beside them in experts.py and ws_fp4.py): mxfp4 on
+    the kernel (MOE_OPS_WS_MXFP4=0: nvfp4 only), prefill's 64-slot form from 32 rows an expert
+    and its 128-slot form from 128, N a multiple of 64, the prefill form's consumers not pipelined; each switch read from the
+    environment."""
+    env = os.environ.get
     assert experts_mod.WS_FP4_QUANTS == (
-        ("nvfp4", "mxfp4") if os.environ.get("MOE_OPS_WS_MXFP4") == "1" else ("nvfp4", ))
+        ("nvfp4", ) if env("MOE_OPS_WS_MXFP4") == "0" else ("nvfp4", "mxfp4"))
+    assert experts_mod.WS_FP4_PREFILL_MIN_ROWS == int(env("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", "32"))
+    assert experts_mod.WS_FP4_WIDE_MIN_ROWS == int(env("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", "128"))
+    assert ws_fp4.PARTIAL_N_OK == (env("MOE_OPS_WS_FP4_PARTIAL_N", "1") == "1")
+    assert ws_fp4.PREFILL_PIPELINE == (env("MOE_OPS_WS_FP4_PREFILL_PIPELINE", "0") == "1")
 
 
 @needs_hopper
@@ -251,10 +269,11 @@ def test_pipelined_consumers(H, consumers, monkeypatch, ws_fp4_calls, poisoned_e
 @needs_hopper
 @pytest.mark.parametrize("align,pipeline,large_path,slots", [
     (16, False, False, 16), (32, False, True, 16), (64, False, False, 16), (64, True, True, 16),
-    (128, False, False, 16), (128, False, False, 64), (256, True, True, 64)])
+    (128, False, False, 16), (128, False, False, 64), (256, True, True, 64),
+    (256, False, True, 128)])
 def test_padding_blocks_are_skipped(align, pipeline, large_path, slots, monkeypatch):
     """GEMM2 on a dispatch aligned to more rows than the kernel's blocks (16 slots, or the
-    prefill form's 64: what a larger grouped_gemm block_m for the other GEMM gives, e.g.
+    prefill forms' 64 and 128: what a larger grouped_gemm block_m for the other GEMM gives, e.g.
     gpt-oss's GEMM2 on grouped_gemm at 128 rows): the blocks of padding only are skipped by
     every partition (a producer and consumers out of step would hang or mix tiles), every
     pair's row is written and matches grouped_gemm's kernel on the same dispatch, and no

@@ -88,8 +88,14 @@ FP8_SWAP_AB = False
 # the scale loads after the wgmmas 5.56 -> 4.39; results/h200_ab_scale_loads_*_fp8_block.json),
 # the layer 16.54 -> 16.23 ms eager, but at T = 4096 (128 rows) the layer 5.36 -> 5.78 ms (half
 # as many tiles to spread over the SMs; results/h200_ab_tile_*.json).
-# MOE_OPS_WS_WIDE=all: "wide" from WS_WIDE_MIN_ROWS for every build WIDE_BUILDS admits (GEMM1,
-# fp8 per tensor: not yet measured). MOE_OPS_WS_FP8_BLOCK_TILE=rows|cols|wide|none overrides the
+# For every build WIDE_BUILDS admits (GEMM1, fp8 per tensor; ws_gemm.WIDE "all") measured on an
+# H200 (results/h200_ab_wide_*.json, 2026-12-01), graph replays, GEMM2 only / all: Mixtral fp8
+# T = 2048 / 4096 / 16384 (512 / 1024 / 4096 rows an expert) 1746 / 3065 / 12907 -> 1633 /
+# 3119 / 12192 us, DeepSeek fp8_block T = 16384 17015 -> 15950, Llama 4 fp8 T = 16384 4677 ->
+# 4691 (the points under 512 rows an expert, which it does not change, within 1% but Llama 4
+# T = 2048's graph replay: the run's spread); DeepSeek's GEMM1 shape alone 812 -> 875 TFLOP/s
+# (h200_ab_stagger_deepseek_v3.json). So all (MOE_OPS_WS_WIDE=gemm2: fp8_block's GEMM2 only).
+# MOE_OPS_WS_FP8_BLOCK_TILE=rows|cols|wide|none overrides the
 # rule ("none": never this kernel; "wide" at any size for the launches it admits, the others on
 # the rule's form).
 # (It governs the fp8-per-tensor launches of WS_FP8 alike.) While tuning, the tuner times what
@@ -121,18 +127,34 @@ WS_FP8 = ws_gemm.env_choice("MOE_OPS_WS_FP8", "1", ("0", "1")) == "1"
 # T = 256 3353 -> 2634, T = 512 4063 -> 3804 us; so up to 16. MOE_OPS_WS_FP4=gemm1: GEMM1 only,
 # 0: never. Calls it takes need a dispatch (16-row blocks), so never use direct mode.
 WS_FP4 = ws_gemm.env_choice("MOE_OPS_WS_FP4", "1", ("0", "gemm1", "1"))
-# mxfp4 on the same kernel (its e8m0 scales decoded by a shift): its first GPU run stopped on
-# an illegal instruction (results/h200_pytest_ws_ab.log, 2026-12-01), so nvfp4 only unless
-# MOE_OPS_WS_MXFP4=1 (for debugging it). (gpt-oss-120b: GEMM1; its GEMM2's N = 2880, 22.5
-# tiles, too with MOE_OPS_WS_FP4_PARTIAL_N=1.)
+# mxfp4 on the same kernel (its e8m0 scales decoded by a shift; gpt-oss-120b's GEMM2, N = 2880,
+# 22.5 tiles, through ws_fp4.PARTIAL_N_OK). Its first GPU run stopped on an illegal instruction
+# (scale loads at 8-byte TMA coordinates; fixed). Measured on an H200 with the fix
+# (results/h200_ab_mxfp4_rerun_*.json, 2026-12-01), gpt-oss-120b mxfp4 decode, graph replays,
+# Triton / this kernel: T = 1 57.5 / 55.0 us, 4 120.0 / 130.6, 16 352.5 / 353.5, 64 744.3 /
+# 729.7, 128 848.7 / 817.8; with the prefill form below, T = 1024-16384 1335 / 3319 / 11218 ->
+# 1155 / 2841 / 10735 us. So on (MOE_OPS_WS_MXFP4=0: nvfp4 only).
 WS_FP4_QUANTS = ("nvfp4", "mxfp4") if ws_gemm.env_choice(
-    "MOE_OPS_WS_MXFP4", "0", ("0", "1")) == "1" else ("nvfp4", )
+    "MOE_OPS_WS_MXFP4", "1", ("0", "1")) == "1" else ("nvfp4", )
 WS_FP4_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_MAX_ROWS", 16)
 # 4-bit prefill on the same kernel's 64-slot form (ws_fp4.PREFILL_SLOTS) from this many routed
-# rows an expert on average: built and CPU-tested, not yet measured, so 0 (never) unless
-# MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=n. (The Triton W4A16 kernels reach 238-336 TFLOP/s at
-# prefill, below our bf16 path on the dequantized weights: results/h200.json.)
-WS_FP4_PREFILL_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", 0)
+# rows an expert on average. Measured on an H200 (results/h200_ab_fp4_prefill_*.json,
+# 2026-12-01), graph replays, Triton W4A16 / this form: DeepSeek-V3 nvfp4 T = 1024 5204 ->
+# 3954 us, 4096 11557 -> 9199, 16384 34304 -> 31237; gpt-oss-120b mxfp4 T = 1024 1335 -> 1155,
+# 4096 3319 -> 2841, 16384 11218 -> 10735 (its pipelined consumers 3-10% slower: off). GEMM1's
+# shape alone at 1024 rows an expert 401 -> 444 TFLOP/s (h200_gluon_fp4_decode_prefill.json).
+# So from 32 (MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=0: never).
+WS_FP4_PREFILL_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", 32)
+# ... and its 128-slot wide form (ws_fp4.WIDE_SLOTS: twice the MMA work a decoded weight tile,
+# the dispatch padded to 128 rows an expert) from this many. Measured on an H200
+# (results/h200_ab_fp4_wide_*.json, 2026-12-01), graph replays, 64-slot / 128-slot form:
+# DeepSeek-V3 nvfp4 T = 1024 / 2048 (32 / 64 rows an expert) 3823 / 5560 -> 4920 / 5790 us (the
+# padding), T = 4096 / 8192 / 16384 (128 / 256 / 512) 9091 / 16646 / 30880 -> 8376 / 14485 /
+# 26129; gpt-oss-120b mxfp4 T = 1024 / 2048 1105 / 1613 -> 1613 / 1670, T = 4096 / 8192 /
+# 16384 2788 / 5038 / 9542 -> 2394 / 4205 / 7513; the GEMMs alone at 256 rows an expert 446 ->
+# 548 TFLOP/s (GEMM1's shape), 385 -> 495 (GEMM2's; h200_gluon_fp4_prefill_128.json). So from
+# 128 (MOE_OPS_WS_FP4_WIDE_MIN_ROWS=0: never).
+WS_FP4_WIDE_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 128)
 
 
 def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool,
@@ -266,6 +288,7 @@ def triton_experts(
     direct = use_direct_dispatch(T, top_k, E)
     # (explicit configs, the tuner's candidates among them, run what they name)
     fp4_slots = (ws_fp4.BLOCK_M if T * top_k <= WS_FP4_MAX_ROWS * E else
+                 ws_fp4.WIDE_SLOTS if 0 < WS_FP4_WIDE_MIN_ROWS * E <= T * top_k else
                  ws_fp4.PREFILL_SLOTS if 0 < WS_FP4_PREFILL_MIN_ROWS * E <= T * top_k else None)
     fp4_ws = (WS_FP4 != "0" and quant in WS_FP4_QUANTS and fp4_slots is not None
               and gemm1_config is None and gemm2_config is None

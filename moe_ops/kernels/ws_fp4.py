@@ -1,11 +1,12 @@
-"""nvfp4 and mxfp4 (W4A16) decode GEMMs on Hopper, warp-specialized (Gluon). Run for both
-GEMMs of nvfp4 decode calls up to 16 routed rows an expert (experts.WS_FP4): measured on an
-H200, DeepSeek-V3's layer 8-15% faster than on grouped_gemm's Triton kernels at T = 4-128, and
-at T = 256 / 512 21% / 6% faster with up to 16 rows an expert than with up to 4 (the figures
-beside experts.WS_FP4). mxfp4's first GPU run stopped on an illegal instruction:
-its scale loads started at 8-byte columns, and TMA needs the innermost coordinate 16-byte
-aligned; each load now takes a 16-byte-aligned pair of K steps' scales (CPU-tested, not yet
-rerun on a GPU: experts.WS_FP4_QUANTS, MOE_OPS_WS_MXFP4=1).
+"""nvfp4 and mxfp4 (W4A16) GEMMs on Hopper, warp-specialized (Gluon). Run for both GEMMs of
+4-bit decode calls up to 16 routed rows an expert (experts.WS_FP4) and of prefill calls, in a
+64-slot form from 32 rows an expert (experts.WS_FP4_PREFILL_MIN_ROWS) and a 128-slot form
+from 128 (WS_FP4_WIDE_MIN_ROWS): measured on an H200, DeepSeek-V3's nvfp4 layer 8-15% faster
+than on grouped_gemm's Triton kernels at T = 4-128, 21% / 6% at T = 256 / 512 with up to 16
+rows an expert against up to 4, 24% at T = 1024 with the 64-slot form and 27-24% at T = 4096-
+16384 with the 128-slot one; gpt-oss-120b's mxfp4 layer up to 4% at decode, 14-33% at
+prefill (the figures beside experts.WS_FP4_QUANTS, WS_FP4_PREFILL_MIN_ROWS and
+WS_FP4_WIDE_MIN_ROWS).
 
 Why: grouped_gemm's Triton W4A16 decode loop spends 5.1 SASS instructions a weight value, of
 which the e2m1 decode itself is about 3; the rest is what Triton wraps around it (per-wgmma
@@ -64,12 +65,20 @@ BLOCK_M = 16               # dispatch slots a tile (the MMA's N) at decode
 # MMA's ~0.8 us at bf16's rate, can hide behind the other consumer's MMA. Two consumers only
 # (112 registers a thread of four hold neither the [64, 64] fp32 tile nor the operand beside
 # the decode), 3 ring slots of 50 KB (the epilogue's layout exchange takes 16 KB a consumer
-# more: 4 slots would pass the 227 KB a block). Built and CPU-tested;
-# experts.WS_FP4_PREFILL_MIN_ROWS (off by default) runs it for the GPU's A/B.
+# more: 4 slots would pass the 227 KB a block). Measured and turned on: the figures beside
+# experts.WS_FP4_PREFILL_MIN_ROWS.
 PREFILL_SLOTS = 64
-SLOTS = (BLOCK_M, PREFILL_SLOTS)
+# Prefill's wide form: 128 slots a tile (m64n128k16 wgmmas), each decoded weight tile feeding 8
+# times decode's MMA work, so the decode's share of a consumer's K step halves again. Two ring
+# slots of 82 KB (a K step's [128, 256] bf16 activations are 64 KB), and the epilogue's layout
+# exchange in two 64-slot pieces (16 KB a consumer: the whole [128, 64] fp32 tile's 32 KB would
+# pass the 227 KB a block beside the ring); serial consumers only (two decoded operands and the
+# 64-register accumulator would pass the 232 registers a thread). From 128 rows an expert, where
+# the dispatch's padding to 128 rows is a small enough share: experts.WS_FP4_WIDE_MIN_ROWS.
+WIDE_SLOTS = 128
+SLOTS = (BLOCK_M, PREFILL_SLOTS, WIDE_SLOTS)
 BLOCK_K = 256              # columns a K step: 4 runs of 32 bytes a row
-STAGES = {BLOCK_M: 4, PREFILL_SLOTS: 3}     # ring slots by the form's slots a tile
+STAGES = {BLOCK_M: 4, PREFILL_SLOTS: 3, WIDE_SLOTS: 2}     # ring slots by the form's slots a tile
 # consumer warpgroups -> registers a worker consumer thread, a producer thread, the launch's
 # maxnreg (the default partition, consumer 0, gets what is left). The launch holds maxnreg a
 # thread for all its warps, the producer's padded to a warpgroup: 12 warps x 168 = 64512 and
@@ -87,11 +96,14 @@ CONSUMERS = int(env_choice("MOE_OPS_WS_FP4_CONSUMERS", "2", ("2", "4")))
 # of N = 16 is short; prefill's 64-slot form may gain: PREFILL_PIPELINE below).
 PIPELINE = env_choice("MOE_OPS_WS_FP4_PIPELINE", "0", ("0", "1")) == "1"
 # N a multiple of 64 but not of the tile (the last tile's consumers past N idle; see the module
-# docstring): built and CPU-tested, not yet run on a GPU, so such launches stay on grouped_gemm's
-# kernels unless MOE_OPS_WS_FP4_PARTIAL_N=1.
-PARTIAL_N_OK = env_choice("MOE_OPS_WS_FP4_PARTIAL_N", "0", ("0", "1")) == "1"
-# The same for the 64-slot prefill form (its wgmmas 4 times longer): not yet measured, so off
-# unless MOE_OPS_WS_FP4_PREFILL_PIPELINE=1.
+# docstring): its GPU tests passed (results/h200_pytest_ws_fp4_*.log, 2026-12-01), and it runs
+# gpt-oss-120b's GEMM2 (N = 2880) in the figures beside experts.WS_FP4_QUANTS; so on
+# (MOE_OPS_WS_FP4_PARTIAL_N=0: such launches on grouped_gemm's kernels).
+PARTIAL_N_OK = env_choice("MOE_OPS_WS_FP4_PARTIAL_N", "1", ("0", "1")) == "1"
+# The same for the 64-slot prefill form (its wgmmas 4 times longer): measured on an H200
+# (results/h200_ab_fp4_prefill_32_1_1.json, h200_gluon_fp4_decode_prefill.json, 2026-12-01)
+# 3-10% slower than the plain consumers (DeepSeek-V3 nvfp4 T = 4096 9199 -> 9807 us; GEMM1's
+# shape alone 444 -> 425 TFLOP/s); so off unless MOE_OPS_WS_FP4_PREFILL_PIPELINE=1.
 PREFILL_PIPELINE = env_choice("MOE_OPS_WS_FP4_PREFILL_PIPELINE", "0", ("0", "1")) == "1"
 
 # One K step's packed bytes of a warpgroup's 64 rows, [64, 128] (byte j = 32t + 2c + q of a row:
@@ -335,22 +347,43 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                                                       index, phase, HALF, DOT, MX, 0)
 
                 # Epilogue: acc [weight rows, slots] (nvfp4: * global scale * 512) (+ bias),
-                # transposed to [slots, columns]; GEMM1's activation into intermediate[slot],
-                # GEMM2's routing weight into out[pair]; padding slots (pair id >= num_pairs) are
-                # not written.
+                # transposed to [slots, columns] in pieces of up to 64 slots (the wide form's
+                # two: see WIDE_SLOTS); GEMM1's activation into intermediate[slot], GEMM2's
+                # routing weight into out[pair]; padding slots (pair id >= num_pairs) are not
+                # written.
                 w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
                 if not MX:
                     acc = acc * (gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0)[:, None]
                 if HAS_BIAS:
                     acc += gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)[:, None]
-                # slots along the rows, two adjacent columns (gate/up) in one thread
-                vals = gl.convert_layout(gl.permute(acc, [1, 0]),
-                                         gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0]))
-                slots = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, vals.type.layout))
-                pair_ids = gl.load(sorted_pair_ids_ptr + slots)
-                row_ok = pair_ids < num_pairs
-                write_rows(vals, slots, pair_ids, row_ok, n0, topk_weights_ptr, out_ptr, stride_om,
-                           alpha, limit, ACTIVATION, True)
+                if BM > 64:
+                    # slot 64h + j of [64, 128] -> [64, j, h]: h is a register bit of the MMA
+                    # layout, so the split moves no data
+                    first, second = gl.split(gl.permute(gl.reshape(acc, [64, 2, 64]), [0, 2, 1]))
+                    _store_slots(first, pid_m * BM, n0, sorted_pair_ids_ptr, topk_weights_ptr,
+                                 out_ptr, num_pairs, stride_om, alpha, limit, ACTIVATION)
+                    _store_slots(second, pid_m * BM + 64, n0, sorted_pair_ids_ptr,
+                                 topk_weights_ptr, out_ptr, num_pairs, stride_om, alpha, limit,
+                                 ACTIVATION)
+                else:
+                    _store_slots(acc, pid_m * BM, n0, sorted_pair_ids_ptr, topk_weights_ptr,
+                                 out_ptr, num_pairs, stride_om, alpha, limit, ACTIVATION)
+
+
+@gluon.jit
+def _store_slots(acc, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr, num_pairs,
+                 stride_om, alpha, limit, ACTIVATION: gl.constexpr):
+    """A piece of the accumulator [64 weight rows, slots slot0...] written as its slots' rows
+    (columns n0...), slots along the rows and two adjacent columns (gate/up) in one thread;
+    padding slots not written."""
+    PIECE: gl.constexpr = acc.shape[1]
+    vals = gl.convert_layout(gl.permute(acc, [1, 0]),
+                             gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0]))
+    slots = slot0 + gl.arange(0, PIECE, layout=gl.SliceLayout(1, vals.type.layout))
+    pair_ids = gl.load(sorted_pair_ids_ptr + slots)
+    row_ok = pair_ids < num_pairs
+    write_rows(vals, slots, pair_ids, row_ok, n0, topk_weights_ptr, out_ptr, stride_om, alpha,
+               limit, ACTIVATION, True)
 
 
 @gluon.jit
@@ -413,8 +446,14 @@ def block_n(consumers: int) -> int:
 
 
 def consumers_for(slots: int) -> int:
-    """Consumer warpgroups of a form: decode's CONSUMERS, prefill's 2."""
+    """Consumer warpgroups of a form: decode's CONSUMERS, prefill's (both forms) 2."""
     return CONSUMERS if slots == BLOCK_M else 2
+
+
+def default_pipeline(slots: int) -> bool:
+    """Whether a form's consumers are pipelined by default (PIPELINE, PREFILL_PIPELINE; the
+    wide form's never)."""
+    return PIPELINE if slots == BLOCK_M else PREFILL_PIPELINE if slots == PREFILL_SLOTS else False
 
 
 def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tensor,
@@ -442,15 +481,17 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
          consumers: Optional[int] = None, quant: str = "nvfp4", slots: int = BLOCK_M,
          pipeline: Optional[bool] = None) -> None:
     """One nvfp4 / mxfp4 GEMM over the dispatch's live blocks of `slots` rows (16: decode's
-    form, PREFILL_SLOTS: prefill's, two consumers; see the module docstring); mxfp4 has no
-    global scale (w_global_scale None). pipeline: the pipelined consumers (default: PIPELINE,
-    or PREFILL_PIPELINE for the prefill form)."""
+    form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers; see the module docstring);
+    mxfp4 has no global scale (w_global_scale None). pipeline: the pipelined consumers
+    (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide form's)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if slots not in SLOTS:
         raise ValueError(f"slots must be one of {SLOTS}, got {slots}")
     if gemm == 1 and activation == "none":
         raise ValueError("gemm=1 needs an activation (GEMM1's epilogue applies it)")
+    if slots == WIDE_SLOTS and pipeline:
+        raise ValueError(f"pipeline: the {slots}-slot form has serial consumers only")
     consumers = consumers or consumers_for(slots)
     if slots != BLOCK_M and consumers != 2:
         raise ValueError(f"consumers: the {slots}-slot form runs 2, got {consumers}")
@@ -499,8 +540,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs,
-        PIPELINE=int((PIPELINE if slots == BLOCK_M else PREFILL_PIPELINE)
-                     if pipeline is None else pipeline),
+        PIPELINE=int(default_pipeline(slots) if pipeline is None else pipeline),
         MX=int(quant == "mxfp4"), PARTIAL_N=int(N % bn != 0), num_warps=4, maxnreg=maxnreg)
 
 
@@ -527,7 +567,7 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
                   PRODUCER_REGS=producer_regs,
-                  PIPELINE=int(PIPELINE if pipeline is None else pipeline),
+                  PIPELINE=int(default_pipeline(slots) if pipeline is None else pipeline),
                   MX=int(quant == "mxfp4"), PARTIAL_N=int(partial_n))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)

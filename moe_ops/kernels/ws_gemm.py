@@ -116,14 +116,19 @@ def env_int(name: str, default: int) -> int:
     return int(value)
 
 
-# Staggered consumers (not yet measured, so off): both warpgroups of a tile finish it together,
+# Staggered consumers (measured slower, so off): both warpgroups of a tile finish it together,
 # so their epilogues leave the tensor cores idle at once. With MOE_OPS_WS_STAGGER=s, consumer 1
 # starts its first tile once consumer 0 has released s K steps' slots; the ring then keeps it
 # about s steps behind, and each one's epilogue runs beside the other's MMAs. s < the ring's
 # slots (MOE_OPS_WS_STAGES=n, up to MAX_STAGES of the form; default STAGES); off where the
 # padding skip is on (a skipped half would not release in step) and for "wide" (its K loop
 # spills with the check in it: 104 local accesses a step). The check costs 7-9 instructions a
-# K step in "rows" / "cols" (no spill; tests/test_ws_gemm.py).
+# K step in "rows" / "cols" (no spill; tests/test_ws_gemm.py). Measured on an H200
+# (results/h200_ab_stagger_*.json, 2026-12-01): the GEMMs alone at T = 16384, "rows" / stagger
+# 3 of 6 slots / 5 of 6: DeepSeek fp8_block GEMM1 812 / 765 / 775 TFLOP/s, GEMM2 728 / 719 /
+# 777 (wide 796); Mixtral fp8 GEMM1 937 / 865 / 860, GEMM2 1098 / 957 / 935; the layers with 6
+# slots and stagger 3 against the default 4 / 0, graph replays: Mixtral fp8 T = 16384 12285 ->
+# 13589 us, DeepSeek fp8_block 16389 -> 16505, Qwen3 fp8 equal. So 0 (and STAGES slots).
 STAGGER = env_int("MOE_OPS_WS_STAGGER", 0)
 RING_STAGES = env_int("MOE_OPS_WS_STAGES", STAGES)
 
@@ -141,9 +146,9 @@ def stagger_steps(tile: str, gemm: int) -> int:
     return min(STAGGER, ring_stages(tile) - 1)
 
 
-# Where the rule of experts.ws_tile gives "wide": "gemm2" (fp8_block's GEMM2, measured) or
-# "all" (every build WIDE_BUILDS admits: GEMM1 and fp8 per tensor not yet measured).
-WIDE = env_choice("MOE_OPS_WS_WIDE", "gemm2", ("gemm2", "all"))
+# Where the rule of experts.ws_tile gives "wide": "all" (every build WIDE_BUILDS admits) or
+# "gemm2" (fp8_block's GEMM2 only); the measurements beside experts.WS_WIDE_MIN_ROWS.
+WIDE = env_choice("MOE_OPS_WS_WIDE", "all", ("gemm2", "all"))
 
 
 def wide_by_rule(quant: str, activation: str) -> bool:
