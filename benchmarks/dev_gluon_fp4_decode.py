@@ -7,7 +7,8 @@ zero; prefill's cases: 256 or 1024 rows an expert in 128-row blocks, the kernel'
 form "gluon prefill" and 128-slot form "gluon prefill 128", TFLOP/s beside TB/s), nvfp4 weights W_e [N, K] (kernel-order packed
 bytes, e4m3 block scales per 16 columns, a global scale per row); out[pair] = x[slot] . W_e (routing weight 1). Variants: "gluon 2
 consumers" / "gluon 4 consumers" (ws_fp4 with 2 or 4 consumer warpgroups; "pipelined": each
-decoding step k + 1 while its wgmma of step k runs, ws_fp4.PIPELINE), "ours"
+decoding step k + 1 while its wgmma of step k runs, ws_fp4.PIPELINE; "early": the epilogue's
+operands loaded before each tile's K loop, ws_fp4.EARLY_EPILOGUE), "ours"
 (grouped_gemm.gemm2 with the default 4-bit config for the rows an expert: decode's 16-row
 tiles, prefill's 128 x 128). Each is compared with a float32
 reference (dequantized weights) on random data, outputs NaN-poisoned first; times by
@@ -128,11 +129,11 @@ def run_ours(pb, routing, out_pairs):
              w2_global_scale=pb["gscale"])
 
 
-def run_gluon(pb, routing, out_pairs, consumers, pipeline=False, slots=SLOTS):
+def run_gluon(pb, routing, out_pairs, consumers, pipeline=False, slots=SLOTS, early=False):
     from moe_ops.kernels import ws_fp4
     ws_fp4.gemm(pb["x"], pb["w_packed"], pb["w_scale"], pb["gscale"], None, out_pairs,
                 routing, gemm=2, activation="none", consumers=consumers, slots=slots,
-                pipeline=pipeline)
+                pipeline=pipeline, early=early)
 
 
 def main():
@@ -171,10 +172,13 @@ def main():
                 ("gluon prefill pipelined",
                  lambda: run_gluon(pb, routing, out_pairs, 2, True, slots=64)),
                 ("gluon prefill 128", lambda: run_gluon(pb, routing, out_pairs, 2, slots=128)),
+                ("gluon prefill 128 early",
+                 lambda: run_gluon(pb, routing, out_pairs, 2, slots=128, early=True)),
                 ("ours", lambda: run_ours(pb, routing, out_pairs)))
         else:
             variants = (
                 ("gluon 2 consumers", lambda: run_gluon(pb, routing, out_pairs, 2)),
+                ("gluon 2 early", lambda: run_gluon(pb, routing, out_pairs, 2, early=True)),
                 ("gluon 4 consumers", lambda: run_gluon(pb, routing, out_pairs, 4)),
                 ("gluon 2 pipelined", lambda: run_gluon(pb, routing, out_pairs, 2, True)),
                 ("gluon 4 pipelined", lambda: run_gluon(pb, routing, out_pairs, 4, True)),

@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -33,6 +33,10 @@
 # GEMMs alone (dev_gluon_fp4_decode.py --cases prefill: 64 and 128 slots beside Triton), then
 # DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 4096 / 16384 with
 # MOE_OPS_WS_FP4_WIDE_MIN_ROWS 0 and 256; about 2.5 minutes.
+# ab4e: the Gluon kernels' early epilogues (ws_fp4.EARLY_EPILOGUE, ws_gemm.EARLY_EPILOGUE): their
+# GPU tests, the 4-bit GEMMs alone (dev_gluon_fp4_decode.py: the "early" variants), then the
+# 4-bit and fp8 layers (DeepSeek-V3 nvfp4 and fp8_block, gpt-oss-120b mxfp4, Qwen3 and Mixtral
+# fp8 at T = 16, 256, 4096, 16384) with both switches 0 and 1; about 9 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -180,6 +184,25 @@ if [[ "$what" == ab4w ]]; then
       gpt_oss_120b --quant nvfp4 mxfp4 --listed-only --tokens 4096 16384 \
       --out "$out/ab_fp4_wide_$rows.json" > "$out/ab_fp4_wide_$rows.log" 2>&1 || status=1
     echo "MOE_OPS_WS_FP4_WIDE_MIN_ROWS=$rows"; grep -A5 '^ *model' "$out/ab_fp4_wide_$rows.log" | cut -c1-100
+  done
+fi
+if [[ "$what" == ab4e ]]; then
+  for file in ws_fp4 ws_gemm; do
+    timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_$file.py -k "early" \
+      > "$out/pytest_${file}_early.log" 2>&1 || status=1
+    echo "$file tests -k early"; tail -n 1 "$out/pytest_${file}_early.log"
+  done
+  timeout 100 python3 benchmarks/dev_gluon_fp4_decode.py --out "$out" \
+    > "$out/gluon_fp4_early.log" 2>&1 || status=1
+  tail -n 26 "$out/gluon_fp4_early.log"
+  ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
+  for early in 0 1; do
+    MOE_OPS_WS_FP4_EARLY_EPILOGUE=$early MOE_OPS_WS_EARLY_EPILOGUE=$early timeout 150 $ab \
+      --deadline-s 130 --models deepseek_v3 gpt_oss_120b qwen3_30b_a3b mixtral_8x7b \
+      --quant nvfp4 mxfp4 fp8 fp8_block --listed-only --tokens 16 256 4096 16384 \
+      --out "$out/ab_early_$early.json" > "$out/ab_early_$early.log" 2>&1 || status=1
+    echo "MOE_OPS_WS_FP4_EARLY_EPILOGUE=$early MOE_OPS_WS_EARLY_EPILOGUE=$early"
+    grep -A22 '^ *model' "$out/ab_early_$early.log" | cut -c1-100
   done
 fi
 if [[ "$what" == tune ]]; then

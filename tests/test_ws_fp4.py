@@ -16,7 +16,7 @@ from moe_ops.kernels import experts as experts_mod
 from moe_ops.kernels import ws_fp4
 
 from test_kernels_fp4 import make_case, run_and_check
-from test_ws_gemm import sm90_ptx
+from test_ws_gemm import sm90_ptx, sm90_script_rows
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[:2] == (9, 0)
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel runs on sm_90 only")
@@ -44,6 +44,36 @@ def test_builds_for_sm90(gemm, activation, bias, consumers, pipeline, quant):
     assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in ptx
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{ws_fp4.REGISTERS[consumers][0]}" in ptx
     assert "cp.async.bulk.tensor.3d" in ptx and "mul.rn.bf16x2" in ptx
+
+
+EARLY_BUILDS = """
+import collections, sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import sass
+from dev_gluon_fp4_decode import k_loop
+from moe_ops.kernels import ws_fp4
+for slots in (16, 64, 128):
+    for gemm, act, bias, quant in ((1, "swiglu_oai", True, "mxfp4"), (2, "none", False, "nvfp4"),
+                                   (1, "swiglu", False, "nvfp4"), (2, "none", True, "mxfp4")):
+        kernel = ws_fp4.compile_sm90(gemm=gemm, activation=act, has_bias=bias, quant=quant,
+                                     slots=slots, early=True)
+        ops = collections.Counter(i.split()[0].split(".")[0] for i in k_loop(kernel))
+        print(slots, gemm, quant, ops["LDL"] + ops["STL"], kernel.metadata.shared,
+              sum(i.split()[0].startswith("LDG") for i in sass(kernel)))
+"""
+
+
+def test_early_epilogue_builds():
+    """The early epilogue (EARLY_EPILOGUE) builds for sm_90 on every form, GEMM1 with bias and
+    activation and GEMM2, nvfp4 and mxfp4: its operands held across the K loop leave the loop
+    without a local access (ptxas may spill them once a tile, outside it), shared memory within
+    the 227 KB a block may take, and the operands' global loads are there."""
+    rows, done = sm90_script_rows(EARLY_BUILDS)
+    assert len(rows) == 12, done.stdout
+    for slots, gemm, quant, local, shared, loads in rows:
+        assert local == "0", (slots, gemm, quant)
+        assert int(shared) <= 227 * 1024, (slots, gemm, quant, shared)
+        assert int(loads) >= 2, (slots, gemm, quant)
 
 
 def test_default_and_off_hopper(monkeypatch, ws_fp4_calls, poisoned_empty):
@@ -311,3 +341,63 @@ def test_padding_blocks_are_skipped(align, pipeline, large_path, slots, monkeypa
     assert torch.isnan(outs[0][T * k]).all(), "a row past the pairs was written"
     err = ((outs[0][:T * k] - outs[1][:T * k]).norm() / outs[1][:T * k].norm()).item()
     assert err < 2e-3, err
+
+
+@needs_hopper
+@pytest.mark.parametrize("quant,slots", [("nvfp4", 16), ("nvfp4", 64), ("nvfp4", 128),
+                                         ("mxfp4", 16), ("mxfp4", 128)])
+def test_early_epilogue_is_bit_equal(quant, slots):
+    """MOE_OPS_WS_FP4_EARLY_EPILOGUE: the epilogue's operands loaded before each tile's K loop
+    and GEMM2's tile stored through one layout exchange compute the same float32 operations
+    as the late epilogue: both GEMMs (GEMM1 with swiglu_oai and its bias, nvfp4's global
+    scales) equal bit for bit on each form, every pair's row written and no padding row (the
+    outputs NaN-poisoned, one row past the pairs)."""
+    from moe_ops.kernels import grouped_gemm as gg
+    from moe_ops.kernels.align import moe_align
+    E, k, H, I = 8, 2, 512, 512      # (mxfp4: K a multiple of 512 for GEMM2 too)
+    T = 300 if slots > 16 else 24
+    _, kernel, _, ids, weights = make_case(quant, T, H, I, E, k, activation="swiglu_oai",
+                                           bias=True, seed=13)
+    dev = ids.device
+    dispatch = moe_align(ids.to(torch.int32), E, slots, 0)
+    routing = gg.Routing(ids.reshape(-1).to(torch.int32), weights.reshape(-1), k, E, 0,
+                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, slots,
+                         dispatch.num_padded)
+    num_slots = dispatch.sorted_pair_ids.numel()
+    gen = torch.Generator(device=dev).manual_seed(5)
+    for gemm in (1, 2):
+        w, scale, gscale, bias = (
+            (kernel["w13"], kernel["w13_scale"], kernel.get("w13_global_scale"), kernel["b13"])
+            if gemm == 1 else
+            (kernel["w2"], kernel["w2_scale"], kernel.get("w2_global_scale"), kernel["b2"]))
+        rows = torch.randn(num_slots, H if gemm == 1 else I, device=dev, generator=gen).to(
+            torch.bfloat16)
+        outs = []
+        for early in (False, True):
+            out = torch.full((num_slots, I) if gemm == 1 else (T * k + 1, H), float("nan"),
+                             device=dev, dtype=torch.bfloat16)
+            ws_fp4.gemm(rows, w, scale, gscale, bias, out, routing, gemm=gemm,
+                        activation="swiglu_oai" if gemm == 1 else "none", alpha=1.702,
+                        limit=7.0, programs=7, quant=quant, slots=slots, early=early)
+            outs.append(out)
+        late, early_out = outs
+        assert torch.equal(late.isnan(), early_out.isnan()), f"GEMM{gemm}: written rows differ"
+        assert torch.equal(late.nan_to_num(0.0), early_out.nan_to_num(0.0)), f"GEMM{gemm}"
+        if gemm == 2:
+            assert torch.isfinite(late[:T * k]).all() and torch.isnan(late[T * k]).all()
+
+
+@needs_hopper
+@pytest.mark.parametrize("quant,tokens", [("nvfp4", 20), ("nvfp4", 300), ("nvfp4", 700),
+                                          ("mxfp4", 700)])
+def test_experts_with_early_epilogue(quant, tokens, monkeypatch, gemm_calls, poisoned_empty):
+    """The experts call with the early epilogue on each form (16 slots at 2.5 routed rows an
+    expert, 64 at 75, 128 at 175) against the oracle, gpt-oss's activation and biases."""
+    monkeypatch.setattr(ws_fp4, "EARLY_EPILOGUE", True)
+    calls = gemm_calls(ws_fp4, "gemm", record="slots")
+    ckpt, kernel, x, ids, weights = make_case(quant, tokens, 512, 512, 8, 2,
+                                              activation="swiglu_oai", bias=True, seed=29,
+                                              invalid_ids=True)
+    run_and_check(quant, ckpt, kernel, x, ids, weights, activation="swiglu_oai")
+    expected = 16 if tokens * 2 <= 16 * 8 else 128 if tokens * 2 >= 128 * 8 else 64
+    assert calls == [expected] * 2, calls

@@ -393,6 +393,79 @@ def test_experts_with_staggered_consumers(quant, activation, bias, monkeypatch, 
     assert ws_gemm_calls == [1, 2]
 
 
+@needs_hopper
+@pytest.mark.parametrize("tile,quant,bias", [("rows", "fp8_block", False), ("cols", "fp8", False),
+                                             ("wide", "fp8_block", True), ("wide", "fp8", True),
+                                             ("rows", "fp8", True)])
+@pytest.mark.parametrize("programs", [3, 132])
+def test_early_epilogue_is_bit_equal(tile, quant, bias, programs):
+    """MOE_OPS_WS_EARLY_EPILOGUE: the slots' pair ids, routing weights and row scales loaded
+    before each tile's K loop feed the same float32 operations as the late epilogue: GEMM2's
+    rows equal bit for bit (few programs: many tiles each; more than the tiles), each form,
+    fp8 per tensor's row scales and the bias too, every pair's row written."""
+    E, N, T, k, K = 8, 512, 300, 4, 1024
+    dev = torch.device("cuda")
+    a, a_scale, w, w_scale, routing = gemm2_problem(tile, quant, E, N, K, T, k, seed=11)
+    b = torch.randn(E, N, device=dev) if bias else None
+    outs = []
+    for early in (False, True):
+        out = torch.full((T * k, N), float("nan"), device=dev, dtype=torch.bfloat16)
+        ws_gemm.gemm(a, a_scale, w, w_scale, b, out, routing, gemm=2, activation="none",
+                     tile=tile, quant=quant, programs=programs, early=early)
+        torch.cuda.synchronize()
+        outs.append(out)
+    assert torch.isfinite(outs[1].float()).all(), "a pair's row was not written"
+    assert torch.equal(outs[0], outs[1])
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile", ["rows", "cols"])
+@pytest.mark.parametrize("quant,activation,bias", [("fp8_block", "swiglu", False),
+                                                   ("fp8", "geglu", True)])
+def test_experts_with_early_epilogue(tile, quant, activation, bias, monkeypatch, ws_gemm_calls,
+                                     poisoned_empty):
+    """Both GEMMs (GEMM1's activation epilogue too) with the early epilogue, on the skewed
+    experts problem, against the oracle."""
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
+    monkeypatch.setattr(experts_mod, "WS_FP8", True)
+    monkeypatch.setattr(ws_gemm, "EARLY_EPILOGUE", True)
+    check_skewed_experts(quant, activation, bias, seed=59)
+    assert ws_gemm_calls == [1, 2]
+
+
+EARLY_K_LOOP = """
+import sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops
+from moe_ops.kernels import ws_gemm
+for tile, quant, activation, bias in (("rows", "fp8_block", "swiglu", False),
+                                      ("cols", "fp8_block", "none", True),
+                                      ("rows", "fp8", "swiglu_oai", True),
+                                      ("wide", "fp8_block", "none", False),
+                                      ("wide", "fp8", "swiglu", False)):
+    gemm = 2 if activation == "none" else 1
+    local = []
+    for early in (False, True):
+        kernel = ws_gemm.compile_sm90(tile=tile, gemm=gemm, activation=activation,
+                                      has_bias=bias, quant=quant, early=early)
+        per_step = 8 if tile == "wide" else 4
+        k_loops = sorted((b for b in loops(kernel)
+                          if sum("QGMMA" in i for i in b) == per_step), key=len)[:2]
+        local.append(max(sum(i.split()[0].startswith(("LDL", "STL")) for i in b)
+                         for b in k_loops))
+    print(tile, quant, activation, *local)
+"""
+
+
+def test_early_epilogue_k_loops():
+    """The early epilogue's operands held across the K loop (4 registers a thread) add no local
+    access to either consumer's K loop, in each form, GEMM1 and GEMM2, fp8 and fp8_block."""
+    rows, done = sm90_script_rows(EARLY_K_LOOP)
+    assert len(rows) == 5, done.stdout
+    for tile, quant, activation, late, early in rows:
+        assert int(early) <= int(late), (tile, quant, activation, late, early)
+
+
 STAGGER_K_LOOP = """
 import sys
 sys.path.insert(0, "benchmarks")

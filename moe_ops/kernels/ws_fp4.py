@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from moe_ops.kernels.common import device_properties
+from moe_ops.kernels.common import device_properties, round_to_dtype
 from moe_ops.kernels.grouped_gemm import (
     _E2M1_BF16_ASM_MXFP4, _E2M1_BF16_ASM_NVFP4, _E4M3_TO_BF16_P117, _launcher)
 from moe_ops.kernels.ws_gemm import (
@@ -105,6 +105,19 @@ PARTIAL_N_OK = env_choice("MOE_OPS_WS_FP4_PARTIAL_N", "1", ("0", "1")) == "1"
 # 3-10% slower than the plain consumers (DeepSeek-V3 nvfp4 T = 4096 9199 -> 9807 us; GEMM1's
 # shape alone 444 -> 425 TFLOP/s); so off unless MOE_OPS_WS_FP4_PREFILL_PIPELINE=1.
 PREFILL_PIPELINE = env_choice("MOE_OPS_WS_FP4_PREFILL_PIPELINE", "0", ("0", "1")) == "1"
+# The epilogue's operands (the rows' global scales and bias, the slots' pair ids and GEMM2's
+# routing weights, two dependent global loads) loaded before a tile's K loop instead of after
+# it, so their latency hides under the loop instead of idling both consumers at every tile's
+# end; and GEMM2's tile goes to its coalesced store layout in one exchange instead of two.
+# Why: at the 128-slot form's rates (results/h200_gluon_fp4_prefill_128.json) GEMM2's shape
+# (8 K steps a tile) runs at 495 TFLOP/s against GEMM1's (28) 548-573, as if each tile cost
+# ~2 K steps more than its loop. Built and CPU-tested, not yet measured: off unless
+# MOE_OPS_WS_FP4_EARLY_EPILOGUE=1.
+EARLY_EPILOGUE = env_choice("MOE_OPS_WS_FP4_EARLY_EPILOGUE", "0", ("0", "1")) == "1"
+# [slots, 64 columns] layouts of the epilogue: gate/up pairs in one thread (GEMM1's
+# activation), and 8 consecutive columns a thread (16-byte stores of GEMM2's rows)
+PAIRS_LAYOUT = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
+STORE_LAYOUT = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
 # One K step's packed bytes of a warpgroup's 64 rows, [64, 128] (byte j = 32t + 2c + q of a row:
 # run t, slice c, pair q): each thread holds its two rows' (r, r + 8) run t, the bytes wgmma's A
@@ -274,7 +287,8 @@ def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, in
 @gluon.jit
 def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr,
-              PIPELINE: gl.constexpr, MX: gl.constexpr, PARTIAL_N: gl.constexpr):
+              PIPELINE: gl.constexpr, MX: gl.constexpr, PARTIAL_N: gl.constexpr,
+              EARLY: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
@@ -308,6 +322,17 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
             if past_n:
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
             else:
+                if EARLY:
+                    # (see EARLY_EPILOGUE: issued now, used after the K loop)
+                    scale, shift = _row_terms(gscale_ptr, bias_ptr, expert, n0, stride_ge,
+                                              stride_be, mma, MX, HAS_BIAS)
+                    slots0, ids0, ok0, weights0 = _slot_terms(
+                        pid_m * BM, BM, sorted_pair_ids_ptr, topk_weights_ptr, num_pairs,
+                        ACTIVATION)
+                    if BM > 64:
+                        slots1, ids1, ok1, weights1 = _slot_terms(
+                            pid_m * BM + 64, BM, sorted_pair_ids_ptr, topk_weights_ptr,
+                            num_pairs, ACTIVATION)
                 acc = gl.zeros([64, BM], gl.float32, mma)
                 if PIPELINE:
                     # Step k + 1's decode runs while step k's wgmma does, into a second register
@@ -351,23 +376,101 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                 # two: see WIDE_SLOTS); GEMM1's activation into intermediate[slot], GEMM2's
                 # routing weight into out[pair]; padding slots (pair id >= num_pairs) are not
                 # written.
-                w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-                if not MX:
-                    acc = acc * (gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0)[:, None]
-                if HAS_BIAS:
-                    acc += gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)[:, None]
-                if BM > 64:
-                    # slot 64h + j of [64, 128] -> [64, j, h]: h is a register bit of the MMA
-                    # layout, so the split moves no data
-                    first, second = gl.split(gl.permute(gl.reshape(acc, [64, 2, 64]), [0, 2, 1]))
-                    _store_slots(first, pid_m * BM, n0, sorted_pair_ids_ptr, topk_weights_ptr,
-                                 out_ptr, num_pairs, stride_om, alpha, limit, ACTIVATION)
-                    _store_slots(second, pid_m * BM + 64, n0, sorted_pair_ids_ptr,
-                                 topk_weights_ptr, out_ptr, num_pairs, stride_om, alpha, limit,
-                                 ACTIVATION)
+                if EARLY:
+                    if not MX:
+                        acc = acc * scale[:, None]
+                    if HAS_BIAS:
+                        acc += shift[:, None]
+                    if BM > 64:
+                        first, second = gl.split(
+                            gl.permute(gl.reshape(acc, [64, 2, 64]), [0, 2, 1]))
+                        _store_early(first, slots0, ids0, ok0, weights0, n0, topk_weights_ptr,
+                                     out_ptr, stride_om, alpha, limit, ACTIVATION)
+                        _store_early(second, slots1, ids1, ok1, weights1, n0,
+                                     topk_weights_ptr, out_ptr, stride_om, alpha, limit,
+                                     ACTIVATION)
+                    else:
+                        _store_early(acc, slots0, ids0, ok0, weights0, n0, topk_weights_ptr,
+                                     out_ptr, stride_om, alpha, limit, ACTIVATION)
                 else:
-                    _store_slots(acc, pid_m * BM, n0, sorted_pair_ids_ptr, topk_weights_ptr,
-                                 out_ptr, num_pairs, stride_om, alpha, limit, ACTIVATION)
+                    _epilogue_late(acc, expert, pid_m, n0, ptrs, sizes, strides, mma, BM,
+                                   ACTIVATION, HAS_BIAS, MX)
+
+
+@gluon.jit
+def _epilogue_late(acc, expert, pid_m, n0, ptrs, sizes, strides, mma: gl.constexpr,
+                   BM: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   MX: gl.constexpr):
+    """The epilogue with its operands loaded after the K loop (EARLY_EPILOGUE off)."""
+    (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
+     num_padded_ptr) = ptrs
+    N, KP, num_pairs, alpha, limit = sizes
+    stride_ge, stride_be, stride_om = strides
+    w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+    if not MX:
+        acc = acc * (gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0)[:, None]
+    if HAS_BIAS:
+        acc += gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)[:, None]
+    if BM > 64:
+        # slot 64h + j of [64, 128] -> [64, j, h]: h is a register bit of the MMA layout, so
+        # the split moves no data
+        first, second = gl.split(gl.permute(gl.reshape(acc, [64, 2, 64]), [0, 2, 1]))
+        _store_slots(first, pid_m * BM, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
+                     num_pairs, stride_om, alpha, limit, ACTIVATION)
+        _store_slots(second, pid_m * BM + 64, n0, sorted_pair_ids_ptr, topk_weights_ptr,
+                     out_ptr, num_pairs, stride_om, alpha, limit, ACTIVATION)
+    else:
+        _store_slots(acc, pid_m * BM, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
+                     num_pairs, stride_om, alpha, limit, ACTIVATION)
+
+
+@gluon.jit
+def _row_terms(gscale_ptr, bias_ptr, expert, n0, stride_ge, stride_be, mma: gl.constexpr,
+               MX: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """The tile's 64 weight rows' factor (nvfp4: the global scale * 512; mxfp4: unused) and
+    bias (zeros without), along the MMA layout's rows."""
+    w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+    scale = gl.full([64], 1.0, gl.float32, gl.SliceLayout(1, mma))
+    if not MX:
+        scale = gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0
+    shift = gl.zeros([64], gl.float32, gl.SliceLayout(1, mma))
+    if HAS_BIAS:
+        shift = gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)
+    return scale, shift
+
+
+@gluon.jit
+def _slot_terms(slot0, BM: gl.constexpr, sorted_pair_ids_ptr, topk_weights_ptr, num_pairs,
+                ACTIVATION: gl.constexpr):
+    """A piece's slots slot0.. (up to 64 of a BM-slot tile), their pair ids, whether each is a routed pair
+    and (GEMM2) its routing weight (0 for padding), along the rows of the layout the piece is
+    written from (GEMM1: PAIRS_LAYOUT, GEMM2: STORE_LAYOUT)."""
+    PIECE: gl.constexpr = 64 if BM > 64 else BM
+    layout: gl.constexpr = STORE_LAYOUT if ACTIVATION == 0 else PAIRS_LAYOUT
+    slots = slot0 + gl.arange(0, PIECE, layout=gl.SliceLayout(1, layout))
+    pair_ids = gl.load(sorted_pair_ids_ptr + slots)
+    row_ok = pair_ids < num_pairs
+    weights = gl.zeros([PIECE], gl.float32, gl.SliceLayout(1, layout))
+    if ACTIVATION == 0:
+        weights = gl.load(topk_weights_ptr + pair_ids, mask=row_ok, other=0.0)
+    return slots, pair_ids, row_ok, weights
+
+
+@gluon.jit
+def _store_early(acc, slots, pair_ids, row_ok, weights, n0, topk_weights_ptr, out_ptr,
+                 stride_om, alpha, limit, ACTIVATION: gl.constexpr):
+    """_store_slots with the slots' terms loaded before the K loop (_slot_terms): GEMM2's
+    piece goes to its store layout in one exchange, times the routing weights, into
+    out[pair]; GEMM1's through PAIRS_LAYOUT and its activation (write_rows)."""
+    if ACTIVATION == 0:
+        vals = gl.convert_layout(gl.permute(acc, [1, 0]), STORE_LAYOUT) * weights[:, None]
+        cols = n0 + gl.arange(0, 64, layout=gl.SliceLayout(0, STORE_LAYOUT))
+        gl.store(out_ptr + pair_ids.to(gl.int64)[:, None] * stride_om + cols[None, :],
+                 round_to_dtype(vals, out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        vals = gl.convert_layout(gl.permute(acc, [1, 0]), PAIRS_LAYOUT)
+        write_rows(vals, slots, pair_ids, row_ok, n0, topk_weights_ptr, out_ptr, stride_om,
+                   alpha, limit, ACTIVATION, True)
 
 
 @gluon.jit
@@ -393,7 +496,7 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                    ALIGN_M: gl.constexpr, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                    HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, MX: gl.constexpr,
-                   PARTIAL_N: gl.constexpr):
+                   PARTIAL_N: gl.constexpr, EARLY: gl.constexpr):
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                        w_desc.layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape,
@@ -412,22 +515,22 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, MX, PARTIAL_N)),
+                           PIPELINE, MX, PARTIAL_N, EARLY)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, MX, PARTIAL_N)),
+                           PIPELINE, MX, PARTIAL_N, EARLY)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
                          MX, PARTIAL_N)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, MX, PARTIAL_N)),
+                           PIPELINE, MX, PARTIAL_N, EARLY)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, MX, PARTIAL_N)),
+                           PIPELINE, MX, PARTIAL_N, EARLY)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
-                           PIPELINE, MX, PARTIAL_N)),
+                           PIPELINE, MX, PARTIAL_N, EARLY)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3,
-                           PIPELINE, MX, PARTIAL_N)),
+                           PIPELINE, MX, PARTIAL_N, EARLY)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
                          MX, PARTIAL_N)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -479,11 +582,12 @@ def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tenso
 def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activation: str,
          alpha: float = 0.0, limit: float = 0.0, programs: Optional[int] = None,
          consumers: Optional[int] = None, quant: str = "nvfp4", slots: int = BLOCK_M,
-         pipeline: Optional[bool] = None) -> None:
+         pipeline: Optional[bool] = None, early: Optional[bool] = None) -> None:
     """One nvfp4 / mxfp4 GEMM over the dispatch's live blocks of `slots` rows (16: decode's
     form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers; see the module docstring);
     mxfp4 has no global scale (w_global_scale None). pipeline: the pipelined consumers
-    (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide form's)."""
+    (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide form's).
+    early: the epilogue's operands loaded before each tile's K loop (default: EARLY_EPILOGUE)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if slots not in SLOTS:
@@ -541,12 +645,13 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         HAS_BIAS=bias is not None, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs,
         PIPELINE=int(default_pipeline(slots) if pipeline is None else pipeline),
-        MX=int(quant == "mxfp4"), PARTIAL_N=int(N % bn != 0), num_warps=4, maxnreg=maxnreg)
+        MX=int(quant == "mxfp4"), PARTIAL_N=int(N % bn != 0),
+        EARLY=int(EARLY_EPILOGUE if early is None else early), num_warps=4, maxnreg=maxnreg)
 
 
 def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = False,
                  consumers: int = 2, pipeline: Optional[bool] = None, quant: str = "nvfp4",
-                 slots: int = BLOCK_M, partial_n: bool = False):
+                 slots: int = BLOCK_M, partial_n: bool = False, early: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -568,7 +673,8 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                   HAS_BIAS=has_bias, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
                   PRODUCER_REGS=producer_regs,
                   PIPELINE=int(default_pipeline(slots) if pipeline is None else pipeline),
-                  MX=int(quant == "mxfp4"), PARTIAL_N=int(partial_n))
+                  MX=int(quant == "mxfp4"), PARTIAL_N=int(partial_n),
+                  EARLY=int(EARLY_EPILOGUE if early is None else early))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "KP")}

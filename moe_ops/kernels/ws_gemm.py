@@ -146,6 +146,15 @@ def stagger_steps(tile: str, gemm: int) -> int:
     return min(STAGGER, ring_stages(tile) - 1)
 
 
+# The slots' epilogue operands (pair ids, GEMM2's routing weights: two dependent global loads;
+# fp8 per tensor's row scales) loaded before a tile's K loop instead of after it, so their
+# latency hides under the loop rather than idling the warpgroup at every tile's end (the
+# columns' scales and bias stay after it: 32 registers each a thread). Why: the epilogue is a
+# visible share of the short-K GEMMs (DeepSeek's GEMM2, K = 2048: 16 steps; Qwen3's, K = 768:
+# 6). Built and CPU-tested, not yet measured: off unless MOE_OPS_WS_EARLY_EPILOGUE=1.
+EARLY_EPILOGUE = env_choice("MOE_OPS_WS_EARLY_EPILOGUE", "0", ("0", "1")) == "1"
+
+
 # Where the rule of experts.ws_tile gives "wide": "all" (every build WIDE_BUILDS admits) or
 # "gemm2" (fp8_block's GEMM2 only); the measurements beside experts.WS_WIDE_MIN_ROWS.
 WIDE = env_choice("MOE_OPS_WS_WIDE", "all", ("gemm2", "all"))
@@ -351,7 +360,8 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               ALIGN_M: gl.constexpr, FORM: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
-              SCALES_AFTER_MMA: gl.constexpr, STAGGER: gl.constexpr, HALF: gl.constexpr):
+              SCALES_AFTER_MMA: gl.constexpr, STAGGER: gl.constexpr, EARLY: gl.constexpr,
+              HALF: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty, go = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
@@ -393,6 +403,11 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
         slots = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=row_l)
         col0 = pid_n * BN + COL0          # first weight row (output column) of this half
         a_scale_rows = a_scale_ptr + slots * stride_as
+        terms = (slots, slots, slots, slots)    # (unused without EARLY)
+        if EARLY:
+            # (see EARLY_EPILOGUE: issued now, used after the K loop)
+            terms = _epilogue_terms(slots, a_scale_rows, sorted_pair_ids_ptr, topk_weights_ptr,
+                                    num_pairs, ACTIVATION, BLOCK_SCALES)
         live = True     # (a tensor to Triton, but folded: no branch is left without the skip)
         if SKIP_PADDING:
             # A warpgroup whose 64 rows are all padding (its first slot holds no pair: each
@@ -412,9 +427,9 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
             else:
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
-                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES)
+                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY)
             _epilogue(acc_hi, slots, col0 + COLS, expert, a_scale_rows, ptrs, sizes, strides,
-                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES)
+                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY)
         else:
             acc = gl.zeros([ROWS, COLS], gl.float32, mma)
             if live:
@@ -425,7 +440,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
             else:
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
-                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES)
+                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY)
 
 
 @gluon.jit
@@ -442,29 +457,61 @@ def release_steps(ready, empty, index, phase, k_steps):
 
 
 @gluon.jit
+def _epilogue_terms(slots, a_scale_rows, sorted_pair_ids_ptr, topk_weights_ptr, num_pairs,
+                    ACTIVATION: gl.constexpr, BLOCK_SCALES: gl.constexpr):
+    """The slots' epilogue operands (EARLY_EPILOGUE): pair ids, whether each is a routed pair,
+    GEMM2's routing weights (0 for padding; GEMM1: unused) and fp8 per tensor's row scales
+    (fp8_block: unused), along the rows' layout."""
+    layout: gl.constexpr = slots.type.layout
+    ROWS: gl.constexpr = slots.shape[0]
+    pair_ids = gl.load(sorted_pair_ids_ptr + slots)
+    row_ok = pair_ids < num_pairs
+    weights = gl.zeros([ROWS], gl.float32, layout)
+    if ACTIVATION == 0:
+        weights = gl.load(topk_weights_ptr + pair_ids, mask=row_ok, other=0.0)
+    row_scales = gl.zeros([ROWS], gl.float32, layout)
+    if not BLOCK_SCALES:
+        row_scales = gl.load(a_scale_rows)
+    return pair_ids, row_ok, weights, row_scales
+
+
+@gluon.jit
 def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
-              BLOCK_SCALES: gl.constexpr):
+              BLOCK_SCALES: gl.constexpr, terms, EARLY: gl.constexpr):
     """A warpgroup's finished [64, 128] share of a tile at output column col0: fp8 per tensor's
     row and column scales, the bias, then GEMM1's activation into intermediate[slot] or GEMM2's
-    routing weight into out[pair]; padding slots (pair id >= num_pairs) are not written."""
+    routing weight into out[pair]; padding slots (pair id >= num_pairs) are not written.
+    EARLY: the slots' operands are `terms` (_epilogue_terms, loaded before the K loop)."""
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
      num_padded_ptr, topk_weights_ptr) = ptrs
     N, K, num_pairs, alpha, limit = sizes
     stride_as, stride_wse, stride_wsn, stride_be, stride_om = strides
     COLS: gl.constexpr = acc.type.shape[1]
     col_l: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
-    pair_ids = gl.load(sorted_pair_ids_ptr + slots)
-    row_ok = pair_ids < num_pairs
+    if EARLY:
+        pair_ids, row_ok, weights, row_scales = terms
+    else:
+        pair_ids = gl.load(sorted_pair_ids_ptr + slots)
+        row_ok = pair_ids < num_pairs
     cols = col0 + gl.arange(0, COLS, layout=col_l)
     if not BLOCK_SCALES:
         # fp8 per tensor: one scale per token row and one per weight row (output column)
-        acc = (acc * gl.load(a_scale_rows)[:, None]
-               * gl.load(w_scale_ptr + expert * stride_wse + cols * stride_wsn)[None, :])
+        if EARLY:
+            acc = (acc * row_scales[:, None]
+                   * gl.load(w_scale_ptr + expert * stride_wse + cols * stride_wsn)[None, :])
+        else:
+            acc = (acc * gl.load(a_scale_rows)[:, None]
+                   * gl.load(w_scale_ptr + expert * stride_wse + cols * stride_wsn)[None, :])
     if HAS_BIAS:
         acc += gl.load(bias_ptr + expert * stride_be + cols)[None, :]
-    write_rows(acc, slots, pair_ids, row_ok, col0, topk_weights_ptr, out_ptr, stride_om,
-               alpha, limit, ACTIVATION, COALESCED)
+    if EARLY and ACTIVATION == 0:
+        # (the same float32 operations as write_rows', the weights already loaded)
+        _store_rows(out_ptr, round_to_dtype(acc * weights[:, None], out_ptr.dtype.element_ty),
+                    pair_ids.to(gl.int64), row_ok, col0, stride_om, COALESCED)
+    else:
+        write_rows(acc, slots, pair_ids, row_ok, col0, topk_weights_ptr, out_ptr, stride_om,
+                   alpha, limit, ACTIVATION, COALESCED)
 
 
 @gluon.jit
@@ -565,7 +612,7 @@ def _ws_fp8_block_kernel(
     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
     BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
-    STAGGER: gl.constexpr,
+    STAGGER: gl.constexpr, EARLY: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
@@ -591,10 +638,10 @@ def _ws_fp8_block_kernel(
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, 0)),
+                     STAGGER, EARLY, 0)),
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, 1)),
+                     STAGGER, EARLY, 1)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -644,13 +691,14 @@ def _descriptors(a: torch.Tensor, w: torch.Tensor, tile: str):
 
 def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: str,
          alpha: float = 0.0, limit: float = 0.0, tile: str = "cols", quant: str = "fp8_block",
-         programs: Optional[int] = None) -> None:
+         programs: Optional[int] = None, early: Optional[bool] = None) -> None:
     """One GEMM over the dispatch's live slots (see the module docstring).
 
     a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
     [E, N/128, K/128]; fp8: a_scale [slots], w_scale [E, N]. w [E, N, K] e4m3; bias [E, N] or
     None. GEMM1 (gemm=1): out = intermediate [slots, N/2 gated, N otherwise],
-    act(a @ w^T + bias); GEMM2: out [pairs, N] = topk_weight * (a @ w^T + bias)."""
+    act(a @ w^T + bias); GEMM2: out [pairs, N] = topk_weight * (a @ w^T + bias). early: the
+    slots' epilogue operands loaded before each tile's K loop (default: EARLY_EPILOGUE)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if gemm == 1 and activation == "none":
@@ -681,12 +729,13 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         HAS_BIAS=bias is not None, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
         BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
-        SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm), num_warps=4,
-        maxnreg=MAXNREG)
+        SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
+        EARLY=int(EARLY_EPILOGUE if early is None else early), num_warps=4, maxnreg=MAXNREG)
 
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
-                 has_bias: bool = False, out_dtype: str = "bf16", quant: str = "fp8_block"):
+                 has_bias: bool = False, out_dtype: str = "bf16", quant: str = "fp8_block",
+                 early: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
     run, Gluon having no interpreter. Returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
@@ -708,7 +757,8 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                   HAS_BIAS=has_bias, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
                   BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
-                  SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm))
+                  SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
+                  EARLY=int(EARLY_EPILOGUE if early is None else early))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om")}
