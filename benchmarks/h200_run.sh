@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -37,6 +37,9 @@
 # GPU tests, the 4-bit GEMMs alone (dev_gluon_fp4_decode.py: the "early" variants), then the
 # 4-bit and fp8 layers (DeepSeek-V3 nvfp4 and fp8_block, gpt-oss-120b mxfp4, Qwen3 and Mixtral
 # fp8 at T = 16, 256, 4096, 16384) with both switches 0 and 1; about 9 minutes.
+# ab4h: the 128-slot 4-bit form's half blocks (ws_fp4.HALF_BLOCKS): their GPU tests, then
+# DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 2048-16384 with MOE_OPS_WS_FP4_WIDE_MIN_ROWS
+# 128 without and with them and 64 with them; about 5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -197,12 +200,26 @@ if [[ "$what" == ab4e ]]; then
   tail -n 26 "$out/gluon_fp4_early.log"
   ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
   for early in 0 1; do
-    MOE_OPS_WS_FP4_EARLY_EPILOGUE=$early MOE_OPS_WS_EARLY_EPILOGUE=$early timeout 150 $ab \
-      --deadline-s 130 --models deepseek_v3 gpt_oss_120b qwen3_30b_a3b mixtral_8x7b \
+    MOE_OPS_WS_FP4_EARLY_EPILOGUE=$early MOE_OPS_WS_EARLY_EPILOGUE=$early timeout 110 $ab \
+      --deadline-s 95 --models deepseek_v3 gpt_oss_120b qwen3_30b_a3b mixtral_8x7b \
       --quant nvfp4 mxfp4 fp8 fp8_block --listed-only --tokens 16 256 4096 16384 \
       --out "$out/ab_early_$early.json" > "$out/ab_early_$early.log" 2>&1 || status=1
     echo "MOE_OPS_WS_FP4_EARLY_EPILOGUE=$early MOE_OPS_WS_EARLY_EPILOGUE=$early"
     grep -A22 '^ *model' "$out/ab_early_$early.log" | cut -c1-100
+  done
+fi
+if [[ "$what" == ab4h ]]; then
+  timeout 120 python3 -m pytest -v -p no:cacheprovider tests/test_ws_fp4.py -k "half" \
+    > "$out/pytest_ws_fp4_half.log" 2>&1 || status=1
+  echo "ws_fp4 tests -k half"; tail -n 1 "$out/pytest_ws_fp4_half.log"
+  ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
+  for arm in 128:0 128:1 64:1; do
+    MOE_OPS_WS_FP4_WIDE_MIN_ROWS=${arm%:*} MOE_OPS_WS_FP4_HALF_BLOCKS=${arm#*:} timeout 60 $ab \
+      --deadline-s 45 --models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4 --listed-only \
+      --tokens 2048 4096 8192 16384 --out "$out/ab_half_${arm/:/_}.json" \
+      > "$out/ab_half_${arm/:/_}.log" 2>&1 || status=1
+    echo "MOE_OPS_WS_FP4_WIDE_MIN_ROWS=${arm%:*} MOE_OPS_WS_FP4_HALF_BLOCKS=${arm#*:}"
+    grep -A9 '^ *model' "$out/ab_half_${arm/:/_}.log" | cut -c1-100
   done
 fi
 if [[ "$what" == tune ]]; then

@@ -401,3 +401,94 @@ def test_experts_with_early_epilogue(quant, tokens, monkeypatch, gemm_calls, poi
     run_and_check(quant, ckpt, kernel, x, ids, weights, activation="swiglu_oai")
     expected = 16 if tokens * 2 <= 16 * 8 else 128 if tokens * 2 >= 128 * 8 else 64
     assert calls == [expected] * 2, calls
+
+
+HALF_BUILDS = """
+import collections, sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops
+from moe_ops.kernels import ws_fp4
+for early in (False, True):
+    for gemm, act, bias, quant in ((1, "swiglu_oai", True, "mxfp4"), (2, "none", False, "nvfp4"),
+                                   (1, "swiglu", False, "nvfp4"), (2, "none", True, "mxfp4")):
+        kernel = ws_fp4.compile_sm90(gemm=gemm, activation=act, has_bias=bias, quant=quant,
+                                     slots=128, early=early, half_blocks=True)
+        # each consumer's two K loops: the four shortest holding wgmmas (the tile loops around
+        # them hold them and the epilogues)
+        k_loops = sorted((b for b in loops(kernel) if any("HGMMA" in i for i in b)), key=len)[:4]
+        local = max(sum(i.split()[0].startswith(("LDL", "STL")) for i in b) for b in k_loops)
+        print(early, gemm, quant, len(k_loops), local, kernel.metadata.shared)
+"""
+
+
+def test_half_blocks_build():
+    """HALF_BLOCKS builds for sm_90 with the early epilogue and without, both GEMMs, nvfp4 and
+    mxfp4: each consumer gets its whole-block and its half-block K loop (m64n64k16), none with
+    a local access, shared memory as the 128-slot form's."""
+    rows, done = sm90_script_rows(HALF_BUILDS)
+    assert len(rows) == 8, done.stdout
+    for early, gemm, quant, count, local, shared in rows:
+        assert int(count) == 4, (early, gemm, quant, count)
+        assert local == "0", (early, gemm, quant)
+        assert int(shared) <= 227 * 1024, (early, gemm, quant, shared)
+
+
+@needs_hopper
+@pytest.mark.parametrize("quant,early", [("nvfp4", False), ("mxfp4", False), ("nvfp4", True)])
+def test_half_blocks_match_whole_blocks(quant, early):
+    """MOE_OPS_WS_FP4_HALF_BLOCKS: a 128-slot block whose second half is padding runs
+    m64n64k16 wgmmas on its first 64 slots: both GEMMs (GEMM1 with swiglu_oai and its bias)
+    agree with the whole-block kernel to bf16 rounding (the same k16 steps, a narrower MMA),
+    write the same rows (NaN-poisoned outputs, one row past the pairs) on a dispatch whose
+    experts end in half-empty and in fuller blocks (random routing of 700 tokens: 175 rows an
+    expert on average)."""
+    from moe_ops.kernels import grouped_gemm as gg
+    from moe_ops.kernels.align import moe_align
+    E, k, H, I, T = 8, 2, 512, 512, 700
+    _, kernel, _, ids, weights = make_case(quant, T, H, I, E, k, activation="swiglu_oai",
+                                           bias=True, seed=31)
+    dev = ids.device
+    dispatch = moe_align(ids.to(torch.int32), E, 128, 0)
+    routing = gg.Routing(ids.reshape(-1).to(torch.int32), weights.reshape(-1), k, E, 0,
+                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, 128,
+                         dispatch.num_padded)
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+    assert ((counts % 128 > 0) & (counts % 128 <= 64)).any() and (counts % 128 > 64).any()
+    num_slots = dispatch.sorted_pair_ids.numel()
+    gen = torch.Generator(device=dev).manual_seed(3)
+    for gemm in (1, 2):
+        w, scale, gscale, bias = (
+            (kernel["w13"], kernel["w13_scale"], kernel.get("w13_global_scale"), kernel["b13"])
+            if gemm == 1 else
+            (kernel["w2"], kernel["w2_scale"], kernel.get("w2_global_scale"), kernel["b2"]))
+        rows = torch.randn(num_slots, H if gemm == 1 else I, device=dev, generator=gen).to(
+            torch.bfloat16)
+        outs = []
+        for half in (False, True):
+            out = torch.full((num_slots, I) if gemm == 1 else (T * k + 1, H), float("nan"),
+                             device=dev, dtype=torch.bfloat16)
+            ws_fp4.gemm(rows, w, scale, gscale, bias, out, routing, gemm=gemm,
+                        activation="swiglu_oai" if gemm == 1 else "none", alpha=1.702,
+                        limit=7.0, programs=9, quant=quant, slots=128, early=early,
+                        half_blocks=half)
+            outs.append(out)
+        whole, halves = outs
+        assert torch.equal(whole.isnan(), halves.isnan()), f"GEMM{gemm}: written rows differ"
+        torch.testing.assert_close(halves.nan_to_num(0.0).float(), whole.nan_to_num(0.0).float(),
+                                   rtol=1.6e-2, atol=1e-3)
+        if gemm == 2:
+            assert torch.isfinite(whole[:T * k]).all() and torch.isnan(whole[T * k]).all()
+
+
+@needs_hopper
+@pytest.mark.parametrize("quant,tokens", [("nvfp4", 700), ("mxfp4", 900)])
+def test_experts_with_half_blocks(quant, tokens, monkeypatch, gemm_calls, poisoned_empty):
+    """The experts call on the 128-slot form with half blocks (its experts' last blocks half
+    empty or fuller) against the oracle, gpt-oss's activation and biases."""
+    monkeypatch.setattr(ws_fp4, "HALF_BLOCKS", True)
+    calls = gemm_calls(ws_fp4, "gemm", record="slots")
+    ckpt, kernel, x, ids, weights = make_case(quant, tokens, 512, 512, 8, 2,
+                                              activation="swiglu_oai", bias=True, seed=37,
+                                              invalid_ids=True)
+    run_and_check(quant, ckpt, kernel, x, ids, weights, activation="swiglu_oai")
+    assert calls == [128, 128], calls

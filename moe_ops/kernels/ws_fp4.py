@@ -114,6 +114,13 @@ PREFILL_PIPELINE = env_choice("MOE_OPS_WS_FP4_PREFILL_PIPELINE", "0", ("0", "1")
 # ~2 K steps more than its loop. Built and CPU-tested, not yet measured: off unless
 # MOE_OPS_WS_FP4_EARLY_EPILOGUE=1.
 EARLY_EPILOGUE = env_choice("MOE_OPS_WS_FP4_EARLY_EPILOGUE", "0", ("0", "1")) == "1"
+# The 128-slot form's half blocks: a block whose second 64 slots are padding (an expert's last
+# block holding 64 routed rows or fewer; each expert's padding follows its pairs) runs its
+# wgmmas on the first 64 only (m64n64k16: half the MMA work for the same decode). Why: at 128
+# rows an expert on average about a third of the blocks are such (DeepSeek-V3 T = 4096), at
+# 512 about a tenth. Built and CPU-tested, not yet measured: off unless
+# MOE_OPS_WS_FP4_HALF_BLOCKS=1.
+HALF_BLOCKS = env_choice("MOE_OPS_WS_FP4_HALF_BLOCKS", "0", ("0", "1")) == "1"
 # [slots, 64 columns] layouts of the epilogue: gate/up pairs in one thread (GEMM1's
 # activation), and 8 consecutive columns a thread (16-byte stores of GEMM2's rows)
 PAIRS_LAYOUT = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
@@ -257,13 +264,36 @@ def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.co
 def _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF: gl.constexpr,
               DOT: gl.constexpr, MX: gl.constexpr, ODD: gl.constexpr):
     """One K step of the plain consumer: decode, wgmma, wait (the register operand stays live
-    until the MMA has read it), the slot released. Returns the accumulator and next slot."""
+    until the MMA has read it), the slot released; the wgmma takes the slot's first
+    acc.shape[1] slots (HALF_BLOCKS: 64 of 128). Returns the accumulator and next slot."""
     STAGES: gl.constexpr = w_bufs.type.shape[0]
+    USED: gl.constexpr = acc.shape[1]
     weights = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, MX, ODD)
-    acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc, is_async=True)
+    x = x_bufs.index(index)
+    if USED < x_bufs.type.shape[1]:
+        x = x.slice(0, USED, dim=0)
+    acc = warpgroup_mma(weights, x.permute((1, 0)), acc, is_async=True)
     acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
     mbarrier.arrive(empty.index(index), count=1)
     index, phase = ring_next(index, phase, STAGES)
+    return acc, index, phase
+
+
+@gluon.jit
+def _plain_k_loop(acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, k_steps,
+                  HALF: gl.constexpr, DOT: gl.constexpr, MX: gl.constexpr):
+    """A tile's K steps on the plain consumer (_mma_step); mxfp4: two steps an iteration (its
+    count is even), each its half of the scale bytes loaded for both."""
+    if MX:
+        for kb in range(k_steps // 2):
+            acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
+                                          phase, HALF, DOT, MX, 0)
+            acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
+                                          phase, HALF, DOT, MX, 1)
+    else:
+        for kb in range(k_steps):
+            acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
+                                          phase, HALF, DOT, MX, 0)
     return acc, index, phase
 
 
@@ -288,7 +318,7 @@ def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, in
 def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr,
               PIPELINE: gl.constexpr, MX: gl.constexpr, PARTIAL_N: gl.constexpr,
-              EARLY: gl.constexpr):
+              EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
@@ -301,6 +331,11 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BM, 16])
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    # HALF_BLOCKS' half blocks: the first 64 slots of the 128
+    mma_half: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 64, 16])
+    DOT_HALF: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_half, k_width=2)
+    gl.static_assert(HALF_BLOCKS == 0 or (BM == 128 and PIPELINE == 0))
     # ACTIVATION: an index into ws_gemm.ACTIVATIONS (0 none: GEMM2)
     num_m = gl.load(num_padded_ptr) // BM
     num_n = N // BN
@@ -333,75 +368,93 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                         slots1, ids1, ok1, weights1 = _slot_terms(
                             pid_m * BM + 64, BM, sorted_pair_ids_ptr, topk_weights_ptr,
                             num_pairs, ACTIVATION)
-                acc = gl.zeros([64, BM], gl.float32, mma)
-                if PIPELINE:
-                    # Step k + 1's decode runs while step k's wgmma does, into a second register
-                    # operand: the warpgroup's integer work no longer waits for its own MMA. Two
-                    # steps an iteration, so the two operands keep their registers (one step an
-                    # iteration would copy the decoded tile back every step).
-                    # (steps decoded here: 0, then 2j + 1 and 2j + 2, then the odd last of an
-                    # even count, as mxfp4's always is)
-                    w0 = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, MX, 0)
-                    for kb in range((k_steps - 1) // 2):
-                        acc, w1, index, phase = _mma_then_decode_next(
-                            acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
-                            MX, 1)
-                        acc, w0, index, phase = _mma_then_decode_next(
-                            acc, w1, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
-                            MX, 0)
-                    if (k_steps - 1) % 2 == 1:
-                        acc, w0, index, phase = _mma_then_decode_next(
-                            acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF, DOT,
-                            MX, 1)
-                    acc = warpgroup_mma(w0, x_bufs.index(index).permute((1, 0)), acc,
-                                        is_async=True)
-                    acc, w0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0))
-                    mbarrier.arrive(empty.index(index), count=1)
-                    index, phase = ring_next(index, phase, STAGES)
-                elif MX:
-                    # two K steps an iteration (mxfp4's count is even), each its half of the
-                    # scale bytes loaded for both
-                    for kb in range(k_steps // 2):
-                        acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty,
-                                                      index, phase, HALF, DOT, MX, 0)
-                        acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty,
-                                                      index, phase, HALF, DOT, MX, 1)
+                if HALF_BLOCKS:
+                    # (see HALF_BLOCKS) slot 64 padding: so are the rest
+                    whole = live_block(sorted_pair_ids_ptr, pid_m * 2 + 1, num_pairs, 64)
                 else:
-                    for kb in range(k_steps):
-                        acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty,
-                                                      index, phase, HALF, DOT, MX, 0)
-
-                # Epilogue: acc [weight rows, slots] (nvfp4: * global scale * 512) (+ bias),
-                # transposed to [slots, columns] in pieces of up to 64 slots (the wide form's
-                # two: see WIDE_SLOTS); GEMM1's activation into intermediate[slot], GEMM2's
-                # routing weight into out[pair]; padding slots (pair id >= num_pairs) are not
-                # written.
-                if EARLY:
-                    if not MX:
-                        acc = acc * scale[:, None]
-                    if HAS_BIAS:
-                        acc += shift[:, None]
-                    if BM > 64:
-                        first, second = gl.split(
-                            gl.permute(gl.reshape(acc, [64, 2, 64]), [0, 2, 1]))
-                        _store_early(first, slots0, ids0, ok0, weights0, n0, topk_weights_ptr,
-                                     out_ptr, stride_om, alpha, limit, ACTIVATION)
-                        _store_early(second, slots1, ids1, ok1, weights1, n0,
-                                     topk_weights_ptr, out_ptr, stride_om, alpha, limit,
-                                     ACTIVATION)
+                    whole: gl.constexpr = True    # (a static branch: no half path built)
+                if whole:
+                    acc = gl.zeros([64, BM], gl.float32, mma)
+                    if PIPELINE:
+                        # Step k + 1's decode runs while step k's wgmma does, into a second
+                        # register operand: the warpgroup's integer work no longer waits for
+                        # its own MMA. Two steps an iteration, so the two operands keep their
+                        # registers (one step an iteration would copy the decoded tile back
+                        # every step). (steps decoded here: 0, then 2j + 1 and 2j + 2, then
+                        # the odd last of an even count, as mxfp4's always is)
+                        w0 = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, MX, 0)
+                        for kb in range((k_steps - 1) // 2):
+                            acc, w1, index, phase = _mma_then_decode_next(
+                                acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
+                                HALF, DOT, MX, 1)
+                            acc, w0, index, phase = _mma_then_decode_next(
+                                acc, w1, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
+                                HALF, DOT, MX, 0)
+                        if (k_steps - 1) % 2 == 1:
+                            acc, w0, index, phase = _mma_then_decode_next(
+                                acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
+                                HALF, DOT, MX, 1)
+                        acc = warpgroup_mma(w0, x_bufs.index(index).permute((1, 0)), acc,
+                                            is_async=True)
+                        acc, w0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0))
+                        mbarrier.arrive(empty.index(index), count=1)
+                        index, phase = ring_next(index, phase, STAGES)
                     else:
-                        _store_early(acc, slots0, ids0, ok0, weights0, n0, topk_weights_ptr,
-                                     out_ptr, stride_om, alpha, limit, ACTIVATION)
+                        acc, index, phase = _plain_k_loop(acc, w_bufs, s_bufs, x_bufs, ready,
+                                                          empty, index, phase, k_steps, HALF,
+                                                          DOT, MX)
+
+                    # Epilogue: acc [weight rows, slots] (nvfp4: * global scale * 512)
+                    # (+ bias), transposed to [slots, columns] in pieces of up to 64 slots
+                    # (the wide form's two: see WIDE_SLOTS); GEMM1's activation into
+                    # intermediate[slot], GEMM2's routing weight into out[pair]; padding
+                    # slots (pair id >= num_pairs) are not written.
+                    if EARLY:
+                        if not MX:
+                            acc = acc * scale[:, None]
+                        if HAS_BIAS:
+                            acc += shift[:, None]
+                        if BM > 64:
+                            first, second = gl.split(
+                                gl.permute(gl.reshape(acc, [64, 2, 64]), [0, 2, 1]))
+                            _store_early(first, slots0, ids0, ok0, weights0, n0,
+                                         topk_weights_ptr, out_ptr, stride_om, alpha, limit,
+                                         ACTIVATION)
+                            _store_early(second, slots1, ids1, ok1, weights1, n0,
+                                         topk_weights_ptr, out_ptr, stride_om, alpha, limit,
+                                         ACTIVATION)
+                        else:
+                            _store_early(acc, slots0, ids0, ok0, weights0, n0,
+                                         topk_weights_ptr, out_ptr, stride_om, alpha, limit,
+                                         ACTIVATION)
+                    else:
+                        _epilogue_late(acc, expert, pid_m * BM, n0, ptrs, sizes, strides, mma,
+                                       ACTIVATION, HAS_BIAS, MX)
                 else:
-                    _epilogue_late(acc, expert, pid_m, n0, ptrs, sizes, strides, mma, BM,
-                                   ACTIVATION, HAS_BIAS, MX)
+                    # a half block: the first 64 slots' wgmmas only, their piece written (its
+                    # own names: a variable both branches assign must keep its type)
+                    half_acc = gl.zeros([64, 64], gl.float32, mma_half)
+                    half_acc, index, phase = _plain_k_loop(half_acc, w_bufs, s_bufs, x_bufs, ready, empty,
+                                                      index, phase, k_steps, HALF, DOT_HALF,
+                                                      MX)
+                    if EARLY:
+                        rows_l: gl.constexpr = gl.SliceLayout(1, mma_half)
+                        if not MX:
+                            half_acc = half_acc * gl.convert_layout(scale, rows_l)[:, None]
+                        if HAS_BIAS:
+                            half_acc += gl.convert_layout(shift, rows_l)[:, None]
+                        _store_early(half_acc, slots0, ids0, ok0, weights0, n0, topk_weights_ptr,
+                                     out_ptr, stride_om, alpha, limit, ACTIVATION)
+                    else:
+                        _epilogue_late(half_acc, expert, pid_m * BM, n0, ptrs, sizes,
+                                       strides, mma_half, ACTIVATION, HAS_BIAS, MX)
 
 
 @gluon.jit
-def _epilogue_late(acc, expert, pid_m, n0, ptrs, sizes, strides, mma: gl.constexpr,
-                   BM: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   MX: gl.constexpr):
-    """The epilogue with its operands loaded after the K loop (EARLY_EPILOGUE off)."""
+def _epilogue_late(acc, expert, slot0, n0, ptrs, sizes, strides, mma: gl.constexpr,
+                   ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MX: gl.constexpr):
+    """The epilogue with its operands loaded after the K loop (EARLY_EPILOGUE off): acc
+    [64 weight rows, slots slot0...] (128 slots: two pieces of 64)."""
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
      num_padded_ptr) = ptrs
     N, KP, num_pairs, alpha, limit = sizes
@@ -411,16 +464,16 @@ def _epilogue_late(acc, expert, pid_m, n0, ptrs, sizes, strides, mma: gl.constex
         acc = acc * (gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0)[:, None]
     if HAS_BIAS:
         acc += gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)[:, None]
-    if BM > 64:
+    if acc.shape[1] > 64:
         # slot 64h + j of [64, 128] -> [64, j, h]: h is a register bit of the MMA layout, so
         # the split moves no data
         first, second = gl.split(gl.permute(gl.reshape(acc, [64, 2, 64]), [0, 2, 1]))
-        _store_slots(first, pid_m * BM, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
+        _store_slots(first, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
                      num_pairs, stride_om, alpha, limit, ACTIVATION)
-        _store_slots(second, pid_m * BM + 64, n0, sorted_pair_ids_ptr, topk_weights_ptr,
+        _store_slots(second, slot0 + 64, n0, sorted_pair_ids_ptr, topk_weights_ptr,
                      out_ptr, num_pairs, stride_om, alpha, limit, ACTIVATION)
     else:
-        _store_slots(acc, pid_m * BM, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
+        _store_slots(acc, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
                      num_pairs, stride_om, alpha, limit, ACTIVATION)
 
 
@@ -496,7 +549,7 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                    ALIGN_M: gl.constexpr, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                    HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, MX: gl.constexpr,
-                   PARTIAL_N: gl.constexpr, EARLY: gl.constexpr):
+                   PARTIAL_N: gl.constexpr, EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr):
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                        w_desc.layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape,
@@ -515,22 +568,22 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, MX, PARTIAL_N, EARLY)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, MX, PARTIAL_N, EARLY)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
                          MX, PARTIAL_N)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, MX, PARTIAL_N, EARLY)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, MX, PARTIAL_N, EARLY)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
-                           PIPELINE, MX, PARTIAL_N, EARLY)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3,
-                           PIPELINE, MX, PARTIAL_N, EARLY)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
                          MX, PARTIAL_N)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -582,12 +635,14 @@ def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tenso
 def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activation: str,
          alpha: float = 0.0, limit: float = 0.0, programs: Optional[int] = None,
          consumers: Optional[int] = None, quant: str = "nvfp4", slots: int = BLOCK_M,
-         pipeline: Optional[bool] = None, early: Optional[bool] = None) -> None:
+         pipeline: Optional[bool] = None, early: Optional[bool] = None,
+         half_blocks: Optional[bool] = None) -> None:
     """One nvfp4 / mxfp4 GEMM over the dispatch's live blocks of `slots` rows (16: decode's
     form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers; see the module docstring);
     mxfp4 has no global scale (w_global_scale None). pipeline: the pipelined consumers
     (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide form's).
-    early: the epilogue's operands loaded before each tile's K loop (default: EARLY_EPILOGUE)."""
+    early: the epilogue's operands loaded before each tile's K loop (default: EARLY_EPILOGUE).
+    half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other forms never)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if slots not in SLOTS:
@@ -646,12 +701,16 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         PRODUCER_REGS=producer_regs,
         PIPELINE=int(default_pipeline(slots) if pipeline is None else pipeline),
         MX=int(quant == "mxfp4"), PARTIAL_N=int(N % bn != 0),
-        EARLY=int(EARLY_EPILOGUE if early is None else early), num_warps=4, maxnreg=maxnreg)
+        EARLY=int(EARLY_EPILOGUE if early is None else early),
+        HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
+                        and slots == WIDE_SLOTS),
+        num_warps=4, maxnreg=maxnreg)
 
 
 def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = False,
                  consumers: int = 2, pipeline: Optional[bool] = None, quant: str = "nvfp4",
-                 slots: int = BLOCK_M, partial_n: bool = False, early: Optional[bool] = None):
+                 slots: int = BLOCK_M, partial_n: bool = False, early: Optional[bool] = None,
+                 half_blocks: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -674,7 +733,9 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                   PRODUCER_REGS=producer_regs,
                   PIPELINE=int(default_pipeline(slots) if pipeline is None else pipeline),
                   MX=int(quant == "mxfp4"), PARTIAL_N=int(partial_n),
-                  EARLY=int(EARLY_EPILOGUE if early is None else early))
+                  EARLY=int(EARLY_EPILOGUE if early is None else early),
+                  HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
+                                  and slots == WIDE_SLOTS))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "KP")}
