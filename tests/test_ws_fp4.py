@@ -343,6 +343,44 @@ def test_padding_blocks_are_skipped(align, pipeline, large_path, slots, monkeypa
     assert err < 2e-3, err
 
 
+def gemms_both_ways(quant, T, slots, seed, variants):
+    """Both GEMMs of the kernel on one dispatch of `slots`-row blocks (random routing of T
+    tokens to 2 of 8 experts, H = I = 512: mxfp4's K a multiple of 512 for GEMM2 too;
+    swiglu_oai with biases, 9 programs), once per keyword set of `variants`, on the same random
+    rows; outputs NaN-poisoned first (GEMM2's with one row past the pairs). Returns the routed
+    ids and [(gemm, [output per variant])]."""
+    from moe_ops.kernels import grouped_gemm as gg
+    from moe_ops.kernels.align import moe_align
+    E, k, H, I = 8, 2, 512, 512
+    _, kernel, _, ids, weights = make_case(quant, T, H, I, E, k, activation="swiglu_oai",
+                                           bias=True, seed=seed)
+    dev = ids.device
+    dispatch = moe_align(ids.to(torch.int32), E, slots, 0)
+    routing = gg.Routing(ids.reshape(-1).to(torch.int32), weights.reshape(-1), k, E, 0,
+                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, slots,
+                         dispatch.num_padded)
+    num_slots = dispatch.sorted_pair_ids.numel()
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    runs = []
+    for gemm in (1, 2):
+        w, scale, gscale, bias = (
+            (kernel["w13"], kernel["w13_scale"], kernel.get("w13_global_scale"), kernel["b13"])
+            if gemm == 1 else
+            (kernel["w2"], kernel["w2_scale"], kernel.get("w2_global_scale"), kernel["b2"]))
+        rows = torch.randn(num_slots, H if gemm == 1 else I, device=dev, generator=gen).to(
+            torch.bfloat16)
+        outs = []
+        for variant in variants:
+            out = torch.full((num_slots, I) if gemm == 1 else (T * k + 1, H), float("nan"),
+                             device=dev, dtype=torch.bfloat16)
+            ws_fp4.gemm(rows, w, scale, gscale, bias, out, routing, gemm=gemm,
+                        activation="swiglu_oai" if gemm == 1 else "none", alpha=1.702,
+                        limit=7.0, programs=9, quant=quant, slots=slots, **variant)
+            outs.append(out)
+        runs.append((gemm, outs))
+    return ids, runs
+
+
 @needs_hopper
 @pytest.mark.parametrize("quant,slots", [("nvfp4", 16), ("nvfp4", 64), ("nvfp4", 128),
                                          ("mxfp4", 16), ("mxfp4", 128)])
@@ -352,48 +390,26 @@ def test_early_epilogue_is_bit_equal(quant, slots):
     as the late epilogue: both GEMMs (GEMM1 with swiglu_oai and its bias, nvfp4's global
     scales) equal bit for bit on each form, every pair's row written and no padding row (the
     outputs NaN-poisoned, one row past the pairs)."""
-    from moe_ops.kernels import grouped_gemm as gg
-    from moe_ops.kernels.align import moe_align
-    E, k, H, I = 8, 2, 512, 512      # (mxfp4: K a multiple of 512 for GEMM2 too)
     T = 300 if slots > 16 else 24
-    _, kernel, _, ids, weights = make_case(quant, T, H, I, E, k, activation="swiglu_oai",
-                                           bias=True, seed=13)
-    dev = ids.device
-    dispatch = moe_align(ids.to(torch.int32), E, slots, 0)
-    routing = gg.Routing(ids.reshape(-1).to(torch.int32), weights.reshape(-1), k, E, 0,
-                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, slots,
-                         dispatch.num_padded)
-    num_slots = dispatch.sorted_pair_ids.numel()
-    gen = torch.Generator(device=dev).manual_seed(5)
-    for gemm in (1, 2):
-        w, scale, gscale, bias = (
-            (kernel["w13"], kernel["w13_scale"], kernel.get("w13_global_scale"), kernel["b13"])
-            if gemm == 1 else
-            (kernel["w2"], kernel["w2_scale"], kernel.get("w2_global_scale"), kernel["b2"]))
-        rows = torch.randn(num_slots, H if gemm == 1 else I, device=dev, generator=gen).to(
-            torch.bfloat16)
-        outs = []
-        for early in (False, True):
-            out = torch.full((num_slots, I) if gemm == 1 else (T * k + 1, H), float("nan"),
-                             device=dev, dtype=torch.bfloat16)
-            ws_fp4.gemm(rows, w, scale, gscale, bias, out, routing, gemm=gemm,
-                        activation="swiglu_oai" if gemm == 1 else "none", alpha=1.702,
-                        limit=7.0, programs=7, quant=quant, slots=slots, early=early)
-            outs.append(out)
-        late, early_out = outs
+    _, runs = gemms_both_ways(quant, T, slots, 13, [dict(early=False), dict(early=True)])
+    for gemm, (late, early_out) in runs:
         assert torch.equal(late.isnan(), early_out.isnan()), f"GEMM{gemm}: written rows differ"
         assert torch.equal(late.nan_to_num(0.0), early_out.nan_to_num(0.0)), f"GEMM{gemm}"
         if gemm == 2:
-            assert torch.isfinite(late[:T * k]).all() and torch.isnan(late[T * k]).all()
+            assert torch.isfinite(late[:T * 2]).all() and torch.isnan(late[T * 2]).all()
 
 
 @needs_hopper
-@pytest.mark.parametrize("quant,tokens", [("nvfp4", 20), ("nvfp4", 300), ("nvfp4", 700),
-                                          ("mxfp4", 700)])
-def test_experts_with_early_epilogue(quant, tokens, monkeypatch, gemm_calls, poisoned_empty):
+@pytest.mark.parametrize("switch,quant,tokens", [
+    ("EARLY_EPILOGUE", "nvfp4", 20), ("EARLY_EPILOGUE", "nvfp4", 300),
+    ("EARLY_EPILOGUE", "nvfp4", 700), ("EARLY_EPILOGUE", "mxfp4", 700),
+    ("HALF_BLOCKS", "nvfp4", 700), ("HALF_BLOCKS", "mxfp4", 900)])
+def test_experts_with_switch(switch, quant, tokens, monkeypatch, gemm_calls, poisoned_empty):
     """The experts call with the early epilogue on each form (16 slots at 2.5 routed rows an
-    expert, 64 at 75, 128 at 175) against the oracle, gpt-oss's activation and biases."""
-    monkeypatch.setattr(ws_fp4, "EARLY_EPILOGUE", True)
+    expert, 64 at 75, 128 at 175) or with the 128-slot form's half blocks (its experts' last
+    blocks half empty or fuller: 175 and 225 rows an expert) against the oracle, gpt-oss's
+    activation and biases."""
+    monkeypatch.setattr(ws_fp4, switch, True)
     calls = gemm_calls(ws_fp4, "gemm", record="slots")
     ckpt, kernel, x, ids, weights = make_case(quant, tokens, 512, 512, 8, 2,
                                               activation="swiglu_oai", bias=True, seed=29,
@@ -442,53 +458,14 @@ def test_half_blocks_match_whole_blocks(quant, early):
     write the same rows (NaN-poisoned outputs, one row past the pairs) on a dispatch whose
     experts end in half-empty and in fuller blocks (random routing of 700 tokens: 175 rows an
     expert on average)."""
-    from moe_ops.kernels import grouped_gemm as gg
-    from moe_ops.kernels.align import moe_align
-    E, k, H, I, T = 8, 2, 512, 512, 700
-    _, kernel, _, ids, weights = make_case(quant, T, H, I, E, k, activation="swiglu_oai",
-                                           bias=True, seed=31)
-    dev = ids.device
-    dispatch = moe_align(ids.to(torch.int32), E, 128, 0)
-    routing = gg.Routing(ids.reshape(-1).to(torch.int32), weights.reshape(-1), k, E, 0,
-                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, 128,
-                         dispatch.num_padded)
-    counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+    T = 700
+    ids, runs = gemms_both_ways(quant, T, 128, 31, [dict(early=early, half_blocks=False),
+                                                    dict(early=early, half_blocks=True)])
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=8)
     assert ((counts % 128 > 0) & (counts % 128 <= 64)).any() and (counts % 128 > 64).any()
-    num_slots = dispatch.sorted_pair_ids.numel()
-    gen = torch.Generator(device=dev).manual_seed(3)
-    for gemm in (1, 2):
-        w, scale, gscale, bias = (
-            (kernel["w13"], kernel["w13_scale"], kernel.get("w13_global_scale"), kernel["b13"])
-            if gemm == 1 else
-            (kernel["w2"], kernel["w2_scale"], kernel.get("w2_global_scale"), kernel["b2"]))
-        rows = torch.randn(num_slots, H if gemm == 1 else I, device=dev, generator=gen).to(
-            torch.bfloat16)
-        outs = []
-        for half in (False, True):
-            out = torch.full((num_slots, I) if gemm == 1 else (T * k + 1, H), float("nan"),
-                             device=dev, dtype=torch.bfloat16)
-            ws_fp4.gemm(rows, w, scale, gscale, bias, out, routing, gemm=gemm,
-                        activation="swiglu_oai" if gemm == 1 else "none", alpha=1.702,
-                        limit=7.0, programs=9, quant=quant, slots=128, early=early,
-                        half_blocks=half)
-            outs.append(out)
-        whole, halves = outs
+    for gemm, (whole, halves) in runs:
         assert torch.equal(whole.isnan(), halves.isnan()), f"GEMM{gemm}: written rows differ"
         torch.testing.assert_close(halves.nan_to_num(0.0).float(), whole.nan_to_num(0.0).float(),
                                    rtol=1.6e-2, atol=1e-3)
         if gemm == 2:
-            assert torch.isfinite(whole[:T * k]).all() and torch.isnan(whole[T * k]).all()
-
-
-@needs_hopper
-@pytest.mark.parametrize("quant,tokens", [("nvfp4", 700), ("mxfp4", 900)])
-def test_experts_with_half_blocks(quant, tokens, monkeypatch, gemm_calls, poisoned_empty):
-    """The experts call on the 128-slot form with half blocks (its experts' last blocks half
-    empty or fuller) against the oracle, gpt-oss's activation and biases."""
-    monkeypatch.setattr(ws_fp4, "HALF_BLOCKS", True)
-    calls = gemm_calls(ws_fp4, "gemm", record="slots")
-    ckpt, kernel, x, ids, weights = make_case(quant, tokens, 512, 512, 8, 2,
-                                              activation="swiglu_oai", bias=True, seed=37,
-                                              invalid_ids=True)
-    run_and_check(quant, ckpt, kernel, x, ids, weights, activation="swiglu_oai")
-    assert calls == [128, 128], calls
+            assert torch.isfinite(whole[:T * 2]).all() and torch.isnan(whole[T * 2]).all()
