@@ -141,6 +141,11 @@ def main():
     ap.add_argument("--aot", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--cases", choices=("all", "decode", "prefill"), default="all")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated variant names to run (default: all)")
+    ap.add_argument("--once", action="store_true",
+                    help="run each variant once, unchecked and untimed (for a profiler: "
+                         "ncu -k regex:_ws_fp4 python benchmarks/dev_gluon_fp4_decode.py --once)")
     args = ap.parse_args()
     if args.aot:
         aot()
@@ -183,7 +188,15 @@ def main():
                 ("gluon 2 pipelined", lambda: run_gluon(pb, routing, out_pairs, 2, True)),
                 ("gluon 4 pipelined", lambda: run_gluon(pb, routing, out_pairs, 4, True)),
                 ("ours", lambda: run_ours(pb, routing, out_pairs)))
+        if args.variants:
+            wanted = args.variants.split(",")
+            variants = tuple(v for v in variants if v[0] in wanted)
         for variant, fn in variants:
+            if args.once:
+                fn()
+                torch.cuda.synchronize()
+                print(f"{name}: {variant} ran once", flush=True)
+                continue
             try:
                 got = check_and_time(fn, out_pairs, ref)
                 rows.append(dict(case=name, variant=variant, us=got["ms"] * 1e3,
@@ -193,6 +206,8 @@ def main():
             except Exception as exc:  # noqa: BLE001 - record and go on
                 rows.append(dict(case=name, variant=variant, error=repr(exc)[:600]))
             print(rows[-1], flush=True)
+    if args.once:
+        return
     if args.out:
         import bench
         bench.write_records(os.path.join(args.out, "gluon_fp4_decode.json"), rows)

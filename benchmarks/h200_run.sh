@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -39,7 +39,12 @@
 # fp8 at T = 16, 256, 4096, 16384) with both switches 0 and 1; about 9 minutes.
 # ab4h: the 128-slot 4-bit form's half blocks (ws_fp4.HALF_BLOCKS): their GPU tests, then
 # DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 2048-16384 with MOE_OPS_WS_FP4_WIDE_MIN_ROWS
-# 128 without and with them and 64 with them; about 5 minutes.
+# 128 without and with them and 64 with them; then where decode's 16-slot form hands over to
+# the 64-slot one (T = 128-768 with MOE_OPS_WS_FP4_MAX_ROWS / _PREFILL_MIN_ROWS 16 / 32, 16 /
+# 16, 8 / 8, 4 / 4); about 8 minutes.
+# ncu4: Nsight Compute on the 4-bit Gluon kernel, one launch of each GEMM harness case (decode
+# on 2 consumers, prefill on the 128-slot form): speed of light, scheduler and warp-state
+# statistics with each stall reason's share, memory workload, instruction mix; about 3 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -191,7 +196,7 @@ if [[ "$what" == ab4w ]]; then
 fi
 if [[ "$what" == ab4e ]]; then
   for file in ws_fp4 ws_gemm; do
-    timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_$file.py -k "early" \
+    timeout 200 python3 -m pytest -v -p no:cacheprovider tests/test_$file.py -k "early" \
       > "$out/pytest_${file}_early.log" 2>&1 || status=1
     echo "$file tests -k early"; tail -n 1 "$out/pytest_${file}_early.log"
   done
@@ -200,8 +205,8 @@ if [[ "$what" == ab4e ]]; then
   tail -n 26 "$out/gluon_fp4_early.log"
   ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
   for early in 0 1; do
-    MOE_OPS_WS_FP4_EARLY_EPILOGUE=$early MOE_OPS_WS_EARLY_EPILOGUE=$early timeout 110 $ab \
-      --deadline-s 95 --models deepseek_v3 gpt_oss_120b qwen3_30b_a3b mixtral_8x7b \
+    MOE_OPS_WS_FP4_EARLY_EPILOGUE=$early MOE_OPS_WS_EARLY_EPILOGUE=$early timeout 100 $ab \
+      --deadline-s 85 --models deepseek_v3 gpt_oss_120b qwen3_30b_a3b mixtral_8x7b \
       --quant nvfp4 mxfp4 fp8 fp8_block --listed-only --tokens 16 256 4096 16384 \
       --out "$out/ab_early_$early.json" > "$out/ab_early_$early.log" 2>&1 || status=1
     echo "MOE_OPS_WS_FP4_EARLY_EPILOGUE=$early MOE_OPS_WS_EARLY_EPILOGUE=$early"
@@ -209,7 +214,7 @@ if [[ "$what" == ab4e ]]; then
   done
 fi
 if [[ "$what" == ab4h ]]; then
-  timeout 120 python3 -m pytest -v -p no:cacheprovider tests/test_ws_fp4.py -k "half" \
+  timeout 200 python3 -m pytest -v -p no:cacheprovider tests/test_ws_fp4.py -k "half" \
     > "$out/pytest_ws_fp4_half.log" 2>&1 || status=1
   echo "ws_fp4 tests -k half"; tail -n 1 "$out/pytest_ws_fp4_half.log"
   ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
@@ -220,6 +225,29 @@ if [[ "$what" == ab4h ]]; then
       > "$out/ab_half_${arm/:/_}.log" 2>&1 || status=1
     echo "MOE_OPS_WS_FP4_WIDE_MIN_ROWS=${arm%:*} MOE_OPS_WS_FP4_HALF_BLOCKS=${arm#*:}"
     grep -A9 '^ *model' "$out/ab_half_${arm/:/_}.log" | cut -c1-100
+  done
+  # where decode's 16-slot form hands over to the 64-slot one (between 16 and 32 rows an
+  # expert the Triton kernels run by default)
+  for arm in 16:32 16:16 8:8 4:4; do
+    MOE_OPS_WS_FP4_MAX_ROWS=${arm%:*} MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=${arm#*:} timeout 55 $ab \
+      --deadline-s 40 --models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4 --listed-only \
+      --tokens 128 256 512 768 --out "$out/ab_fp4_handover_${arm/:/_}.json" \
+      > "$out/ab_fp4_handover_${arm/:/_}.log" 2>&1 || status=1
+    echo "MOE_OPS_WS_FP4_MAX_ROWS=${arm%:*} MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=${arm#*:}"
+    grep -A9 '^ *model' "$out/ab_fp4_handover_${arm/:/_}.log" | cut -c1-100
+  done
+fi
+if [[ "$what" == ncu4 ]]; then
+  sections="--section SpeedOfLight --section SchedulerStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section InstructionStats \
+    --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
+  for arm in "decode:gluon 2 consumers" "prefill:gluon prefill 128"; do
+    timeout 200 ncu -k regex:_ws_fp4 $sections python3 benchmarks/dev_gluon_fp4_decode.py \
+      --once --cases "${arm%%:*}" --variants "${arm#*:}" > "$out/ncu_ws_fp4_${arm%%:*}.txt" 2>&1 \
+      || status=1
+    echo "${arm#*:}"
+    grep -E "^  _ws|Compute \(SM\) Throughput|Memory Throughput|Issued Warp Per|Eligible Warps|Cycles Per Issued|issue_stalled.*ratio +[0-9.]+$" \
+      "$out/ncu_ws_fp4_${arm%%:*}.txt" | awk '$NF+0 >= 0.1 || !/stalled/' | head -n 60
   done
 fi
 if [[ "$what" == tune ]]; then

@@ -58,22 +58,24 @@ for slots in (16, 64, 128):
         kernel = ws_fp4.compile_sm90(gemm=gemm, activation=act, has_bias=bias, quant=quant,
                                      slots=slots, early=True)
         ops = collections.Counter(i.split()[0].split(".")[0] for i in k_loop(kernel))
+        late = ws_fp4.compile_sm90(gemm=gemm, activation=act, has_bias=bias, quant=quant,
+                                   slots=slots, early=False)
         print(slots, gemm, quant, ops["LDL"] + ops["STL"], kernel.metadata.shared,
-              sum(i.split()[0].startswith("LDG") for i in sass(kernel)))
+              int(sass(kernel) != sass(late)))
 """
 
 
 def test_early_epilogue_builds():
     """The early epilogue (EARLY_EPILOGUE) builds for sm_90 on every form, GEMM1 with bias and
-    activation and GEMM2, nvfp4 and mxfp4: its operands held across the K loop leave the loop
-    without a local access (ptxas may spill them once a tile, outside it), shared memory within
-    the 227 KB a block may take, and the operands' global loads are there."""
+    activation and GEMM2, nvfp4 and mxfp4, as code other than the late epilogue's: its operands
+    held across the K loop leave the loop without a local access (ptxas may spill them once a
+    tile, outside it), shared memory within the 227 KB a block may take."""
     rows, done = sm90_script_rows(EARLY_BUILDS)
     assert len(rows) == 12, done.stdout
-    for slots, gemm, quant, local, shared, loads in rows:
+    for slots, gemm, quant, local, shared, differs in rows:
         assert local == "0", (slots, gemm, quant)
         assert int(shared) <= 227 * 1024, (slots, gemm, quant, shared)
-        assert int(loads) >= 2, (slots, gemm, quant)
+        assert differs == "1", (slots, gemm, quant)
 
 
 def test_default_and_off_hopper(monkeypatch, ws_fp4_calls, poisoned_empty):
@@ -211,15 +213,17 @@ def test_experts_on_ws_fp4_mxfp4(activation, bias, H, I, tokens, pipeline, which
 
 
 @needs_hopper
-@pytest.mark.parametrize("consumers,pipeline,slots", [(2, False, 16), (4, False, 16),
-                                                      (2, True, 16), (2, False, 64),
-                                                      (2, False, 128)])
-def test_partial_last_tile(consumers, pipeline, slots, monkeypatch, gemm_calls,
+@pytest.mark.parametrize("consumers,pipeline,slots,early", [
+    (2, False, 16, False), (4, False, 16, False), (2, True, 16, False), (2, False, 64, False),
+    (2, False, 128, False), (4, True, 16, True), (2, False, 128, True)])
+def test_partial_last_tile(consumers, pipeline, slots, early, monkeypatch, gemm_calls,
                            poisoned_empty):
     """N a multiple of 64 but not of the tile (H = 704: GEMM2's last tile 64 of 128 rows, or
     192 of 256 with four consumers): the consumers whose rows lie past N idle through the ring
     and write nothing; both GEMMs against the oracle (the poisoned output shows a missed
-    column), the prefill forms too."""
+    column), the prefill forms too; with the early epilogue (EARLY_EPILOGUE) as well, on four
+    pipelined consumers and on the 128-slot form."""
+    monkeypatch.setattr(ws_fp4, "EARLY_EPILOGUE", early)
     monkeypatch.setattr(experts_mod, "WS_FP4", "1")
     monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)
     monkeypatch.setattr(ws_fp4, "CONSUMERS", consumers)
@@ -343,12 +347,13 @@ def test_padding_blocks_are_skipped(align, pipeline, large_path, slots, monkeypa
     assert err < 2e-3, err
 
 
-def gemms_both_ways(quant, T, slots, seed, variants):
+def gemms_both_ways(quant, T, slots, seed, variants, gemms=(1, 2), edit_dispatch=None):
     """Both GEMMs of the kernel on one dispatch of `slots`-row blocks (random routing of T
     tokens to 2 of 8 experts, H = I = 512: mxfp4's K a multiple of 512 for GEMM2 too;
     swiglu_oai with biases, 9 programs), once per keyword set of `variants`, on the same random
-    rows; outputs NaN-poisoned first (GEMM2's with one row past the pairs). Returns the routed
-    ids and [(gemm, [output per variant])]."""
+    rows; outputs NaN-poisoned first (GEMM2's with one row past the pairs). edit_dispatch(
+    sorted_pair_ids) may change the dispatch first. Returns the routed ids and [(gemm, [output
+    per variant])]."""
     from moe_ops.kernels import grouped_gemm as gg
     from moe_ops.kernels.align import moe_align
     E, k, H, I = 8, 2, 512, 512
@@ -356,13 +361,15 @@ def gemms_both_ways(quant, T, slots, seed, variants):
                                            bias=True, seed=seed)
     dev = ids.device
     dispatch = moe_align(ids.to(torch.int32), E, slots, 0)
+    if edit_dispatch is not None:
+        edit_dispatch(dispatch.sorted_pair_ids)
     routing = gg.Routing(ids.reshape(-1).to(torch.int32), weights.reshape(-1), k, E, 0,
                          dispatch.sorted_pair_ids, dispatch.block_expert_ids, slots,
                          dispatch.num_padded)
     num_slots = dispatch.sorted_pair_ids.numel()
     gen = torch.Generator(device=dev).manual_seed(seed)
     runs = []
-    for gemm in (1, 2):
+    for gemm in gemms:
         w, scale, gscale, bias = (
             (kernel["w13"], kernel["w13_scale"], kernel.get("w13_global_scale"), kernel["b13"])
             if gemm == 1 else
@@ -400,21 +407,33 @@ def test_early_epilogue_is_bit_equal(quant, slots):
 
 
 @needs_hopper
-@pytest.mark.parametrize("switch,quant,tokens", [
-    ("EARLY_EPILOGUE", "nvfp4", 20), ("EARLY_EPILOGUE", "nvfp4", 300),
-    ("EARLY_EPILOGUE", "nvfp4", 700), ("EARLY_EPILOGUE", "mxfp4", 700),
-    ("HALF_BLOCKS", "nvfp4", 700), ("HALF_BLOCKS", "mxfp4", 900)])
-def test_experts_with_switch(switch, quant, tokens, monkeypatch, gemm_calls, poisoned_empty):
+@pytest.mark.parametrize("switch,quant,tokens,activation,bias", [
+    ("EARLY_EPILOGUE", "nvfp4", 20, "swiglu_oai", True),
+    ("EARLY_EPILOGUE", "nvfp4", 300, "swiglu", False),
+    ("EARLY_EPILOGUE", "nvfp4", 700, "swiglu_oai", True),
+    ("EARLY_EPILOGUE", "mxfp4", 700, "swiglu_oai", True),
+    ("HALF_BLOCKS", "nvfp4", 800, "swiglu_oai", True),
+    ("HALF_BLOCKS", "mxfp4", 1000, "swiglu_oai", True)])
+def test_experts_with_switch(switch, quant, tokens, activation, bias, monkeypatch, gemm_calls,
+                             poisoned_empty):
     """The experts call with the early epilogue on each form (16 slots at 2.5 routed rows an
-    expert, 64 at 75, 128 at 175) or with the 128-slot form's half blocks (its experts' last
-    blocks half empty or fuller: 175 and 225 rows an expert) against the oracle, gpt-oss's
-    activation and biases."""
+    expert, 64 at 75, 128 at 175; with and without biases) or with the 128-slot form's half
+    blocks (200 and 250 rows an expert, some experts' last blocks half empty, some fuller)
+    against the oracle."""
     monkeypatch.setattr(ws_fp4, switch, True)
+    monkeypatch.setattr(experts_mod, "WS_FP4", "1")
+    monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
+    monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)
+    monkeypatch.setattr(experts_mod, "WS_FP4_PREFILL_MIN_ROWS", 32)
+    monkeypatch.setattr(experts_mod, "WS_FP4_WIDE_MIN_ROWS", 128)
     calls = gemm_calls(ws_fp4, "gemm", record="slots")
     ckpt, kernel, x, ids, weights = make_case(quant, tokens, 512, 512, 8, 2,
-                                              activation="swiglu_oai", bias=True, seed=29,
+                                              activation=activation, bias=bias, seed=29,
                                               invalid_ids=True)
-    run_and_check(quant, ckpt, kernel, x, ids, weights, activation="swiglu_oai")
+    if switch == "HALF_BLOCKS":
+        rest = torch.bincount(ids.reshape(-1).clamp(0, 7).long(), minlength=8) % 128
+        assert ((rest > 0) & (rest <= 64)).any() and (rest > 64).any(), rest
+    run_and_check(quant, ckpt, kernel, x, ids, weights, activation=activation)
     expected = 16 if tokens * 2 <= 16 * 8 else 128 if tokens * 2 >= 128 * 8 else 64
     assert calls == [expected] * 2, calls
 
@@ -429,11 +448,15 @@ for early in (False, True):
                                    (1, "swiglu", False, "nvfp4"), (2, "none", True, "mxfp4")):
         kernel = ws_fp4.compile_sm90(gemm=gemm, activation=act, has_bias=bias, quant=quant,
                                      slots=128, early=early, half_blocks=True)
-        # each consumer's two K loops: the four shortest holding wgmmas (the tile loops around
-        # them hold them and the epilogues)
-        k_loops = sorted((b for b in loops(kernel) if any("HGMMA" in i for i in b)), key=len)[:4]
-        local = max(sum(i.split()[0].startswith(("LDL", "STL")) for i in b) for b in k_loops)
-        print(early, gemm, quant, len(k_loops), local, kernel.metadata.shared)
+        # each consumer's whole-block and half-block K loops: the shortest two holding each
+        # wgmma shape (the tile loops around them hold them and the epilogues)
+        found = []
+        for shape in ("64x128x16", "64x64x16"):
+            with_shape = [b for b in loops(kernel) if any("HGMMA." + shape in i for i in b)]
+            found += sorted(with_shape, key=len)[:2]
+            print(shape, len(with_shape), end=" ")
+        local = max(sum(i.split()[0].startswith(("LDL", "STL")) for i in b) for b in found)
+        print(early, gemm, quant, local, kernel.metadata.shared)
 """
 
 
@@ -443,8 +466,8 @@ def test_half_blocks_build():
     a local access, shared memory as the 128-slot form's."""
     rows, done = sm90_script_rows(HALF_BUILDS)
     assert len(rows) == 8, done.stdout
-    for early, gemm, quant, count, local, shared in rows:
-        assert int(count) == 4, (early, gemm, quant, count)
+    for _, whole, _, half, early, gemm, quant, local, shared in rows:
+        assert int(whole) >= 2 and int(half) >= 2, (early, gemm, quant, whole, half)
         assert local == "0", (early, gemm, quant)
         assert int(shared) <= 227 * 1024, (early, gemm, quant, shared)
 
@@ -469,3 +492,27 @@ def test_half_blocks_match_whole_blocks(quant, early):
                                    rtol=1.6e-2, atol=1e-3)
         if gemm == 2:
             assert torch.isfinite(whole[:T * 2]).all() and torch.isnan(whole[T * 2]).all()
+
+
+@needs_hopper
+def test_half_blocks_do_take_the_half_path():
+    """The half path runs where slot 64 of a block is padding: a dispatch edited so that such a
+    block's slot 65 holds a pair (which moe_align never does) gets GEMM1's row 65 written by the
+    whole-block kernel and left unwritten by the half-block one."""
+    edited = []
+
+    def put_a_pair_past_padding(sorted_pair_ids):
+        blocks = sorted_pair_ids[:sorted_pair_ids.numel() // 128 * 128].view(-1, 128)
+        # a live block (slot 0 a pair: the kernel runs it) whose slot 64 is padding
+        half = (blocks[:, 0] < 2 * 700) & (blocks[:, 64] >= 2 * 700)
+        block = int(half.nonzero()[0, 0])
+        sorted_pair_ids[block * 128 + 65] = 0
+        edited.append(block * 128 + 65)
+
+    _, runs = gemms_both_ways("nvfp4", 700, 128, 31, [dict(half_blocks=False),
+                                                     dict(half_blocks=True)],
+                              gemms=(1, ), edit_dispatch=put_a_pair_past_padding)
+    (_, (whole, halves)), = runs
+    slot = edited[0]
+    assert torch.isfinite(whole[slot].float()).all(), "the whole-block kernel skipped the slot"
+    assert torch.isnan(halves[slot].float()).all(), "the half path did not run"

@@ -434,9 +434,9 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                     # a half block: the first 64 slots' wgmmas only, their piece written (its
                     # own names: a variable both branches assign must keep its type)
                     half_acc = gl.zeros([64, 64], gl.float32, mma_half)
-                    half_acc, index, phase = _plain_k_loop(half_acc, w_bufs, s_bufs, x_bufs, ready, empty,
-                                                      index, phase, k_steps, HALF, DOT_HALF,
-                                                      MX)
+                    half_acc, index, phase = _plain_k_loop(
+                        half_acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, k_steps,
+                        HALF, DOT_HALF, MX)
                     if EARLY:
                         rows_l: gl.constexpr = gl.SliceLayout(1, mma_half)
                         if not MX:
@@ -495,9 +495,9 @@ def _row_terms(gscale_ptr, bias_ptr, expert, n0, stride_ge, stride_be, mma: gl.c
 @gluon.jit
 def _slot_terms(slot0, BM: gl.constexpr, sorted_pair_ids_ptr, topk_weights_ptr, num_pairs,
                 ACTIVATION: gl.constexpr):
-    """A piece's slots slot0.. (up to 64 of a BM-slot tile), their pair ids, whether each is a routed pair
-    and (GEMM2) its routing weight (0 for padding), along the rows of the layout the piece is
-    written from (GEMM1: PAIRS_LAYOUT, GEMM2: STORE_LAYOUT)."""
+    """A piece's slots slot0.. (up to 64 of a BM-slot tile), their pair ids, whether each is a
+    routed pair and (GEMM2) its routing weight (0 for padding), along the rows of the layout
+    the piece is written from (GEMM1: PAIRS_LAYOUT, GEMM2: STORE_LAYOUT)."""
     PIECE: gl.constexpr = 64 if BM > 64 else BM
     layout: gl.constexpr = STORE_LAYOUT if ACTIVATION == 0 else PAIRS_LAYOUT
     slots = slot0 + gl.arange(0, PIECE, layout=gl.SliceLayout(1, layout))
