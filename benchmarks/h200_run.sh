@@ -217,24 +217,26 @@ if [[ "$what" == ab4h ]]; then
   timeout 200 python3 -m pytest -v -p no:cacheprovider tests/test_ws_fp4.py -k "half" \
     > "$out/pytest_ws_fp4_half.log" 2>&1 || status=1
   echo "ws_fp4 tests -k half"; tail -n 1 "$out/pytest_ws_fp4_half.log"
-  ab="python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch"
+  # fp4_arm NAME DEADLINE TOKENS VAR=value...: DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 with
+  # the given environment, its table printed
+  fp4_arm() {
+    local name=$1 deadline=$2 tokens=$3
+    shift 3
+    env "$@" timeout $((deadline + 15)) python3 benchmarks/bench.py --no-baseline \
+      --no-bf16-peer --no-plot --peers torch --deadline-s "$deadline" --models deepseek_v3 \
+      gpt_oss_120b --quant nvfp4 mxfp4 --listed-only --tokens $tokens \
+      --out "$out/$name.json" > "$out/$name.log" 2>&1 || status=1
+    echo "$*"; grep -A9 '^ *model' "$out/$name.log" | cut -c1-100
+  }
   for arm in 128:0 128:1 64:1; do
-    MOE_OPS_WS_FP4_WIDE_MIN_ROWS=${arm%:*} MOE_OPS_WS_FP4_HALF_BLOCKS=${arm#*:} timeout 60 $ab \
-      --deadline-s 45 --models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4 --listed-only \
-      --tokens 2048 4096 8192 16384 --out "$out/ab_half_${arm/:/_}.json" \
-      > "$out/ab_half_${arm/:/_}.log" 2>&1 || status=1
-    echo "MOE_OPS_WS_FP4_WIDE_MIN_ROWS=${arm%:*} MOE_OPS_WS_FP4_HALF_BLOCKS=${arm#*:}"
-    grep -A9 '^ *model' "$out/ab_half_${arm/:/_}.log" | cut -c1-100
+    fp4_arm "ab_half_${arm/:/_}" 45 "2048 4096 8192 16384" \
+      MOE_OPS_WS_FP4_WIDE_MIN_ROWS=${arm%:*} MOE_OPS_WS_FP4_HALF_BLOCKS=${arm#*:}
   done
   # where decode's 16-slot form hands over to the 64-slot one (between 16 and 32 rows an
   # expert the Triton kernels run by default)
   for arm in 16:32 16:16 8:8 4:4; do
-    MOE_OPS_WS_FP4_MAX_ROWS=${arm%:*} MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=${arm#*:} timeout 55 $ab \
-      --deadline-s 40 --models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4 --listed-only \
-      --tokens 128 256 512 768 --out "$out/ab_fp4_handover_${arm/:/_}.json" \
-      > "$out/ab_fp4_handover_${arm/:/_}.log" 2>&1 || status=1
-    echo "MOE_OPS_WS_FP4_MAX_ROWS=${arm%:*} MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=${arm#*:}"
-    grep -A9 '^ *model' "$out/ab_fp4_handover_${arm/:/_}.log" | cut -c1-100
+    fp4_arm "ab_fp4_handover_${arm/:/_}" 40 "128 256 512 768" \
+      MOE_OPS_WS_FP4_MAX_ROWS=${arm%:*} MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=${arm#*:}
   done
 fi
 if [[ "$what" == ncu4 ]]; then
