@@ -361,13 +361,12 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                     # (see EARLY_EPILOGUE: issued now, used after the K loop)
                     scale, shift = _row_terms(gscale_ptr, bias_ptr, expert, n0, stride_ge,
                                               stride_be, mma, MX, HAS_BIAS)
-                    slots0, ids0, ok0, weights0 = _slot_terms(
-                        pid_m * BM, BM, sorted_pair_ids_ptr, topk_weights_ptr, num_pairs,
-                        ACTIVATION)
+                    terms0 = _slot_terms(pid_m * BM, BM, sorted_pair_ids_ptr, topk_weights_ptr,
+                                         num_pairs, ACTIVATION)
+                    terms1 = terms0     # (the second 64 slots' of a 128-slot tile)
                     if BM > 64:
-                        slots1, ids1, ok1, weights1 = _slot_terms(
-                            pid_m * BM + 64, BM, sorted_pair_ids_ptr, topk_weights_ptr,
-                            num_pairs, ACTIVATION)
+                        terms1 = _slot_terms(pid_m * BM + 64, BM, sorted_pair_ids_ptr,
+                                             topk_weights_ptr, num_pairs, ACTIVATION)
                 if HALF_BLOCKS:
                     # (see HALF_BLOCKS) slot 64 padding: so are the rest
                     whole = live_block(sorted_pair_ids_ptr, pid_m * 2 + 1, num_pairs, 64)
@@ -410,23 +409,8 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                     # intermediate[slot], GEMM2's routing weight into out[pair]; padding
                     # slots (pair id >= num_pairs) are not written.
                     if EARLY:
-                        if not MX:
-                            acc = acc * scale[:, None]
-                        if HAS_BIAS:
-                            acc += shift[:, None]
-                        if BM > 64:
-                            first, second = gl.split(
-                                gl.permute(gl.reshape(acc, [64, 2, 64]), [0, 2, 1]))
-                            _store_early(first, slots0, ids0, ok0, weights0, n0,
-                                         topk_weights_ptr, out_ptr, stride_om, alpha, limit,
-                                         ACTIVATION)
-                            _store_early(second, slots1, ids1, ok1, weights1, n0,
-                                         topk_weights_ptr, out_ptr, stride_om, alpha, limit,
-                                         ACTIVATION)
-                        else:
-                            _store_early(acc, slots0, ids0, ok0, weights0, n0,
-                                         topk_weights_ptr, out_ptr, stride_om, alpha, limit,
-                                         ACTIVATION)
+                        _epilogue_early(acc, scale, shift, terms0, terms1, n0, ptrs, strides,
+                                        alpha, limit, ACTIVATION, HAS_BIAS, MX)
                     else:
                         _epilogue_late(acc, expert, pid_m * BM, n0, ptrs, sizes, strides, mma,
                                        ACTIVATION, HAS_BIAS, MX)
@@ -438,13 +422,8 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                         half_acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, k_steps,
                         HALF, DOT_HALF, MX)
                     if EARLY:
-                        rows_l: gl.constexpr = gl.SliceLayout(1, mma_half)
-                        if not MX:
-                            half_acc = half_acc * gl.convert_layout(scale, rows_l)[:, None]
-                        if HAS_BIAS:
-                            half_acc += gl.convert_layout(shift, rows_l)[:, None]
-                        _store_early(half_acc, slots0, ids0, ok0, weights0, n0, topk_weights_ptr,
-                                     out_ptr, stride_om, alpha, limit, ACTIVATION)
+                        _epilogue_early(half_acc, scale, shift, terms0, terms1, n0, ptrs,
+                                        strides, alpha, limit, ACTIVATION, HAS_BIAS, MX)
                     else:
                         _epilogue_late(half_acc, expert, pid_m * BM, n0, ptrs, sizes,
                                        strides, mma_half, ACTIVATION, HAS_BIAS, MX)
@@ -465,9 +444,7 @@ def _epilogue_late(acc, expert, slot0, n0, ptrs, sizes, strides, mma: gl.constex
     if HAS_BIAS:
         acc += gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)[:, None]
     if acc.shape[1] > 64:
-        # slot 64h + j of [64, 128] -> [64, j, h]: h is a register bit of the MMA layout, so
-        # the split moves no data
-        first, second = gl.split(gl.permute(gl.reshape(acc, [64, 2, 64]), [0, 2, 1]))
+        first, second = _slot_halves(acc)
         _store_slots(first, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
                      num_pairs, stride_om, alpha, limit, ACTIVATION)
         _store_slots(second, slot0 + 64, n0, sorted_pair_ids_ptr, topk_weights_ptr,
@@ -475,6 +452,38 @@ def _epilogue_late(acc, expert, slot0, n0, ptrs, sizes, strides, mma: gl.constex
     else:
         _store_slots(acc, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
                      num_pairs, stride_om, alpha, limit, ACTIVATION)
+
+
+@gluon.jit
+def _slot_halves(acc):
+    """A [64, 128] accumulator's two 64-slot pieces: slot 64h + j -> [64, j, h], h a register
+    bit of the MMA layout, so the split moves no data."""
+    return gl.split(gl.permute(gl.reshape(acc, [64, 2, 64]), [0, 2, 1]))
+
+
+@gluon.jit
+def _epilogue_early(acc, scale, shift, terms0, terms1, n0, ptrs, strides, alpha, limit,
+                    ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MX: gl.constexpr):
+    """The epilogue with its operands loaded before the K loop (EARLY_EPILOGUE): the rows'
+    factor and bias (_row_terms) on acc [64 weight rows, 64 or 128 slots], then each 64-slot
+    piece written with its slots' terms (_slot_terms; terms1 for a 128-slot tile's second)."""
+    out_ptr = ptrs[2]
+    topk_weights_ptr = ptrs[4]
+    stride_om = strides[2]
+    rows_l: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    if not MX:
+        acc = acc * gl.convert_layout(scale, rows_l)[:, None]
+    if HAS_BIAS:
+        acc += gl.convert_layout(shift, rows_l)[:, None]
+    if acc.shape[1] > 64:
+        first, second = _slot_halves(acc)
+        _store_early(first, terms0, n0, topk_weights_ptr, out_ptr, stride_om, alpha, limit,
+                     ACTIVATION)
+        _store_early(second, terms1, n0, topk_weights_ptr, out_ptr, stride_om, alpha, limit,
+                     ACTIVATION)
+    else:
+        _store_early(acc, terms0, n0, topk_weights_ptr, out_ptr, stride_om, alpha, limit,
+                     ACTIVATION)
 
 
 @gluon.jit
@@ -510,11 +519,12 @@ def _slot_terms(slot0, BM: gl.constexpr, sorted_pair_ids_ptr, topk_weights_ptr, 
 
 
 @gluon.jit
-def _store_early(acc, slots, pair_ids, row_ok, weights, n0, topk_weights_ptr, out_ptr,
-                 stride_om, alpha, limit, ACTIVATION: gl.constexpr):
+def _store_early(acc, terms, n0, topk_weights_ptr, out_ptr, stride_om, alpha, limit,
+                 ACTIVATION: gl.constexpr):
     """_store_slots with the slots' terms loaded before the K loop (_slot_terms): GEMM2's
     piece goes to its store layout in one exchange, times the routing weights, into
     out[pair]; GEMM1's through PAIRS_LAYOUT and its activation (write_rows)."""
+    slots, pair_ids, row_ok, weights = terms
     if ACTIVATION == 0:
         vals = gl.convert_layout(gl.permute(acc, [1, 0]), STORE_LAYOUT) * weights[:, None]
         cols = n0 + gl.arange(0, 64, layout=gl.SliceLayout(0, STORE_LAYOUT))

@@ -403,11 +403,12 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
         slots = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=row_l)
         col0 = pid_n * BN + COL0          # first weight row (output column) of this half
         a_scale_rows = a_scale_ptr + slots * stride_as
-        terms = (slots, slots, slots, slots)    # (unused without EARLY)
         if EARLY:
             # (see EARLY_EPILOGUE: issued now, used after the K loop)
             terms = _epilogue_terms(slots, a_scale_rows, sorted_pair_ids_ptr, topk_weights_ptr,
                                     num_pairs, ACTIVATION, BLOCK_SCALES)
+        else:
+            terms: gl.constexpr = None
         live = True     # (a tensor to Triton, but folded: no branch is left without the skip)
         if SKIP_PADDING:
             # A warpgroup whose 64 rows are all padding (its first slot holds no pair: each
