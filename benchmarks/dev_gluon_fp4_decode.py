@@ -60,12 +60,16 @@ def aot():
             (i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in loop)
         # weight values a thread a K step, times the steps the loop body holds (16 wgmmas of
         # k = 16 a step; the pipelined form and mxfp4's run two steps an iteration)
+        # local-memory (spill) traffic inside the K loop itself; a tile loop's spills run once
+        # a tile
+        local = sum(i.split()[0].startswith(("LDL", "STL")) for i in loop)
         steps = ops["HGMMA"] // (ws_fp4.BLOCK_K // 16)
         values = steps * ws_fp4.BLOCK_K * ws_fp4.ROWS // 128
         print(f"{quant}, {slots} slots, {consumers} consumers"
               f"{', pipelined' if pipeline else ''}: "
               f"{resource_usage(kernel)}, shared "
-              f"{kernel.metadata.shared} B; K loop {len(loop)} SASS instructions for {values} "
+              f"{kernel.metadata.shared} B; K loop {len(loop)} SASS instructions ({local} "
+              f"local) for {values} "
               f"weight values a thread ({len(loop) / values:.2f} a value): "
               f"{dict(ops.most_common(8))}", flush=True)
 

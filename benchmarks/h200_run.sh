@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|prof4|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -45,6 +45,11 @@
 # ncu4: Nsight Compute on the 4-bit Gluon kernel, one launch of each GEMM harness case (decode
 # on 2 consumers, prefill on the 128-slot form): speed of light, scheduler and warp-state
 # statistics with each stall reason's share, memory workload, instruction mix; about 3 minutes.
+# prof4: the decode points below their bars kernel by kernel on the current defaults
+# (profile_layer.py: routing, moe_align, the row gather, act_quant, the GEMMs, the combine, and
+# the gap between them): DeepSeek-V3 nvfp4 and fp8_block, gpt-oss-120b mxfp4, Mixtral-8x7B,
+# Qwen3-30B-A3B and Llama 4 Scout fp8 at T = 1, 4, 16, 64, with PDL as shipped (MOE_OPS_PDL=1)
+# and off; about 4 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -250,6 +255,15 @@ if [[ "$what" == ncu4 ]]; then
     echo "${arm#*:}"
     grep -E "^  _ws|Compute \(SM\) Throughput|Memory Throughput|Issued Warp Per|Eligible Warps|Cycles Per Issued|issue_stalled.*ratio +[0-9.]+$" \
       "$out/ncu_ws_fp4_${arm%%:*}.txt" | awk '$NF+0 >= 0.1 || !/stalled/' | head -n 60
+  done
+fi
+if [[ "$what" == prof4 ]]; then
+  for pdl in 1 0; do
+    MOE_OPS_PDL=$pdl timeout 150 python3 benchmarks/profile_layer.py --models deepseek_v3 \
+      gpt_oss_120b mixtral_8x7b qwen3_30b_a3b llama4_scout --quant nvfp4 fp8_block mxfp4 fp8 \
+      --tokens 1 4 16 64 --deadline-s 110 --out "$out/profile_decode_pdl_$pdl.json" \
+      > "$out/profile_decode_pdl_$pdl.log" 2>&1 || status=1
+    echo "MOE_OPS_PDL=$pdl"; tail -n 25 "$out/profile_decode_pdl_$pdl.log" | cut -c1-200
   done
 fi
 if [[ "$what" == tune ]]; then

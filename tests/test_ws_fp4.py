@@ -90,14 +90,18 @@ def test_default_and_off_hopper(monkeypatch, ws_fp4_calls, poisoned_empty):
 
 
 @needs_hopper
-@pytest.mark.parametrize("tokens,expected", [(64, [1, 2]), (65, [])])
-def test_rows_an_expert_threshold(tokens, expected, ws_fp4_calls, poisoned_empty):
-    """The defaults: up to WS_FP4_MAX_ROWS routed rows an expert on average, both GEMMs on the
-    kernel; one pair more, grouped_gemm's."""
-    assert experts_mod.WS_FP4_MAX_ROWS * 8 == 128
+@pytest.mark.parametrize("tokens,slots", [(32, 16), (33, 64), (255, 64), (256, 128)])
+def test_rows_an_expert_thresholds(tokens, slots, gemm_calls, poisoned_empty):
+    """The defaults (8 experts, top 2): up to WS_FP4_MAX_ROWS = 8 routed rows an expert on
+    average both GEMMs on the 16-slot decode form; one pair more, the 64-slot prefill form
+    (WS_FP4_PREFILL_MIN_ROWS = 8); from WS_FP4_WIDE_MIN_ROWS = 64 the 128-slot form, against
+    the oracle."""
+    assert (experts_mod.WS_FP4_MAX_ROWS, experts_mod.WS_FP4_PREFILL_MIN_ROWS,
+            experts_mod.WS_FP4_WIDE_MIN_ROWS) == (8, 8, 64)
+    calls = gemm_calls(ws_fp4, "gemm", record="slots")
     ckpt, kernel, x, ids, weights = make_case("nvfp4", tokens, 512, 256, 8, 2, seed=5)
     run_and_check("nvfp4", ckpt, kernel, x, ids, weights)
-    assert ws_fp4_calls == expected
+    assert calls == [slots] * 2, calls
 
 
 def test_bad_calls_are_refused():
@@ -172,9 +176,11 @@ def test_experts_on_ws_fp4(activation, bias, I, tokens, consumers, which, monkey
 def test_decode_benchmark_builds():
     """benchmarks/dev_gluon_fp4_decode.py --aot (the kernel's sm_90 K loop, both consumer
     counts, serial and pipelined, nvfp4 and mxfp4, decode's 16-slot and prefill's 64- and
-    128-slot forms) runs without a GPU; no spill but in the pipelined four-consumer form (two decoded
-    operands in 112 registers: 16 bytes of stack in GEMM2's build, 56 in GEMM1's); every
-    build's shared memory within the 227 KB a block may take."""
+    128-slot forms, the default epilogue) runs without a GPU; no local-memory access in any K
+    loop; no stack at all but in the pipelined four-consumer form (two decoded operands in 112
+    registers) and mxfp4's 128-slot form (its tile loop spills a few values once a tile: 120
+    bytes of stack with the early epilogue and half blocks, measured faster than without them
+    all the same); every build's shared memory within the 227 KB a block may take."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "dev_gluon_fp4_decode.py")
     done = subprocess.run([sys.executable, script, "--aot"], env=env, capture_output=True,
@@ -182,7 +188,9 @@ def test_decode_benchmark_builds():
     assert done.returncode == 0, done.stderr[-3000:]
     builds = [line for line in done.stdout.splitlines() if "consumers" in line]
     assert len(builds) == 11, done.stdout
-    assert all("stack 0 B" in line for line in builds if "4 consumers, pipe" not in line)
+    assert all("(0 local)" in line for line in builds), done.stdout
+    assert all("stack 0 B" in line for line in builds
+               if "4 consumers, pipe" not in line and "mxfp4, 128 slots" not in line), done.stdout
     shared = [int(line.split("shared ")[1].split()[0]) for line in builds]
     assert max(shared) <= 227 * 1024, shared
 
@@ -232,6 +240,7 @@ def test_partial_last_tile(consumers, pipeline, slots, early, monkeypatch, gemm_
         monkeypatch.setattr(experts_mod, "WS_FP4_WIDE_MIN_ROWS", 32)
     elif slots == 64:
         monkeypatch.setattr(experts_mod, "WS_FP4_PREFILL_MIN_ROWS", 32)
+        monkeypatch.setattr(experts_mod, "WS_FP4_WIDE_MIN_ROWS", 0)
         monkeypatch.setattr(ws_fp4, "PREFILL_PIPELINE", pipeline)
     else:
         monkeypatch.setattr(ws_fp4, "PIPELINE", pipeline)
@@ -272,14 +281,18 @@ def test_experts_on_ws_fp4_prefill(quant, activation, bias, H, I, tokens, pipeli
 
 def test_fp4_defaults():
     """The measured defaults (the figures beside them in experts.py and ws_fp4.py): mxfp4 on
-    the kernel (MOE_OPS_WS_MXFP4=0: nvfp4 only), prefill's 64-slot form from 32 rows an expert
-    and its 128-slot form from 128, N a multiple of 64, the prefill form's consumers not pipelined; each switch read from the
-    environment."""
+    the kernel (MOE_OPS_WS_MXFP4=0: nvfp4 only), decode's 16-slot form up to 8 rows an
+    expert, prefill's 64-slot form from 8 and its 128-slot form from 64 with half blocks, the
+    early epilogue, N a multiple of 64, the prefill form's consumers not pipelined; each switch
+    read from the environment."""
     env = os.environ.get
     assert experts_mod.WS_FP4_QUANTS == (
         ("nvfp4", ) if env("MOE_OPS_WS_MXFP4") == "0" else ("nvfp4", "mxfp4"))
-    assert experts_mod.WS_FP4_PREFILL_MIN_ROWS == int(env("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", "32"))
-    assert experts_mod.WS_FP4_WIDE_MIN_ROWS == int(env("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", "128"))
+    assert experts_mod.WS_FP4_MAX_ROWS == int(env("MOE_OPS_WS_FP4_MAX_ROWS", "8"))
+    assert experts_mod.WS_FP4_PREFILL_MIN_ROWS == int(env("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", "8"))
+    assert experts_mod.WS_FP4_WIDE_MIN_ROWS == int(env("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", "64"))
+    assert ws_fp4.EARLY_EPILOGUE == (env("MOE_OPS_WS_FP4_EARLY_EPILOGUE", "1") == "1")
+    assert ws_fp4.HALF_BLOCKS == (env("MOE_OPS_WS_FP4_HALF_BLOCKS", "1") == "1")
     assert ws_fp4.PARTIAL_N_OK == (env("MOE_OPS_WS_FP4_PARTIAL_N", "1") == "1")
     assert ws_fp4.PREFILL_PIPELINE == (env("MOE_OPS_WS_FP4_PREFILL_PIPELINE", "0") == "1")
 

@@ -124,7 +124,12 @@ WS_FP8 = ws_gemm.env_choice("MOE_OPS_WS_FP8", "1", ("0", "1")) == "1"
 # (4 rows an expert) 2587 / 2360 / 2211. With the kernel skipping 16-row blocks of padding only
 # and the dispatch aligned to the kernels that run (results/h200_ab_fp4_rows_*.json,
 # 2026-12-01), up to 16 rows an expert against up to 4: T = 16-128 equal (885 / 1760 / 2130 us),
-# T = 256 3353 -> 2634, T = 512 4063 -> 3804 us; so up to 16. MOE_OPS_WS_FP4=gemm1: GEMM1 only,
+# T = 256 3353 -> 2634, T = 512 4063 -> 3804 us; up to 16 then. With the prefill form below
+# taking over from 8 instead of 32 (results/h200_ab_fp4_handover_*.json, 2026-12-01), up to 16
+# / from 32 against up to 8 / from 8: DeepSeek-V3 nvfp4 T = 128 / 256 (4 / 8 rows an expert)
+# 2118 / 2625 -> 2169 / 2663 us (the same kernels: noise), T = 512 / 768 3850 / 4749 -> 3332 /
+# 3660; gpt-oss-120b mxfp4 T = 512 / 768 1159 / 1309 -> 1075 / 1107 (up to 4 / from 4: T = 256
+# 2625 -> 3029). So up to 8. MOE_OPS_WS_FP4=gemm1: GEMM1 only,
 # 0: never. Calls it takes need a dispatch (16-row blocks), so never use direct mode.
 WS_FP4 = ws_gemm.env_choice("MOE_OPS_WS_FP4", "1", ("0", "gemm1", "1"))
 # mxfp4 on the same kernel (its e8m0 scales decoded by a shift; gpt-oss-120b's GEMM2, N = 2880,
@@ -136,15 +141,17 @@ WS_FP4 = ws_gemm.env_choice("MOE_OPS_WS_FP4", "1", ("0", "gemm1", "1"))
 # 1155 / 2841 / 10735 us. So on (MOE_OPS_WS_MXFP4=0: nvfp4 only).
 WS_FP4_QUANTS = ("nvfp4", "mxfp4") if ws_gemm.env_choice(
     "MOE_OPS_WS_MXFP4", "1", ("0", "1")) == "1" else ("nvfp4", )
-WS_FP4_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_MAX_ROWS", 16)
+WS_FP4_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_MAX_ROWS", 8)
 # 4-bit prefill on the same kernel's 64-slot form (ws_fp4.PREFILL_SLOTS) from this many routed
 # rows an expert on average. Measured on an H200 (results/h200_ab_fp4_prefill_*.json,
 # 2026-12-01), graph replays, Triton W4A16 / this form: DeepSeek-V3 nvfp4 T = 1024 5204 ->
 # 3954 us, 4096 11557 -> 9199, 16384 34304 -> 31237; gpt-oss-120b mxfp4 T = 1024 1335 -> 1155,
 # 4096 3319 -> 2841, 16384 11218 -> 10735 (its pipelined consumers 3-10% slower: off). GEMM1's
 # shape alone at 1024 rows an expert 401 -> 444 TFLOP/s (h200_gluon_fp4_decode_prefill.json).
-# So from 32 (MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=0: never).
-WS_FP4_PREFILL_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", 32)
+# From 32 then; from 8 since the decode form hands over at 8 (WS_FP4_MAX_ROWS above: the
+# 16-32 rows an expert that ran on Triton now run here). MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=0:
+# never.
+WS_FP4_PREFILL_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", 8)
 # ... and its 128-slot wide form (ws_fp4.WIDE_SLOTS: twice the MMA work a decoded weight tile,
 # the dispatch padded to 128 rows an expert) from this many. Measured on an H200
 # (results/h200_ab_fp4_wide_*.json, 2026-12-01), graph replays, 64-slot / 128-slot form:
@@ -152,9 +159,10 @@ WS_FP4_PREFILL_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", 32)
 # padding), T = 4096 / 8192 / 16384 (128 / 256 / 512) 9091 / 16646 / 30880 -> 8376 / 14485 /
 # 26129; gpt-oss-120b mxfp4 T = 1024 / 2048 1105 / 1613 -> 1613 / 1670, T = 4096 / 8192 /
 # 16384 2788 / 5038 / 9542 -> 2394 / 4205 / 7513; the GEMMs alone at 256 rows an expert 446 ->
-# 548 TFLOP/s (GEMM1's shape), 385 -> 495 (GEMM2's; h200_gluon_fp4_prefill_128.json). So from
-# 128 (MOE_OPS_WS_FP4_WIDE_MIN_ROWS=0: never).
-WS_FP4_WIDE_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 128)
+# 548 TFLOP/s (GEMM1's shape), 385 -> 495 (GEMM2's; h200_gluon_fp4_prefill_128.json). From
+# 128 then; from 64 with its half blocks (ws_fp4.HALF_BLOCKS: T = 2048 5694 -> 5231 us,
+# gpt-oss 1632 -> 1571). MOE_OPS_WS_FP4_WIDE_MIN_ROWS=0: never.
+WS_FP4_WIDE_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 64)
 
 
 def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool,

@@ -1,12 +1,14 @@
 """nvfp4 and mxfp4 (W4A16) GEMMs on Hopper, warp-specialized (Gluon). Run for both GEMMs of
-4-bit decode calls up to 16 routed rows an expert (experts.WS_FP4) and of prefill calls, in a
-64-slot form from 32 rows an expert (experts.WS_FP4_PREFILL_MIN_ROWS) and a 128-slot form
-from 128 (WS_FP4_WIDE_MIN_ROWS): measured on an H200, DeepSeek-V3's nvfp4 layer 8-15% faster
-than on grouped_gemm's Triton kernels at T = 4-128, 21% / 6% at T = 256 / 512 with up to 16
-rows an expert against up to 4, 24% at T = 1024 with the 64-slot form and 27-24% at T = 4096-
-16384 with the 128-slot one; gpt-oss-120b's mxfp4 layer up to 4% at decode, 14-33% at
-prefill (the figures beside experts.WS_FP4_QUANTS, WS_FP4_PREFILL_MIN_ROWS and
-WS_FP4_WIDE_MIN_ROWS).
+4-bit decode calls up to 8 routed rows an expert (experts.WS_FP4, WS_FP4_MAX_ROWS) and of
+prefill calls, in a 64-slot form from 8 rows an expert (experts.WS_FP4_PREFILL_MIN_ROWS) and a
+128-slot form from 64 (WS_FP4_WIDE_MIN_ROWS, with HALF_BLOCKS): measured on an H200,
+DeepSeek-V3's nvfp4 layer 8-15% faster than on grouped_gemm's Triton kernels at T = 4-128,
+21% / 6% at T = 256 / 512 with up to 16 rows an expert against up to 4 (and 512 13% faster
+again with the 64-slot form from 8 rows), 24% at T = 1024 with the 64-slot form and 27-24%
+at T = 4096-16384 with the 128-slot one (a further 6-8% with the early epilogue and half
+blocks; gpt-oss 1-2%); gpt-oss-120b's mxfp4 layer up to 4% at decode, 14-33% at prefill (the figures
+beside experts.WS_FP4_QUANTS, WS_FP4_MAX_ROWS, WS_FP4_PREFILL_MIN_ROWS, WS_FP4_WIDE_MIN_ROWS
+and this module's EARLY_EPILOGUE and HALF_BLOCKS).
 
 Why: grouped_gemm's Triton W4A16 decode loop spends 5.1 SASS instructions a weight value, of
 which the e2m1 decode itself is about 3; the rest is what Triton wraps around it (per-wgmma
@@ -26,8 +28,9 @@ Here the schedule is explicit:
              block scales each and exchange them. PIPELINE: each decodes step k + 1 while its
              wgmma of step k runs.
 Swap-AB: the weight rows are the MMA's M side, the dispatch's 16-slot blocks its N side (decode:
-up to 16 routed rows an expert; prefill's form: 64-slot blocks, PREFILL_SLOTS). N need only be
-a multiple of 64: a consumer whose rows of the last tile lie past N idles through the ring.
+up to 8 routed rows an expert; prefill's forms: 64- and 128-slot blocks, PREFILL_SLOTS and
+WIDE_SLOTS). N need only be a multiple of 64: a consumer whose rows of the last tile lie past
+N idles through the ring.
 Its sm_90 K loop: 3.3 instructions a weight value for nvfp4, 3.7 for mxfp4 (two multiplies a
 pair: see grouped_gemm's _E2M1_BF16_ASM_MXFP4) (benchmarks/dev_gluon_fp4_decode.py --aot),
 against the Triton loop's 5.1.
@@ -111,16 +114,23 @@ PREFILL_PIPELINE = env_choice("MOE_OPS_WS_FP4_PREFILL_PIPELINE", "0", ("0", "1")
 # end; and GEMM2's tile goes to its coalesced store layout in one exchange instead of two.
 # Why: at the 128-slot form's rates (results/h200_gluon_fp4_prefill_128.json) GEMM2's shape
 # (8 K steps a tile) runs at 495 TFLOP/s against GEMM1's (28) 548-573, as if each tile cost
-# ~2 K steps more than its loop. Built and CPU-tested, not yet measured: off unless
-# MOE_OPS_WS_FP4_EARLY_EPILOGUE=1.
-EARLY_EPILOGUE = env_choice("MOE_OPS_WS_FP4_EARLY_EPILOGUE", "0", ("0", "1")) == "1"
+# ~2 K steps more than its loop. Measured on an H200 (results/h200_ab_early_*.json,
+# h200_gluon_fp4_early.json, 2026-12-01, with and without): GEMM2's shape at 256 rows an expert
+# 492 -> 522 TFLOP/s, GEMM1's at 1024 572 -> 581; DeepSeek-V3 nvfp4 T = 16384 26905 -> 24426 us
+# (eager 24576 -> 24260), gpt-oss-120b mxfp4 7591 -> 7415; decode equal. So on
+# (MOE_OPS_WS_FP4_EARLY_EPILOGUE=0: after the loop).
+EARLY_EPILOGUE = env_choice("MOE_OPS_WS_FP4_EARLY_EPILOGUE", "1", ("0", "1")) == "1"
 # The 128-slot form's half blocks: a block whose second 64 slots are padding (an expert's last
 # block holding 64 routed rows or fewer; each expert's padding follows its pairs) runs its
 # wgmmas on the first 64 only (m64n64k16: half the MMA work for the same decode). Why: at 128
 # rows an expert on average about a third of the blocks are such (DeepSeek-V3 T = 4096), at
-# 512 about a tenth. Built and CPU-tested, not yet measured: off unless
-# MOE_OPS_WS_FP4_HALF_BLOCKS=1.
-HALF_BLOCKS = env_choice("MOE_OPS_WS_FP4_HALF_BLOCKS", "0", ("0", "1")) == "1"
+# 512 about a tenth. Measured on an H200 (results/h200_ab_half_*.json, 2026-12-01, early
+# epilogue on), graph replays, 128-slot form from 128 rows an expert without them / with them
+# from 64: DeepSeek-V3 nvfp4 T = 2048 / 4096 / 8192 / 16384 5694 / 8339 / 13888 / 24409 ->
+# 5231 / 7898 / 13299 / 23932 us; gpt-oss-120b mxfp4 1632 / 2489 / 4176 / 7659 -> 1571 / 2341 /
+# 4033 / 7568. So on, and the form taken from 64 rows (experts.WS_FP4_WIDE_MIN_ROWS;
+# MOE_OPS_WS_FP4_HALF_BLOCKS=0: whole blocks always).
+HALF_BLOCKS = env_choice("MOE_OPS_WS_FP4_HALF_BLOCKS", "1", ("0", "1")) == "1"
 # [slots, 64 columns] layouts of the epilogue: gate/up pairs in one thread (GEMM1's
 # activation), and 8 consecutive columns a thread (16-byte stores of GEMM2's rows)
 PAIRS_LAYOUT = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])

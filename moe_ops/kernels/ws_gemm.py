@@ -151,7 +151,10 @@ def stagger_steps(tile: str, gemm: int) -> int:
 # latency hides under the loop rather than idling the warpgroup at every tile's end (the
 # columns' scales and bias stay after it: 32 registers each a thread). Why: the epilogue is a
 # visible share of the short-K GEMMs (DeepSeek's GEMM2, K = 2048: 16 steps; Qwen3's, K = 768:
-# 6). Built and CPU-tested, not yet measured: off unless MOE_OPS_WS_EARLY_EPILOGUE=1.
+# 6). Measured on an H200 (results/h200_ab_fp8_early_*.json, 2026-12-01, arms alternated
+# twice), graph replays, off / on: Mixtral fp8 T = 4096 3107-3150 / 3249-3259 us, T = 16384
+# 11925-11930 / 12446-12455; DeepSeek fp8_block and Qwen3 fp8 within the spread. So off
+# (MOE_OPS_WS_EARLY_EPILOGUE=1: on).
 EARLY_EPILOGUE = env_choice("MOE_OPS_WS_EARLY_EPILOGUE", "0", ("0", "1")) == "1"
 
 
