@@ -6,7 +6,8 @@ E experts, `tokens` rows each in a dispatch of 16-slot blocks (rows bf16, the un
 zero; prefill's cases: 256 or 1024 rows an expert in 128-row blocks, the kernel's 64-slot
 form "gluon prefill" and 128-slot form "gluon prefill 128", TFLOP/s beside TB/s), nvfp4 weights W_e [N, K] (kernel-order packed
 bytes, e4m3 block scales per 16 columns, a global scale per row); out[pair] = x[slot] . W_e (routing weight 1). Variants: "gluon 2
-consumers" / "gluon 4 consumers" (ws_fp4 with 2 or 4 consumer warpgroups; "pipelined": each
+consumers" / "gluon 3 consumers" / "gluon 4 consumers" (ws_fp4 with 2, 3 or 4 consumer
+warpgroups; "pipelined": each
 decoding step k + 1 while its wgmma of step k runs, ws_fp4.PIPELINE; "early": the epilogue's
 operands loaded before each tile's K loop, ws_fp4.EARLY_EPILOGUE), "ours"
 (grouped_gemm.gemm2 with the default 4-bit config for the rows an expert: decode's 16-row
@@ -49,7 +50,8 @@ def aot():
     from aot_sm90 import resource_usage
     from moe_ops.kernels import ws_fp4
     for consumers, pipeline, quant, slots in (
-            (2, False, "nvfp4", 16), (4, False, "nvfp4", 16), (2, True, "nvfp4", 16),
+            (2, False, "nvfp4", 16), (3, False, "nvfp4", 16), (4, False, "nvfp4", 16),
+            (2, True, "nvfp4", 16),
             (4, True, "nvfp4", 16), (2, False, "mxfp4", 16), (2, True, "mxfp4", 16),
             (2, False, "nvfp4", 64), (2, True, "nvfp4", 64), (2, False, "mxfp4", 64),
             (2, False, "nvfp4", 128), (2, False, "mxfp4", 128)):
@@ -188,6 +190,7 @@ def main():
             variants = (
                 ("gluon 2 consumers", lambda: run_gluon(pb, routing, out_pairs, 2)),
                 ("gluon 2 early", lambda: run_gluon(pb, routing, out_pairs, 2, early=True)),
+                ("gluon 3 consumers", lambda: run_gluon(pb, routing, out_pairs, 3)),
                 ("gluon 4 consumers", lambda: run_gluon(pb, routing, out_pairs, 4)),
                 ("gluon 2 pipelined", lambda: run_gluon(pb, routing, out_pairs, 2, True)),
                 ("gluon 4 pipelined", lambda: run_gluon(pb, routing, out_pairs, 4, True)),

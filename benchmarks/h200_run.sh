@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|prof4|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -45,11 +45,20 @@
 # ncu4: Nsight Compute on the 4-bit Gluon kernel, one launch of each GEMM harness case (decode
 # on 2 consumers, prefill on the 128-slot form): speed of light, scheduler and warp-state
 # statistics with each stall reason's share, memory workload, instruction mix; about 3 minutes.
+# ncu4s: the same launches' stall samples instruction by instruction (ncu's SourceCounters,
+# then its source page as CSV, summed by benchmarks/ncu_sass_stalls.py): which SASS lines of
+# the decode and the wgmmas the consumers wait at; about 3 minutes.
 # prof4: the decode points below their bars kernel by kernel on the current defaults
 # (profile_layer.py: routing, moe_align, the row gather, act_quant, the GEMMs, the combine, and
 # the gap between them): DeepSeek-V3 nvfp4 and fp8_block, gpt-oss-120b mxfp4, Mixtral-8x7B,
 # Qwen3-30B-A3B and Llama 4 Scout fp8 at T = 1, 4, 16, 64, with PDL as shipped (MOE_OPS_PDL=1)
-# and off; about 4 minutes.
+# and off; then the 4-bit layers at T = 1024, 4096, 16384 (where the 128-slot form's layer
+# loses to its GEMMs' rates); about 6 minutes.
+# ab4d: the 4-bit decode's two new forms: three consumer warpgroups (MOE_OPS_WS_FP4_CONSUMERS=3)
+# and the row gather in the dispatch's launch (MOE_OPS_ALIGN_GATHER_MAX_PAIRS): their GPU tests,
+# the GEMMs alone with 2 / 3 / 4 consumers (dev_gluon_fp4_decode.py --cases decode), then
+# DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 1-64 in four arms (consumers 2 / 3 x gather
+# 0 / 1024), each twice, alternated; about 9 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -257,6 +266,19 @@ if [[ "$what" == ncu4 ]]; then
       "$out/ncu_ws_fp4_${arm%%:*}.txt" | awk '$NF+0 >= 0.1 || !/stalled/' | head -n 60
   done
 fi
+if [[ "$what" == ncu4s ]]; then
+  for arm in "decode:gluon 2 consumers" "prefill:gluon prefill 128"; do
+    case=${arm%%:*}
+    timeout 200 ncu -k regex:_ws_fp4 -c 1 --section SourceCounters --section WarpStateStats \
+      -f -o "$out/ncu_src_$case" python3 benchmarks/dev_gluon_fp4_decode.py --once \
+      --cases "$case" --variants "${arm#*:}" > "$out/ncu_src_$case.log" 2>&1 || status=1
+    ncu -i "$out/ncu_src_$case.ncu-rep" --page source --print-source sass --csv \
+      > "$out/ncu_src_$case.csv" 2>> "$out/ncu_src_$case.log" || status=1
+    python3 benchmarks/ncu_sass_stalls.py "$out/ncu_src_$case.csv" --top 25 \
+      > "$out/ncu_src_$case.txt" 2>&1 || status=1
+    echo "${arm#*:}"; cut -c1-150 "$out/ncu_src_$case.txt" | head -n 50
+  done
+fi
 if [[ "$what" == prof4 ]]; then
   for pdl in 1 0; do
     MOE_OPS_PDL=$pdl timeout 150 python3 benchmarks/profile_layer.py --models deepseek_v3 \
@@ -264,6 +286,33 @@ if [[ "$what" == prof4 ]]; then
       --tokens 1 4 16 64 --deadline-s 110 --out "$out/profile_decode_pdl_$pdl.json" \
       > "$out/profile_decode_pdl_$pdl.log" 2>&1 || status=1
     echo "MOE_OPS_PDL=$pdl"; tail -n 25 "$out/profile_decode_pdl_$pdl.log" | cut -c1-200
+  done
+  timeout 120 python3 benchmarks/profile_layer.py --models deepseek_v3 gpt_oss_120b \
+    --quant nvfp4 mxfp4 --tokens 1024 4096 16384 --calls 5 --deadline-s 90 \
+    --out "$out/profile_prefill_fp4.json" > "$out/profile_prefill_fp4.log" 2>&1 || status=1
+  echo "4-bit prefill"; tail -n 7 "$out/profile_prefill_fp4.log" | cut -c1-240
+fi
+if [[ "$what" == ab4d ]]; then
+  t=tests/test_ws_fp4.py
+  timeout 240 python3 -m pytest -v -p no:cacheprovider tests/test_kernels_experts.py::test_align_gather \
+    "$t::test_experts_on_ws_fp4[swiglu-True-256-30-3-1]" "$t::test_partial_last_tile[3-False-16-True]" \
+    "$t::test_partial_last_tile[3-True-16-False]" "$t::test_pipelined_consumers[3-768]" \
+    "$t::test_three_consumers" "$t::test_experts_with_rows_gathered_by_the_dispatch" \
+    > "$out/pytest_ws_fp4_decode_forms.log" 2>&1 || status=1
+  echo "ws_fp4 tests (3 consumers, gather in the dispatch)"; tail -n 1 "$out/pytest_ws_fp4_decode_forms.log"
+  timeout 60 python3 benchmarks/dev_gluon_fp4_decode.py --cases decode --out "$out" \
+    --variants "gluon 2 consumers,gluon 3 consumers,gluon 4 consumers,ours" \
+    > "$out/gluon_fp4_consumers.log" 2>&1 || status=1
+  tail -n 13 "$out/gluon_fp4_consumers.log"
+  for arm in 2:0:a 3:0:a 2:1024:a 3:1024:a 3:1024:b 2:1024:b 3:0:b 2:0:b; do
+    IFS=: read -r consumers gather rep <<< "$arm"
+    name="ab_fp4_decode_c${consumers}_g${gather}_$rep"
+    MOE_OPS_WS_FP4_CONSUMERS=$consumers MOE_OPS_ALIGN_GATHER_MAX_PAIRS=$gather timeout 50 \
+      python3 benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch \
+      --deadline-s 30 --models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4 --listed-only \
+      --tokens 1 4 16 64 --out "$out/$name.json" > "$out/$name.log" 2>&1 || status=1
+    echo "consumers $consumers, gather up to $gather pairs ($rep)"
+    grep -A9 '^ *model' "$out/$name.log" | cut -c1-64
   done
 fi
 if [[ "$what" == tune ]]; then

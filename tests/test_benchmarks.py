@@ -483,3 +483,36 @@ def test_profile_layer_finds_its_flush_kernel_by_name():
     for name in ("_grouped_gemm_kernel", "_combine_pair_rows_kernel", "_act_quant_kernel",
                  "_route_kernel", "_align_kernel", "void at::native::bitwise_not_kernel_cuda"):
         assert not profile_layer.is_flush(name)
+
+
+# benchmarks/ncu_sass_stalls.py: Nsight Compute's per-instruction stall samples, summed
+
+def test_ncu_sass_stalls_ranks_instructions_and_opcodes(tmp_path, capsys):
+    import ncu_sass_stalls
+    report = tmp_path / "source.csv"
+    report.write_text(
+        "==PROF== Disconnected from process\n"
+        '"Address","Source","Warp Stall Sampling (All Samples)","stall_wait","stall_barrier",'
+        '"stall_long_sb"\n'
+        '"0x10","LOP3.LUT R1, R2, R3, R4, 0xfe, !PT","1,200","800","0","0"\n'
+        '"0x20","@P0 BRA 0x10","50","0","0","0"\n'
+        '"0x30","HGMMA.64x16x16.F32.BF16 R24, R8, gdesc[UR4], R24","3000","100","2500","0"\n'
+        '"0x40","LOP3.LUT R5, R6, R7, R8, 0x96, !PT","750","700","0","0"\n'
+        '"0x50","LDS.128 R8, [R2]","0","0","0","0"\n')
+    assert ncu_sass_stalls.main([str(report), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    opcodes = out.split("by opcode:")[1].split("the 2 instructions")[0].split()
+    assert opcodes[:4] == ["HGMMA", "60.0%", "LOP3", "39.0%"] and "BRA" in opcodes
+    ranked = out.split("the 2 instructions holding the most samples:")[1].strip().splitlines()
+    assert len(ranked) == 2 and "HGMMA" in ranked[0] and "stall_barrier 2500" in ranked[0]
+    assert "0xfe" in ranked[1] and "stall_wait 800" in ranked[1]
+    # every stall_* column is a reason (stall_long_sb too), another version's "# Samples" total
+    report.write_text('"Source","# Samples","stall_long_sb","stall_wait"\n'
+                      '"LDG.E R2, [R4]","90","80","10"\n"IADD3 R1, R2, 1, RZ","10","0","10"\n')
+    assert ncu_sass_stalls.main([str(report), "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "stall_long_sb 80" in out.split("most samples:")[1] and "LDG" in out
+    with pytest.raises(SystemExit, match="no CSV header"):
+        empty = tmp_path / "empty.csv"
+        empty.write_text("==PROF== nothing\n")
+        ncu_sass_stalls.main([str(empty)])

@@ -224,6 +224,46 @@ def test_dispatch(path, T, k, E, block_m, offset, case, poisoned_empty):
     check_dispatch(ids, E, block_m, offset, dispatch)
 
 
+@pytest.mark.parametrize("T,k,E,block_m,offset,H", [
+    (1, 8, 256, 16, 0, 7168),     # DeepSeek-V3 decode: 8 pairs, 256 columns a program
+    (3, 4, 128, 16, 0, 2880),     # gpt-oss: H not a power of two, a partial last program
+    (37, 4, 8, 64, 3, 100),       # another shard's experts and invalid ids dropped
+    (128, 8, 16, 128, 0, 48),     # 1024 pairs: the single-launch path's limit, 16 columns
+    (0, 2, 4, 16, 0, 32),         # no tokens
+])
+def test_align_gather(T, k, E, block_m, offset, H, poisoned_empty):
+    """moe_align_gather: the dispatch moe_align makes (bit for bit), and in the same launch the
+    token rows of x in dispatch order at every live slot (rows[s] = x[pair // k]); padding
+    slots are left unwritten (the NaN poison stays: no GEMM row reads another's)."""
+    tensors, _ = make_problem(max(T, 1), 16, 16, E, k, local_expert_offset=offset,
+                              num_global_experts=E + 2 * offset + 1, invalid_ids=offset > 0,
+                              seed=T + 1)
+    ids = tensors[1][:T]
+    g = torch.Generator().manual_seed(H)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(DEVICE)
+    expected = moe_align(ids, E, block_m, offset)
+    aligned, rows = align_mod.moe_align_gather(ids, E, block_m, offset, x)
+    for name, a, b in zip(("sorted_pair_ids", "block_expert_ids", "num_padded"), expected,
+                          aligned):
+        assert torch.equal(a, b), name
+    assert rows.shape == (aligned.sorted_pair_ids.numel(), H) and rows.dtype == x.dtype
+    live = int(aligned.num_padded)
+    slots = aligned.sorted_pair_ids[:live].long()
+    routed = slots < T * k
+    assert torch.equal(rows[:live][routed], x[slots[routed] // k])
+    assert torch.isnan(rows[:live][~routed].float()).all(), "a padding slot was written"
+
+
+def test_align_gather_refuses_bad_calls():
+    ids = torch.zeros(129, 8, dtype=torch.int32, device=DEVICE)     # 1032 pairs
+    with pytest.raises(ValueError, match="more than the single-launch path's"):
+        align_mod.moe_align_gather(ids, 8, 16, 0, torch.zeros(129, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="x must be"):
+        align_mod.moe_align_gather(ids[:4], 8, 16, 0, torch.zeros(5, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="x must be"):
+        align_mod.moe_align_gather(ids[:4], 8, 16, 0, torch.zeros(64, 4, device=DEVICE).t())
+
+
 # ---------------------------------------------------------------- activation quant
 
 @pytest.mark.parametrize("split_k", [False, True])

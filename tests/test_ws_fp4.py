@@ -6,6 +6,7 @@ alone; on an H200: the experts call with it against the float64 oracle and the r
 test_kernels_fp4, outputs NaN-poisoned first.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -33,7 +34,8 @@ def ws_fp4_calls(gemm_calls):
     (1, "swiglu_oai", True, 2, False, "nvfp4"), (1, "relu2", False, 2, False, "nvfp4"),
     (2, "none", False, 4, False, "nvfp4"), (1, "swiglu", True, 2, True, "nvfp4"),
     (2, "none", False, 4, True, "nvfp4"), (1, "swiglu_oai", True, 2, False, "mxfp4"),
-    (2, "none", False, 2, True, "mxfp4")])
+    (2, "none", False, 2, True, "mxfp4"), (1, "swiglu_oai", True, 3, False, "nvfp4"),
+    (2, "none", False, 3, True, "mxfp4")])
 def test_builds_for_sm90(gemm, activation, bias, consumers, pipeline, quant):
     """Every epilogue form builds for sm_90 (in a fresh process without TRITON_INTERPRET:
     the Triton helpers it calls are interpreter objects under it): bf16 wgmmas with a register
@@ -44,6 +46,15 @@ def test_builds_for_sm90(gemm, activation, bias, consumers, pipeline, quant):
     assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in ptx
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{ws_fp4.REGISTERS[consumers][0]}" in ptx
     assert "cp.async.bulk.tensor.3d" in ptx and "mul.rn.bf16x2" in ptx
+    # three consumers: their 192 rows in 64-row boxes, weights (3-d) and scales (2-d), in one
+    # static branch for each count of boxes before N (1 + 2 + 3 copies of each); the
+    # activations' box is 2-d too (4 messages)
+    boxes = (ptx.count("cp.async.bulk.tensor.3d"), ptx.count("cp.async.bulk.tensor.2d"))
+    assert boxes == ((6, 10) if consumers == 3 else (1, 5)), boxes
+    if consumers == 3:
+        expected = {n * (64 * 128 + 64 * 16) + 16 * 256 * 2 for n in (1, 2, 3)}
+        assert {int(b) for b in re.findall(r"expect_tx\.shared\.b64 _, \[%r\d+\], (\d+);",
+                                           ptx)} == expected
 
 
 EARLY_BUILDS = """
@@ -113,6 +124,9 @@ def test_bad_calls_are_refused():
     with pytest.raises(ValueError, match="consumers: the 64-slot form runs 2"):
         ws_fp4.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
                     slots=64, consumers=4)
+    with pytest.raises(ValueError, match="consumers: 2, 3 or 4"):
+        ws_fp4.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
+                    consumers=5)
     with pytest.raises(ValueError, match="pipeline: the 128-slot form has serial consumers"):
         ws_fp4.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
                     slots=128, pipeline=True)
@@ -155,14 +169,16 @@ def test_register_budget_fits_a_block(consumers):
 @pytest.mark.parametrize("activation,bias,I,tokens,consumers,which", [
     ("swiglu", False, 192, 20, 2, "1"), ("swiglu_oai", True, 192, 40, 2, "1"),
     ("relu2", False, 256, 20, 2, "1"), ("geglu", False, 320, 1, 2, "1"),
-    ("swiglu", True, 256, 30, 4, "1"), ("swiglu", False, 256, 20, 2, "gemm1"),
+    ("swiglu", True, 256, 30, 4, "1"), ("swiglu", True, 256, 30, 3, "1"),
+    ("swiglu", False, 256, 20, 2, "gemm1"),
     ("swiglu_oai", True, 192, 1, 2, "gemm1")])
 def test_experts_on_ws_fp4(activation, bias, I, tokens, consumers, which, monkeypatch,
                            ws_fp4_calls, poisoned_empty):
     """Decode-sized calls (up to 16 routed rows an expert; T = 1 forced off direct mode) run
     both GEMMs on the kernel (MOE_OPS_WS_FP4=1), or GEMM1 on it and GEMM2 on grouped_gemm's on
     the same dispatch (the default): expert-parallel ids, ids of no local expert, several K
-    steps (H = 768: three 256-column steps); four consumer warpgroups with N a multiple of 256."""
+    steps (H = 768: three 256-column steps); four consumer warpgroups with N a multiple of 256;
+    three, whose 192-row tiles leave GEMM1's N = 512 a partial last tile (128 of 192 rows)."""
     monkeypatch.setattr(experts_mod, "WS_FP4", which)
     monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)     # full 16-row blocks too
     monkeypatch.setattr(ws_fp4, "CONSUMERS", consumers)
@@ -174,8 +190,8 @@ def test_experts_on_ws_fp4(activation, bias, I, tokens, consumers, which, monkey
 
 
 def test_decode_benchmark_builds():
-    """benchmarks/dev_gluon_fp4_decode.py --aot (the kernel's sm_90 K loop, both consumer
-    counts, serial and pipelined, nvfp4 and mxfp4, decode's 16-slot and prefill's 64- and
+    """benchmarks/dev_gluon_fp4_decode.py --aot (the kernel's sm_90 K loop, 2, 3 and 4
+    consumers, serial and pipelined, nvfp4 and mxfp4, decode's 16-slot and prefill's 64- and
     128-slot forms, the default epilogue) runs without a GPU; no local-memory access in any K
     loop; no stack at all but in the pipelined four-consumer form (two decoded operands in 112
     registers) and mxfp4's 128-slot form (its tile loop spills a few values once a tile: 120
@@ -187,7 +203,7 @@ def test_decode_benchmark_builds():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     builds = [line for line in done.stdout.splitlines() if "consumers" in line]
-    assert len(builds) == 11, done.stdout
+    assert len(builds) == 12, done.stdout
     assert all("(0 local)" in line for line in builds), done.stdout
     assert all("stack 0 B" in line for line in builds
                if "4 consumers, pipe" not in line and "mxfp4, 128 slots" not in line), done.stdout
@@ -223,14 +239,16 @@ def test_experts_on_ws_fp4_mxfp4(activation, bias, H, I, tokens, pipeline, which
 @needs_hopper
 @pytest.mark.parametrize("consumers,pipeline,slots,early", [
     (2, False, 16, False), (4, False, 16, False), (2, True, 16, False), (2, False, 64, False),
-    (2, False, 128, False), (4, True, 16, True), (2, False, 128, True)])
+    (2, False, 128, False), (4, True, 16, True), (2, False, 128, True), (3, False, 16, True),
+    (3, True, 16, False)])
 def test_partial_last_tile(consumers, pipeline, slots, early, monkeypatch, gemm_calls,
                            poisoned_empty):
-    """N a multiple of 64 but not of the tile (H = 704: GEMM2's last tile 64 of 128 rows, or
-    192 of 256 with four consumers): the consumers whose rows lie past N idle through the ring
-    and write nothing; both GEMMs against the oracle (the poisoned output shows a missed
-    column), the prefill forms too; with the early epilogue (EARLY_EPILOGUE) as well, on four
-    pipelined consumers and on the 128-slot form."""
+    """N a multiple of 64 but not of the tile (H = 704: GEMM2's last tile 64 of 128 rows, 128
+    of 192 with three consumers (whose producer loads only the live 64-row boxes), or 192 of
+    256 with four): the consumers whose rows lie past N idle through the ring and write
+    nothing; both GEMMs against the oracle (the poisoned output shows a missed column), the
+    prefill forms too; with the early epilogue (EARLY_EPILOGUE) as well, on four pipelined
+    consumers and on the 128-slot form."""
     monkeypatch.setattr(ws_fp4, "EARLY_EPILOGUE", early)
     monkeypatch.setattr(experts_mod, "WS_FP4", "1")
     monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)
@@ -299,7 +317,7 @@ def test_fp4_defaults():
 
 @needs_hopper
 @pytest.mark.parametrize("H", [512, 768, 1024, 1280])
-@pytest.mark.parametrize("consumers", [2, 4])
+@pytest.mark.parametrize("consumers", [2, 3, 4])
 def test_pipelined_consumers(H, consumers, monkeypatch, ws_fp4_calls, poisoned_empty):
     """The pipelined consumer (two K steps an iteration, a tail step when the count is even,
     the last step after the loop) for GEMM1's K = H of 2, 3, 4 and 5 steps and GEMM2's single
@@ -529,3 +547,52 @@ def test_half_blocks_do_take_the_half_path():
     slot = edited[0]
     assert torch.isfinite(whole[slot].float()).all(), "the whole-block kernel skipped the slot"
     assert torch.isnan(halves[slot].float()).all(), "the half path did not run"
+
+
+@needs_hopper
+@pytest.mark.parametrize("quant,tokens,activation,bias,slots", [
+    ("nvfp4", 1, "swiglu", False, 16), ("mxfp4", 20, "swiglu_oai", True, 16),
+    ("nvfp4", 150, "swiglu", True, 64), ("mxfp4", 500, "swiglu_oai", True, 128)])
+def test_experts_with_rows_gathered_by_the_dispatch(quant, tokens, activation, bias, slots,
+                                                    monkeypatch, gemm_calls, poisoned_empty):
+    """align.ALIGN_GATHER_MAX_PAIRS: GEMM1's token rows come from the dispatch's launch
+    (moe_align_gather; its padding slots unwritten, NaN-poisoned here) instead of
+    grouped_gemm.gather_rows, on each form of the kernel, against the oracle."""
+    from moe_ops.kernels import align as align_mod
+    monkeypatch.setattr(align_mod, "ALIGN_GATHER_MAX_PAIRS", 1024)
+    monkeypatch.setattr(experts_mod, "WS_FP4", "1")
+    monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
+    monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 8)
+    monkeypatch.setattr(experts_mod, "WS_FP4_PREFILL_MIN_ROWS", 8)
+    monkeypatch.setattr(experts_mod, "WS_FP4_WIDE_MIN_ROWS", 64)
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("grouped_gemm.gather_rows ran: the dispatch should have gathered")
+
+    monkeypatch.setattr(experts_mod, "gather_rows", no_gather)
+    calls = gemm_calls(ws_fp4, "gemm", record="slots")
+    # (mxfp4's GEMM2 needs K = I a multiple of 512: its scale rows are whole 16 bytes)
+    ckpt, kernel, x, ids, weights = make_case(quant, tokens, 512,
+                                              512 if quant == "mxfp4" else 256, 8, 2,
+                                              activation=activation, bias=bias, seed=41,
+                                              invalid_ids=tokens > 1)
+    run_and_check(quant, ckpt, kernel, x, ids, weights, activation=activation)
+    assert calls == [slots] * 2, calls
+
+
+@needs_hopper
+@pytest.mark.parametrize("quant,H,I,tokens", [("mxfp4", 2880, 2880, 8), ("nvfp4", 1024, 704, 20)])
+def test_three_consumers(quant, H, I, tokens, monkeypatch, ws_fp4_calls, poisoned_empty):
+    """MOE_OPS_WS_FP4_CONSUMERS=3 (192-row tiles, three 64-row TMA boxes a ring slot): gpt-oss's
+    own sizes (GEMM1's N = 5760 and GEMM2's 2880, whole tiles) and N of partial last tiles
+    (GEMM1's 1408 = 7 x 192 + 64: one live box of three; GEMM2's 1024 = 5 x 192 + 64), both
+    GEMMs against the oracle."""
+    monkeypatch.setattr(experts_mod, "WS_FP4", "1")
+    monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
+    monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)
+    monkeypatch.setattr(ws_fp4, "CONSUMERS", 3)
+    monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", True)
+    ckpt, kernel, x, ids, weights = make_case(quant, tokens, H, I, 8, 2, activation="swiglu_oai",
+                                              bias=True, seed=43, invalid_ids=True)
+    run_and_check(quant, ckpt, kernel, x, ids, weights, activation="swiglu_oai")
+    assert ws_fp4_calls == [1, 2]

@@ -22,10 +22,18 @@ never depends on timing):
   chunks except the scan, whose loop is over chunk tiles, not pairs.
 For the smallest batches (T*k small next to E) the GEMMs can skip dispatch altogether: see
 `grouped_gemm.py` ("direct" mode, one pair per block).
+
+The small path can also gather the routed token rows in dispatch order (`moe_align_gather`:
+what the warp-specialized GEMMs read through TMA, which cannot gather): the grid
+then spans x's columns, every program sorts the pairs (the same registers-only work, side by
+side) and copies its columns of the live rows; program 0 alone writes the dispatch. One launch
+instead of the dispatch's and grouped_gemm.gather_rows' two at decode, where each costs more in
+latency than in work.
 """
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -38,6 +46,20 @@ from moe_ops.kernels.common import cdiv, next_power_of_2, pdl_launch_options, pd
 SMALL_PATH_MAX_PAIRS = 1024
 # Pairs per program in the large path: one in-register sort per chunk.
 CHUNK_PAIRS = 1024
+# The small path's gathered rows (moe_align_gather): [pairs, columns] elements a program copies,
+# so the register tile stays this size whatever the pair count (the grid grows instead; at
+# least 16 columns a program). sm_90 builds at 4 warps: 30-168 registers, no stack, up to 1024
+# pairs of 256 experts.
+GATHER_TILE = 4096
+# Up to this many pairs the experts call takes the 4-bit Gluon GEMM1's gathered rows
+# (kernels/ws_fp4.py) from the dispatch's launch (moe_align_gather) instead of a launch of
+# their own (grouped_gemm.gather_rows). Built and tested on the interpreter, not yet measured
+# on a GPU: off (0) unless MOE_OPS_ALIGN_GATHER_MAX_PAIRS=n (at most SMALL_PATH_MAX_PAIRS).
+_gather_pairs = os.environ.get("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", "0")
+if not _gather_pairs.isdigit():
+    raise ValueError(f"MOE_OPS_ALIGN_GATHER_MAX_PAIRS must be a non-negative integer, got "
+                     f"{_gather_pairs!r}")
+ALIGN_GATHER_MAX_PAIRS = min(int(_gather_pairs), SMALL_PATH_MAX_PAIRS)
 
 
 
@@ -64,15 +86,19 @@ def _local_experts(topk_ids_ptr, offs, num_pairs, num_experts, local_expert_offs
 def _align_single_program_kernel(
     topk_ids_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
     num_pairs, num_experts, local_expert_offset, max_padded, max_blocks,
+    x_ptr, rows_ptr, top_k, H, stride_x, stride_rows,
     BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr,
+    GATHER_H: tl.constexpr,     # 0: dispatch only (one program); > 0: columns a program gathers
     USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
-    # Sentinels first; the barrier orders them before this program's own stores below
-    # (bar.sync makes a CTA's global writes visible to all its threads).
-    _fill(sorted_pair_ids_ptr, num_pairs, 0, max_padded, FILL)
-    _fill(block_expert_ids_ptr, -1, 0, max_blocks, FILL)
-    tl.debug_barrier()
+    first = tl.program_id(0) == 0
+    if first:
+        # Sentinels first; the barrier orders them before this program's own stores below
+        # (bar.sync makes a CTA's global writes visible to all its threads).
+        _fill(sorted_pair_ids_ptr, num_pairs, 0, max_padded, FILL)
+        _fill(block_expert_ids_ptr, -1, 0, max_blocks, FILL)
+        tl.debug_barrier()
 
     offs = tl.arange(0, PAIRS)
     expert, valid = _local_experts(topk_ids_ptr, offs, num_pairs, num_experts,
@@ -90,14 +116,23 @@ def _align_single_program_kernel(
     expert_s = key // PAIRS
     valid_s = expert_s < EXPERTS
     dest = tl.gather(expert_starts - pairs_before, tl.minimum(expert_s, EXPERTS - 1), 0) + offs
-    tl.store(sorted_pair_ids_ptr + dest, key % PAIRS, mask=valid_s)
-
-    expert_idx = tl.arange(0, EXPERTS)
-    first_block = expert_starts // BLOCK_M
-    num_blocks = padded // BLOCK_M
-    for j in range(0, tl.max(num_blocks, 0)):
-        tl.store(block_expert_ids_ptr + first_block + j, expert_idx, mask=j < num_blocks)
-    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    if first:
+        tl.store(sorted_pair_ids_ptr + dest, key % PAIRS, mask=valid_s)
+        expert_idx = tl.arange(0, EXPERTS)
+        first_block = expert_starts // BLOCK_M
+        num_blocks = padded // BLOCK_M
+        for j in range(0, tl.max(num_blocks, 0)):
+            tl.store(block_expert_ids_ptr + first_block + j, expert_idx, mask=j < num_blocks)
+        tl.store(num_padded_ptr, tl.sum(padded, 0))
+    if GATHER_H > 0:
+        # rows[slot] = x[pair // top_k], this program's columns; padding slots are not written
+        # (each slot is its own row of the GEMMs that read them, its results dropped)
+        token = ((key % PAIRS) // top_k).to(tl.int64)
+        cols = tl.program_id(0) * GATHER_H + tl.arange(0, GATHER_H)
+        mask = valid_s[:, None] & (cols < H)[None, :]
+        values = tl.load(x_ptr + token[:, None] * stride_x + cols[None, :], mask=mask)
+        tl.store(rows_ptr + dest.to(tl.int64)[:, None] * stride_rows + cols[None, :], values,
+                 mask=mask)
 
 
 @triton.jit
@@ -194,6 +229,31 @@ def moe_align(
     chunk_pairs: Optional[int] = None,
 ) -> AlignedPairs:
     """Group the pairs of topk_ids [T, k] (global ids) by local expert, padded to block_m."""
+    aligned, _ = _align(topk_ids, num_experts, block_m, local_expert_offset,
+                        small_path_max_pairs, chunk_pairs, None)
+    return aligned
+
+
+def moe_align_gather(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                     local_expert_offset: int, x: torch.Tensor
+                     ) -> Tuple[AlignedPairs, torch.Tensor]:
+    """moe_align, and in the same launch the token rows of x [T, H] in dispatch order: rows
+    [max_padded, H] with rows[s] = x[sorted_pair_ids[s] // k] for every live slot s (padding
+    slots and those past num_padded unwritten). For at most SMALL_PATH_MAX_PAIRS pairs."""
+    num_pairs = topk_ids.numel()
+    if num_pairs > SMALL_PATH_MAX_PAIRS:
+        raise ValueError(f"moe_align_gather: topk_ids holds {num_pairs} pairs, more than the "
+                         f"single-launch path's {SMALL_PATH_MAX_PAIRS}")
+    if x.dim() != 2 or x.shape[0] != topk_ids.shape[0] or x.stride(1) != 1:
+        raise ValueError(f"moe_align_gather: x must be [num_tokens = {topk_ids.shape[0]}, H] "
+                         f"with unit column stride, got shape {tuple(x.shape)}, strides "
+                         f"{tuple(x.stride())}")
+    aligned, rows = _align(topk_ids, num_experts, block_m, local_expert_offset, None, None, x)
+    return aligned, rows
+
+
+def _align(topk_ids, num_experts, block_m, local_expert_offset, small_path_max_pairs,
+           chunk_pairs, gather):
     if small_path_max_pairs is None:
         small_path_max_pairs = SMALL_PATH_MAX_PAIRS
     if chunk_pairs is None:
@@ -210,13 +270,26 @@ def moe_align(
     pdl, launch = use_pdl(device), pdl_launch_options(device)
     if num_pairs <= small_path_max_pairs:
         pairs_p2 = next_power_of_2(max(num_pairs, 1))
-        _align_single_program_kernel[(1,)](
+        if gather is None:
+            rows, gather_h, programs, h, top_k = sorted_pair_ids, 0, 1, 0, 1
+        else:
+            h = gather.shape[1]
+            top_k = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
+            rows = torch.empty((max_padded, h), dtype=gather.dtype, device=device)
+            gather_h = max(16, min(GATHER_TILE // pairs_p2, next_power_of_2(max(h, 1)), 256))
+            programs = max(1, cdiv(h, gather_h))
+        _align_single_program_kernel[(programs,)](
             ids, sorted_pair_ids, block_expert_ids, num_padded,
             num_pairs, num_experts, local_expert_offset, max_padded, max_blocks,
-            BLOCK_M=block_m, PAIRS=pairs_p2, EXPERTS=experts_p2, FILL=1024,
-            num_warps=4 if pairs_p2 * experts_p2 <= 1 << 16 else 8, USE_PDL=pdl, **launch,
+            gather if gather is not None else ids, rows, top_k, h,
+            gather.stride(0) if gather is not None else 0, rows.stride(0),
+            BLOCK_M=block_m, PAIRS=pairs_p2, EXPERTS=experts_p2, FILL=1024, GATHER_H=gather_h,
+            # (the gather at 4 warps: at 8 the build is held to 64 registers and spills)
+            num_warps=4 if gather is not None or pairs_p2 * experts_p2 <= 1 << 16 else 8,
+            USE_PDL=pdl, **launch,
         )
-        return AlignedPairs(sorted_pair_ids, block_expert_ids, num_padded)
+        return (AlignedPairs(sorted_pair_ids, block_expert_ids, num_padded),
+                rows if gather is not None else None)
 
     num_chunks = cdiv(num_pairs, chunk_pairs)
     chunk_counts = torch.empty((num_chunks, experts_p2), dtype=torch.int32, device=device)
@@ -238,4 +311,4 @@ def moe_align(
         num_pairs, num_experts, local_expert_offset,
         CHUNK=chunk_pairs, EXPERTS=experts_p2, num_warps=4, USE_PDL=pdl, **launch,
     )
-    return AlignedPairs(sorted_pair_ids, block_expert_ids, num_padded)
+    return AlignedPairs(sorted_pair_ids, block_expert_ids, num_padded), None

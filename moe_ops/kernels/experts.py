@@ -9,7 +9,9 @@ Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
   GEMM1       gathered token rows, activation in the epilogue -> intermediate [slots, I]
               (a persistent config at prefill first copies the rows into dispatch order,
               grouped_gemm.gather_rows: its TMA loads cannot gather; fp8_block's persistent
-              launches run ws_gemm's warp-specialized kernel on Hopper)
+              launches run ws_gemm's warp-specialized kernel on Hopper; the 4-bit ones ws_fp4's,
+              whose rows the dispatch's launch can gather itself up to
+              align.ALIGN_GATHER_MAX_PAIRS pairs)
   [fp8 modes] act_quant(intermediate)            padding slots skipped
   GEMM2       routing weight in the epilogue -> one row per pair
   combine     sum of each token's k rows in fp32; for large batches on the tile kernel instead
@@ -26,7 +28,8 @@ from typing import Optional
 import torch
 
 from moe_ops.kernels.act_quant import act_quant
-from moe_ops.kernels.align import moe_align
+from moe_ops.kernels import align
+from moe_ops.kernels.align import moe_align, moe_align_gather
 from moe_ops.kernels import ws_fp4, ws_gemm
 from moe_ops.kernels.combine import combine_pair_rows
 from moe_ops.kernels.common import is_gated, pdl_early_launch, upcast_dots
@@ -321,6 +324,7 @@ def triton_experts(
     ws2 = tile2 is not None and (config2.persistent or rows_ok) and ws_gemm.applies(
         quant, "none", H, I, x, w2, tile2, activations_quantized=False,
         has_bias=b2 is not None)
+    gathered = None  # GEMM1's gathered token rows, when the dispatch launch made them
     flat_ids = topk_ids.reshape(-1).contiguous()
     flat_weights = topk_weights.reshape(-1).contiguous()
     routing = Routing(flat_ids, flat_weights, top_k, E, local_expert_offset)
@@ -332,7 +336,12 @@ def triton_experts(
         align_block_m = max(
             ws_gemm.block_m(tile1) if ws1 else fp4_slots if ws_fp4_1 else config1.block_m,
             ws_gemm.block_m(tile2) if ws2 else fp4_slots if ws_fp4_2 else config2.block_m)
-        aligned = moe_align(topk_ids, E, align_block_m, local_expert_offset)
+        if ws_fp4_1 and T * top_k <= align.ALIGN_GATHER_MAX_PAIRS:
+            # GEMM1's token rows gathered in the dispatch's own launch (align.moe_align_gather)
+            aligned, gathered = moe_align_gather(topk_ids, E, align_block_m,
+                                                 local_expert_offset, x)
+        else:
+            aligned = moe_align(topk_ids, E, align_block_m, local_expert_offset)
         routing.sorted_pair_ids = aligned.sorted_pair_ids
         routing.block_expert_ids = aligned.block_expert_ids
         routing.num_padded = aligned.num_padded
@@ -346,7 +355,8 @@ def triton_experts(
         a1, a1_scale = act_quant(x, quant)
     intermediate = torch.empty((routing.num_slots, I), dtype=x.dtype, device=x.device)
     if ws_fp4_1:
-        rows, _ = gather_rows(x, None, routing)
+        rows = gathered if gathered is not None else gather_rows(x, None, routing)[0]
+        del gathered
         ws_fp4.gemm(rows, w13, w13_scale, w13_global_scale, b13, intermediate, routing, gemm=1,
                     activation=activation, alpha=alpha, limit=limit, quant=quant,
                     slots=fp4_slots)

@@ -20,7 +20,7 @@ Here the schedule is explicit:
              16-byte minimum box and coordinate alignment, so an even step's and the next's,
              each consumer taking its step's half) and the 16 activation rows (slots)
              of the tile, into a ring of STAGES slots
-  consumers  2 (or 4) warpgroups, 64 weight rows each: the packed tile is read from shared
+  consumers  2 (or 3, 4) warpgroups, 64 weight rows each: the packed tile is read from shared
              memory in the layout of wgmma's A fragment (each thread its two rows' runs),
              decoded with grouped_gemm's inline PTX and given to `warpgroup_mma` as its
              register operand; the layout conversions are proved trivial at compile time
@@ -36,7 +36,9 @@ pair: see grouped_gemm's _E2M1_BF16_ASM_MXFP4) (benchmarks/dev_gluon_fp4_decode.
 against the Triton loop's 5.1.
 
 Contract (grouped_gemm's, dispatch mode only): activation rows [slots, K] in dispatch order
-(GEMM1's gathered by grouped_gemm.gather_rows), bf16; weights [E, N, Kp/2] kernel-order packed
+(GEMM1's gathered by grouped_gemm.gather_rows, or by the dispatch's own launch,
+align.moe_align_gather, whose padding rows hold anything, NaN included: a slot is its own
+column of the MMA, its results dropped), bf16; weights [E, N, Kp/2] kernel-order packed
 with e4m3 scales [E, N, Kp/16] and the global scale per row [E, N] (nvfp4) or e8m0 scales
 [E, N, Kp/32] (mxfp4, Kp a multiple of 512); bias [E, N] or None. GEMM1 writes act(.) into
 intermediate[slot] (gate/up rows interleaved), GEMM2 writes topk_weight * (.) into out[pair];
@@ -89,9 +91,17 @@ STAGES = {BLOCK_M: 4, PREFILL_SLOTS: 3, WIDE_SLOTS: 2}     # ring slots by the f
 # a warp: a budget over 65536 fails the launch, and setmaxnreg could not balance). Four
 # consumers (a tile of 256 weight rows) give the schedulers more warps to hide the decode's
 # dependent integer chains, with fewer registers each; which is faster is for the GPU to say
-# (benchmarks/dev_gluon_fp4_decode.py); MOE_OPS_WS_FP4_CONSUMERS=4 picks four.
-REGISTERS = {2: (232, 40, 168), 4: (112, 24, 96)}
-CONSUMERS = int(env_choice("MOE_OPS_WS_FP4_CONSUMERS", "2", ("2", "4")))
+# (benchmarks/dev_gluon_fp4_decode.py); MOE_OPS_WS_FP4_CONSUMERS=4 picks four. Three (a tile of
+# 192 rows; 16 warps x 128 at launch, then 160 a worker consumer thread, 24 a producer one and
+# the 168 left to consumer 0: 2 x 128 x 160 + 128 x 24 + 128 x 168 = 65536; the producer loads
+# only the 64-row boxes before N) put a third decoding warp on each scheduler where two leave
+# it idle half the time (results/h200_ncu_ws_fp4_decode.txt: 0.5 instructions issued a cycle, the
+# consumers' stalls mostly dependency latency), with the registers the decode needs (four's 112
+# hold the decode serialized); N then runs in tiles of 192 with the last one partial
+# (PARTIAL_N), but for gpt-oss (N = 5760, 2880: whole tiles). Built and CPU-tested, not yet
+# measured: MOE_OPS_WS_FP4_CONSUMERS=3.
+REGISTERS = {2: (232, 40, 168), 3: (160, 24, 128), 4: (112, 24, 96)}
+CONSUMERS = int(env_choice("MOE_OPS_WS_FP4_CONSUMERS", "2", ("2", "3", "4")))
 # A consumer's decode of K step k + 1 while its wgmma of step k runs (a second register operand)
 # instead of decode, MMA, wait in turn. Measured on an H200 (results/h200_ab_fp4_rows_16_*.json,
 # h200_gluon_fp4_decode_pipelined.json, 2026-12-01): DeepSeek-V3 nvfp4 decode T = 16-512 6-7%
@@ -210,7 +220,7 @@ def live_block(sorted_pair_ids_ptr, pid_m, num_pairs, BM: gl.constexpr):
 @gluon.jit
 def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MX: gl.constexpr,
-              PARTIAL_N: gl.constexpr):
+              PARTIAL_N: gl.constexpr, TILE_N: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     sorted_pair_ids_ptr = ptrs[3]
@@ -218,8 +228,10 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     num_padded_ptr = ptrs[6]
     N, KP, num_pairs = sizes[0], sizes[1], sizes[2]
     STAGES: gl.constexpr = w_bufs.type.shape[0]
-    BN: gl.constexpr = w_bufs.type.shape[1]
+    BN: gl.constexpr = TILE_N
     BM: gl.constexpr = x_bufs.type.shape[1]
+    BOX: gl.constexpr = w_desc.block_type.shape[0]
+    BOXES: gl.constexpr = BN // BOX
     num_m = gl.load(num_padded_ptr) // BM
     num_n = N // BN
     if PARTIAL_N:
@@ -233,18 +245,38 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
         if live_block(sorted_pair_ids_ptr, pid_m, num_pairs, BM):
             expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
             row0 = expert * N + (tile % num_n) * BN
+            # (BOXES > 1: the tile's boxes holding rows before N; N is a multiple of BOX)
+            boxes_live = gl.minimum((N - (tile % num_n) * BN) // BOX, BOXES)
             for kb in range(k_steps):
                 mbarrier.wait(empty.index(index), phase)
                 bar = ready.index(index)
-                mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes
-                                + x_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [row0, 0, kb * 32], bar,
-                                                w_bufs.index(index))
-                # 16 scale bytes a row: a step's (nvfp4), two steps' (mxfp4: 8 a step; a TMA
-                # box is 16 bytes or more and its innermost coordinate 16-byte aligned, so
-                # steps 2j and 2j + 1 both load those of both, each consumer reading its half)
-                tma.async_copy_global_to_shared(s_desc, [row0, (kb >> MX) * 16], bar,
-                                                s_bufs.index(index))
+                if BOXES == 1:
+                    mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes
+                                    + x_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(w_desc, [row0, 0, kb * 32], bar,
+                                                    w_bufs.index(index))
+                    # 16 scale bytes a row: a step's (nvfp4), two steps' (mxfp4: 8 a step; a
+                    # TMA box is 16 bytes or more and its innermost coordinate 16-byte
+                    # aligned, so steps 2j and 2j + 1 both load those of both, each consumer
+                    # reading its half)
+                    tma.async_copy_global_to_shared(s_desc, [row0, (kb >> MX) * 16], bar,
+                                                    s_bufs.index(index))
+                else:
+                    # the boxes of rows before N only (a partial last tile's others belong to
+                    # the next expert, or lie past the end; their consumers never read them):
+                    # one static branch a count, the expected bytes a compile-time constant
+                    for live in gl.static_range(1, BOXES + 1):
+                        if boxes_live == live:
+                            mbarrier.expect(bar, live * (w_desc.block_type.nbytes
+                                                         + s_desc.block_type.nbytes)
+                                            + x_desc.block_type.nbytes)
+                            for b in gl.static_range(live):
+                                tma.async_copy_global_to_shared(
+                                    w_desc, [row0 + b * BOX, 0, kb * 32], bar,
+                                    w_bufs.index(index).slice(b * BOX, BOX, dim=0))
+                                tma.async_copy_global_to_shared(
+                                    s_desc, [row0 + b * BOX, (kb >> MX) * 16], bar,
+                                    s_bufs.index(index).slice(b * BOX, BOX, dim=0))
                 tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kb * 256], bar,
                                                 x_bufs.index(index))
                 index, phase = ring_next(index, phase, STAGES)
@@ -328,7 +360,7 @@ def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, in
 def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr,
               PIPELINE: gl.constexpr, MX: gl.constexpr, PARTIAL_N: gl.constexpr,
-              EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr):
+              EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr, TILE_N: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
@@ -336,7 +368,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     N, KP, num_pairs, alpha, limit = sizes
     stride_ge, stride_be, stride_om = strides
     STAGES: gl.constexpr = w_bufs.type.shape[0]
-    BN: gl.constexpr = w_bufs.type.shape[1]
+    BN: gl.constexpr = TILE_N
     BM: gl.constexpr = x_bufs.type.shape[1]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BM, 16])
@@ -570,9 +602,14 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                    HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, MX: gl.constexpr,
                    PARTIAL_N: gl.constexpr, EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr):
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
+    # a ring slot holds the tile's TILE_N = CONSUMERS x 64 weight rows (in a buffer of the next
+    # power of two: three consumers' 192 rows take 256), loaded in boxes of the descriptors'
+    # rows (the whole tile's but for three consumers: a TMA box is a power of two)
+    TILE_N: gl.constexpr = CONSUMERS * 64
+    BUF_N: gl.constexpr = 256 if CONSUMERS == 3 else TILE_N
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BUF_N] + w_desc.block_type.shape[1:],
                                        w_desc.layout)
-    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape,
+    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES, BUF_N] + s_desc.block_type.shape[1:],
                                        s_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
                                        x_desc.layout)
@@ -588,24 +625,35 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
-                         MX, PARTIAL_N)),
+                         MX, PARTIAL_N, TILE_N)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif CONSUMERS == 3:
+        gl.warp_specialize([
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+            (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+            (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
+                         MX, PARTIAL_N, TILE_N)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
-                         MX, PARTIAL_N)),
+                         MX, PARTIAL_N, TILE_N)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -619,6 +667,13 @@ def _layouts(slots: int = BLOCK_M):
 def block_n(consumers: int) -> int:
     """Weight rows a tile."""
     return consumers * ROWS
+
+
+def tma_box_rows(consumers: int) -> int:
+    """Weight rows a TMA box: the tile's, or one warpgroup's 64 where the tile's are no power
+    of two (three consumers: the producer loads three boxes a ring slot)."""
+    rows = block_n(consumers)
+    return rows if rows & (rows - 1) == 0 else ROWS
 
 
 def consumers_for(slots: int) -> int:
@@ -672,6 +727,9 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     if slots == WIDE_SLOTS and pipeline:
         raise ValueError(f"pipeline: the {slots}-slot form has serial consumers only")
     consumers = consumers or consumers_for(slots)
+    if consumers not in REGISTERS:
+        raise ValueError(f"consumers: {', '.join(map(str, sorted(REGISTERS)[:-1]))} or "
+                         f"{max(REGISTERS)} warpgroups, got {consumers}")
     if slots != BLOCK_M and consumers != 2:
         raise ValueError(f"consumers: the {slots}-slot form runs 2, got {consumers}")
     bn = block_n(consumers)
@@ -698,10 +756,11 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
                          f"{'direct' if routing.direct else routing.align_block_m}")
     a = a.contiguous() if a.stride(-1) != 1 else a
     w_layout, s_layout, x_layout = _layouts(slots)
+    box = tma_box_rows(consumers)
     w_desc = TensorDescriptor(w.view(E * N, 4, kp // 8), [E * N, 4, kp // 8],
-                              [4 * (kp // 8), kp // 8, 1], [bn, 4, 32], w_layout)
+                              [4 * (kp // 8), kp // 8, 1], [box, 4, 32], w_layout)
     scales = w_scale.view(torch.uint8).view(E * N, kp // group)
-    s_desc = TensorDescriptor(scales, [E * N, kp // group], [kp // group, 1], [bn, 16],
+    s_desc = TensorDescriptor(scales, [E * N, kp // group], [kp // group, 1], [box, 16],
                               s_layout)
     x_desc = TensorDescriptor(a, [a.shape[0], a.shape[1]], [a.stride(0), 1],
                               [slots, BLOCK_K], x_layout)
@@ -738,9 +797,10 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
     w_layout, s_layout, x_layout = _layouts(slots)
     bn = block_n(consumers)
     consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
+    box = tma_box_rows(consumers)
     signature = {
-        "w_desc": f"tensordesc<u8[{bn}, 4, 32],{w_layout!r}>",
-        "s_desc": f"tensordesc<u8[{bn}, 16],{s_layout!r}>",
+        "w_desc": f"tensordesc<u8[{box}, 4, 32],{w_layout!r}>",
+        "s_desc": f"tensordesc<u8[{box}, 16],{s_layout!r}>",
         "x_desc": f"tensordesc<bf16[{slots}, {BLOCK_K}],{x_layout!r}>",
         "gscale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
         "sorted_pair_ids_ptr": "*i32", "topk_weights_ptr": "*fp32", "block_expert_ptr": "*i32",
