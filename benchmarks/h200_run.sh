@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|bitperm|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -59,6 +59,9 @@
 # the GEMMs alone with 2 / 3 / 4 consumers (dev_gluon_fp4_decode.py --cases decode), then
 # DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 1-64 in four arms (consumers 2 / 3 x gather
 # 0 / 1024), each twice, alternated; about 9 minutes.
+# bitperm: the 4-bit GEMMs alone on the current and on a bit-permuted packed layout
+# (dev_fp4_bitperm.py: 9 integer operations for 8 values instead of ~16; two processes, each
+# output checked against the reference); about 2 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -313,6 +316,13 @@ if [[ "$what" == ab4d ]]; then
       --tokens 1 4 16 64 --out "$out/$name.json" > "$out/$name.log" 2>&1 || status=1
     echo "consumers $consumers, gather up to $gather pairs ($rep)"
     grep -A9 '^ *model' "$out/$name.log" | cut -c1-64
+  done
+fi
+if [[ "$what" == bitperm ]]; then
+  for layout in current permuted; do
+    timeout 150 python3 benchmarks/dev_fp4_bitperm.py --layout $layout --out "$out" \
+      > "$out/fp4_bitperm_$layout.log" 2>&1 || status=1
+    echo "layout $layout"; tail -n 7 "$out/fp4_bitperm_$layout.log"
   done
 fi
 if [[ "$what" == tune ]]; then

@@ -3,7 +3,7 @@ and bf16x2 multiplies), vectorized over numpy uint32 arrays, so the CPU tests ca
 GPU-only decode paths bit for bit (the Triton interpreter cannot run inline PTX).
 
 Supported: .reg declarations, mov.b32, prmt.b32 (default mode), shl.b32, shr.b32 (logical),
-and.b32, or.b32, mul.rn.bf16x2. Operands: $n (the asm's operands), named registers, and
+shf.r.wrap.b32 (funnel shift right, the amount mod 32), and.b32, or.b32, mul.rn.bf16x2. Operands: $n (the asm's operands), named registers, and
 decimal or hex immediates. Anything else raises, so a new instruction cannot pass unchecked.
 """
 from __future__ import annotations
@@ -85,6 +85,10 @@ def run(asm: str, operands: Dict[int, np.ndarray], outputs: List[int]) -> Dict[i
             result = (srcs[0].astype(np.uint64) << srcs[1].astype(np.uint64)).astype(_U32)
         elif op == "shr.b32":
             result = srcs[0] >> srcs[1]
+        elif op == "shf.r.wrap.b32":
+            # d = the low 32 bits of {b:a} >> (n mod 32); a == b: a rotation
+            pair = (srcs[1].astype(np.uint64) << np.uint64(32)) | srcs[0].astype(np.uint64)
+            result = (pair >> (srcs[2].astype(np.uint64) & np.uint64(31))).astype(_U32)
         elif op == "and.b32":
             result = srcs[0] & srcs[1]
         elif op == "or.b32":

@@ -86,3 +86,28 @@ def test_nvfp4_scale_multiplier_ptx_exact():
 def test_emulator_rejects_what_it_does_not_know():
     with pytest.raises(ValueError, match="unsupported"):
         run("cvt.rn.f16x2.e4m3x2 $0, $1;", {1: np.zeros(1, np.uint32)}, [0])
+
+
+def test_bit_permuted_layout_decodes_the_same(capsys):
+    """benchmarks/dev_fp4_bitperm.py (the decode on a bit-permuted packed layout, measured
+    before adoption): its bit map is a permutation of the 32 bits, and the permuted decode of
+    permuted words equals the current decode of the words for both formats (every byte in
+    every position, random words and factors); a word's permutation in torch equals numpy's."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import dev_fp4_bitperm as bp
+    bp.check(samples=20000)
+    assert capsys.readouterr().out.count("equals the current one") == 2
+    dst = bp.bit_map()
+    words = np.random.default_rng(1).integers(0, 1 << 32, size=64, dtype=np.uint64).astype(
+        np.uint32)
+    packed = torch.from_numpy(words.view(np.uint8).copy()).view(4, 64)
+    permuted = bp.permute_packed(packed, dst).contiguous().view(torch.int32).numpy().view(
+        np.uint32).reshape(-1)
+    assert np.array_equal(permuted, bp.permute_words_np(words, dst))
+    assert not np.array_equal(permuted, words)
+    # the permuted decode is the current one with only its field extraction replaced
+    for quant in ("nvfp4", "mxfp4"):
+        asm = bp.permuted_asm(quant)
+        assert "prmt" not in asm and asm.count("shf.r.wrap.b32") == 4
