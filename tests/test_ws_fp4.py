@@ -555,11 +555,10 @@ def test_half_blocks_do_take_the_half_path():
     ("nvfp4", 150, "swiglu", True, 64), ("mxfp4", 500, "swiglu_oai", True, 128)])
 def test_experts_with_rows_gathered_by_the_dispatch(quant, tokens, activation, bias, slots,
                                                     monkeypatch, gemm_calls, poisoned_empty):
-    """align.ALIGN_GATHER_MAX_PAIRS: GEMM1's token rows come from the dispatch's launch
+    """experts.ALIGN_GATHER_MAX_PAIRS: GEMM1's token rows come from the dispatch's launch
     (moe_align_gather; its padding slots unwritten, NaN-poisoned here) instead of
     grouped_gemm.gather_rows, on each form of the kernel, against the oracle."""
-    from moe_ops.kernels import align as align_mod
-    monkeypatch.setattr(align_mod, "ALIGN_GATHER_MAX_PAIRS", 1024)
+    monkeypatch.setattr(experts_mod, "ALIGN_GATHER_MAX_PAIRS", 1024)
     monkeypatch.setattr(experts_mod, "WS_FP4", "1")
     monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
     monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 8)

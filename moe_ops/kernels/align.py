@@ -32,7 +32,6 @@ latency than in work.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -51,15 +50,6 @@ CHUNK_PAIRS = 1024
 # least 16 columns a program). sm_90 builds at 4 warps: 30-168 registers, no stack, up to 1024
 # pairs of 256 experts.
 GATHER_TILE = 4096
-# Up to this many pairs the experts call takes the 4-bit Gluon GEMM1's gathered rows
-# (kernels/ws_fp4.py) from the dispatch's launch (moe_align_gather) instead of a launch of
-# their own (grouped_gemm.gather_rows). Built and tested on the interpreter, not yet measured
-# on a GPU: off (0) unless MOE_OPS_ALIGN_GATHER_MAX_PAIRS=n (at most SMALL_PATH_MAX_PAIRS).
-_gather_pairs = os.environ.get("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", "0")
-if not _gather_pairs.isdigit():
-    raise ValueError(f"MOE_OPS_ALIGN_GATHER_MAX_PAIRS must be a non-negative integer, got "
-                     f"{_gather_pairs!r}")
-ALIGN_GATHER_MAX_PAIRS = min(int(_gather_pairs), SMALL_PATH_MAX_PAIRS)
 
 
 

@@ -11,7 +11,7 @@ Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
               grouped_gemm.gather_rows: its TMA loads cannot gather; fp8_block's persistent
               launches run ws_gemm's warp-specialized kernel on Hopper; the 4-bit ones ws_fp4's,
               whose rows the dispatch's launch can gather itself up to
-              align.ALIGN_GATHER_MAX_PAIRS pairs)
+              ALIGN_GATHER_MAX_PAIRS pairs)
   [fp8 modes] act_quant(intermediate)            padding slots skipped
   GEMM2       routing weight in the epilogue -> one row per pair
   combine     sum of each token's k rows in fp32; for large batches on the tile kernel instead
@@ -28,8 +28,7 @@ from typing import Optional
 import torch
 
 from moe_ops.kernels.act_quant import act_quant
-from moe_ops.kernels import align
-from moe_ops.kernels.align import moe_align, moe_align_gather
+from moe_ops.kernels.align import SMALL_PATH_MAX_PAIRS, moe_align, moe_align_gather
 from moe_ops.kernels import ws_fp4, ws_gemm
 from moe_ops.kernels.combine import combine_pair_rows
 from moe_ops.kernels.common import is_gated, pdl_early_launch, upcast_dots
@@ -166,6 +165,12 @@ WS_FP4_PREFILL_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", 8)
 # 128 then; from 64 with its half blocks (ws_fp4.HALF_BLOCKS: T = 2048 5694 -> 5231 us,
 # gpt-oss 1632 -> 1571). MOE_OPS_WS_FP4_WIDE_MIN_ROWS=0: never.
 WS_FP4_WIDE_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 64)
+# Up to this many routed pairs the 4-bit Gluon GEMM1's gathered token rows come from the
+# dispatch's launch (align.moe_align_gather) instead of a launch of their own
+# (grouped_gemm.gather_rows). Built and tested on the interpreter, not yet measured on a GPU:
+# off (0) unless MOE_OPS_ALIGN_GATHER_MAX_PAIRS=n (at most align.SMALL_PATH_MAX_PAIRS).
+ALIGN_GATHER_MAX_PAIRS = min(ws_gemm.env_int("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", 0),
+                             SMALL_PATH_MAX_PAIRS)
 
 
 def ws_tile(quant: str, num_pairs: int, num_experts: int, direct: bool,
@@ -336,7 +341,7 @@ def triton_experts(
         align_block_m = max(
             ws_gemm.block_m(tile1) if ws1 else fp4_slots if ws_fp4_1 else config1.block_m,
             ws_gemm.block_m(tile2) if ws2 else fp4_slots if ws_fp4_2 else config2.block_m)
-        if ws_fp4_1 and T * top_k <= align.ALIGN_GATHER_MAX_PAIRS:
+        if ws_fp4_1 and T * top_k <= ALIGN_GATHER_MAX_PAIRS:
             # GEMM1's token rows gathered in the dispatch's own launch (align.moe_align_gather)
             aligned, gathered = moe_align_gather(topk_ids, E, align_block_m,
                                                  local_expert_offset, x)

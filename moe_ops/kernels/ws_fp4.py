@@ -585,8 +585,7 @@ def _store_slots(acc, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
     (columns n0...), slots along the rows and two adjacent columns (gate/up) in one thread;
     padding slots not written."""
     PIECE: gl.constexpr = acc.shape[1]
-    vals = gl.convert_layout(gl.permute(acc, [1, 0]),
-                             gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0]))
+    vals = gl.convert_layout(gl.permute(acc, [1, 0]), PAIRS_LAYOUT)
     slots = slot0 + gl.arange(0, PIECE, layout=gl.SliceLayout(1, vals.type.layout))
     pair_ids = gl.load(sorted_pair_ids_ptr + slots)
     row_ok = pair_ids < num_pairs
@@ -621,7 +620,8 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
     sizes = (N, KP, num_pairs, alpha, limit)
     strides = (stride_ge, stride_be, stride_om)
     # (the constexprs spelled out in each tuple: a tuple held in a variable would turn them into
-    # tensors)
+    # tensors, and a comprehension over the consumers passes Triton 3.6's warp_specialize a
+    # plain int it cannot flatten: one literal list per consumer count)
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,

@@ -501,12 +501,10 @@ def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
     cols = col0 + gl.arange(0, COLS, layout=col_l)
     if not BLOCK_SCALES:
         # fp8 per tensor: one scale per token row and one per weight row (output column)
-        if EARLY:
-            acc = (acc * row_scales[:, None]
-                   * gl.load(w_scale_ptr + expert * stride_wse + cols * stride_wsn)[None, :])
-        else:
-            acc = (acc * gl.load(a_scale_rows)[:, None]
-                   * gl.load(w_scale_ptr + expert * stride_wse + cols * stride_wsn)[None, :])
+        if not EARLY:
+            row_scales = gl.load(a_scale_rows)
+        acc = (acc * row_scales[:, None]
+               * gl.load(w_scale_ptr + expert * stride_wse + cols * stride_wsn)[None, :])
     if HAS_BIAS:
         acc += gl.load(bias_ptr + expert * stride_be + cols)[None, :]
     if EARLY and ACTIVATION == 0:
