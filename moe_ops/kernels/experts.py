@@ -167,9 +167,12 @@ WS_FP4_PREFILL_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", 8)
 WS_FP4_WIDE_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 64)
 # Up to this many routed pairs the 4-bit Gluon GEMM1's gathered token rows come from the
 # dispatch's launch (align.moe_align_gather) instead of a launch of their own
-# (grouped_gemm.gather_rows). Built and tested on the interpreter, not yet measured on a GPU:
-# off (0) unless MOE_OPS_ALIGN_GATHER_MAX_PAIRS=n (at most align.SMALL_PATH_MAX_PAIRS).
-ALIGN_GATHER_MAX_PAIRS = min(ws_gemm.env_int("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", 0),
+# (grouped_gemm.gather_rows). Measured on an H200, the decode layers as graph replays in two
+# alternated runs (results/h200_ab_fp4_decode_c*_g*.json, 2026-12-01): DeepSeek-V3 nvfp4 T = 1
+# / 16 (8 / 128 pairs) 106.3, 106.4 -> 103.9, 104.2 us / 868 -> 861; T = 4 and gpt-oss within
+# 1 us; T = 64 (512 pairs) 1721 -> 1727. So up to 128 pairs; MOE_OPS_ALIGN_GATHER_MAX_PAIRS=0:
+# never (at most align.SMALL_PATH_MAX_PAIRS).
+ALIGN_GATHER_MAX_PAIRS = min(ws_gemm.env_int("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", 128),
                              SMALL_PATH_MAX_PAIRS)
 
 
@@ -311,11 +314,13 @@ def triton_experts(
               and ((w13_global_scale is not None and w2_global_scale is not None)
                    if quant == "nvfp4" else
                    (w13_global_scale is None and w2_global_scale is None)))
+    fp4_consumers = ws_fp4.consumers_for(fp4_slots, quant, T * top_k) if fp4_ws else None
     ws_fp4_1 = fp4_ws and ws_fp4.applies(quant, activation, w13.shape[1], x, w13, w13_scale,
-                                         fp4_slots)
+                                         fp4_slots, consumers=fp4_consumers)
     # (GEMM2 reads the intermediate's rows of I values)
     ws_fp4_2 = fp4_ws and WS_FP4 == "1" and ws_fp4.applies(quant, "none", H, x, w2, w2_scale,
-                                                           fp4_slots, k=I)
+                                                           fp4_slots, k=I,
+                                                           consumers=fp4_consumers)
     if ws_fp4_1 or ws_fp4_2:
         direct = False
     tile1 = ws_tile(quant, T * top_k, E, direct, activation, b13 is not None, w13.shape[1])
@@ -364,7 +369,7 @@ def triton_experts(
         del gathered
         ws_fp4.gemm(rows, w13, w13_scale, w13_global_scale, b13, intermediate, routing, gemm=1,
                     activation=activation, alpha=alpha, limit=limit, quant=quant,
-                    slots=fp4_slots)
+                    slots=fp4_slots, consumers=fp4_consumers)
         del rows
     elif ws1:
         rows, row_scales = gather_rows(a1, a1_scale, routing)
@@ -400,7 +405,8 @@ def triton_experts(
     pair_out = torch.empty((routing.num_pairs, H), dtype=x.dtype, device=x.device)
     if ws_fp4_2:
         ws_fp4.gemm(a2, w2, w2_scale, w2_global_scale, b2, pair_out, routing, gemm=2,
-                    activation="none", quant=quant, slots=fp4_slots)
+                    activation="none", quant=quant, slots=fp4_slots,
+                    consumers=fp4_consumers)
     elif ws2:
         ws_gemm.gemm(a2, a2_scale, w2, w2_scale, b2, pair_out, routing, gemm=2,
                      activation="none", tile=tile2, quant=quant)

@@ -90,18 +90,22 @@ STAGES = {BLOCK_M: 4, PREFILL_SLOTS: 3, WIDE_SLOTS: 2}     # ring slots by the f
 # 20 x 96 = 61440 of the 65536 registers a block, multiples of 8 (registers are allocated 256
 # a warp: a budget over 65536 fails the launch, and setmaxnreg could not balance). Four
 # consumers (a tile of 256 weight rows) give the schedulers more warps to hide the decode's
-# dependent integer chains, with fewer registers each; which is faster is for the GPU to say
-# (benchmarks/dev_gluon_fp4_decode.py); MOE_OPS_WS_FP4_CONSUMERS=4 picks four. Three (a tile of
-# 192 rows; 16 warps x 128 at launch, then 160 a worker consumer thread, 24 a producer one and
-# the 168 left to consumer 0: 2 x 128 x 160 + 128 x 24 + 128 x 168 = 65536; the producer loads
-# only the 64-row boxes before N) put a third decoding warp on each scheduler where two leave
-# it idle half the time (results/h200_ncu_ws_fp4_decode.txt: 0.5 instructions issued a cycle, the
-# consumers' stalls mostly dependency latency), with the registers the decode needs (four's 112
-# hold the decode serialized); N then runs in tiles of 192 with the last one partial
-# (PARTIAL_N), but for gpt-oss (N = 5760, 2880: whole tiles). Built and CPU-tested, not yet
-# measured: MOE_OPS_WS_FP4_CONSUMERS=3.
+# dependent integer chains, with fewer registers each; MOE_OPS_WS_FP4_CONSUMERS=4 picks four.
+# Three (a tile of 192 rows; 16 warps x 128 at launch, then 160 a worker consumer thread, 24 a
+# producer one and the 168 left to consumer 0: 2 x 128 x 160 + 128 x 24 + 128 x 168 = 65536;
+# the producer loads only the 64-row boxes before N) put a third decoding warp on each
+# scheduler where two leave it idle half the time (results/h200_ncu_ws_fp4_decode.txt: 0.5
+# instructions issued a cycle, the consumers' stalls mostly dependency latency); N then runs
+# in tiles of 192 with the last one partial (PARTIAL_N). Measured on an H200, the decode layers
+# as graph replays in two alternated runs (results/h200_ab_fp4_decode_c*.json, 2026-12-01):
+# DeepSeek-V3 nvfp4 T = 4 / 16 / 64 336 / 868 / 1722 -> 302 / 780 / 1600 us, but T = 1 (8
+# experts, fewer and longer tiles) 106 -> 126; gpt-oss mxfp4 slower at every T (T = 16 340 ->
+# 458: the mxfp4 decode's extra multiplies want the registers). So "auto" (the default): three
+# for nvfp4 from THREE_CONSUMERS_MIN_PAIRS routed pairs, else two; MOE_OPS_WS_FP4_CONSUMERS=
+# 2|3|4 forces a count.
 REGISTERS = {2: (232, 40, 168), 3: (160, 24, 128), 4: (112, 24, 96)}
-CONSUMERS = int(env_choice("MOE_OPS_WS_FP4_CONSUMERS", "2", ("2", "3", "4")))
+CONSUMERS = env_choice("MOE_OPS_WS_FP4_CONSUMERS", "auto", ("auto", "2", "3", "4"))
+THREE_CONSUMERS_MIN_PAIRS = 32
 # A consumer's decode of K step k + 1 while its wgmma of step k runs (a second register operand)
 # instead of decode, MMA, wait in turn. Measured on an H200 (results/h200_ab_fp4_rows_16_*.json,
 # h200_gluon_fp4_decode_pipelined.json, 2026-12-01): DeepSeek-V3 nvfp4 decode T = 16-512 6-7%
@@ -676,9 +680,14 @@ def tma_box_rows(consumers: int) -> int:
     return rows if rows & (rows - 1) == 0 else ROWS
 
 
-def consumers_for(slots: int) -> int:
-    """Consumer warpgroups of a form: decode's CONSUMERS, prefill's (both forms) 2."""
-    return CONSUMERS if slots == BLOCK_M else 2
+def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0) -> int:
+    """Consumer warpgroups of a launch: the prefill forms' 2; decode's CONSUMERS when forced,
+    else three for nvfp4 calls of THREE_CONSUMERS_MIN_PAIRS routed pairs or more (see CONSUMERS)."""
+    if slots != BLOCK_M:
+        return 2
+    if CONSUMERS != "auto":
+        return int(CONSUMERS)
+    return 3 if quant == "nvfp4" and num_pairs >= THREE_CONSUMERS_MIN_PAIRS else 2
 
 
 def default_pipeline(slots: int) -> bool:
@@ -688,7 +697,8 @@ def default_pipeline(slots: int) -> bool:
 
 
 def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tensor,
-            w_scale: torch.Tensor, slots: int = BLOCK_M, k: Optional[int] = None) -> bool:
+            w_scale: torch.Tensor, slots: int = BLOCK_M, k: Optional[int] = None,
+            consumers: Optional[int] = None) -> bool:
     """Whether this kernel can run a launch (what gemm() would otherwise refuse, or TMA
     fault on): nvfp4 or mxfp4 weights with bf16 activations on a Hopper GPU, whole tiles of N
     (with PARTIAL_N_OK a multiple of 64: the last tile's consumers past N idle),
@@ -700,7 +710,7 @@ def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tenso
     k = a.shape[1] if k is None else k
     return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
             and a.dtype == torch.bfloat16
-            and n % (ROWS if PARTIAL_N_OK else block_n(consumers_for(slots))) == 0
+            and n % (ROWS if PARTIAL_N_OK else block_n(consumers or consumers_for(slots, quant))) == 0
             and kp > 0 and kp % BLOCK_K == 0 and (kp // GROUP[quant]) % 16 == 0
             and w.is_contiguous() and w.data_ptr() % 16 == 0
             and w_scale.is_contiguous() and w_scale.data_ptr() % 16 == 0
@@ -726,7 +736,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         raise ValueError("gemm=1 needs an activation (GEMM1's epilogue applies it)")
     if slots == WIDE_SLOTS and pipeline:
         raise ValueError(f"pipeline: the {slots}-slot form has serial consumers only")
-    consumers = consumers or consumers_for(slots)
+    consumers = consumers or consumers_for(slots, quant, routing.num_pairs)
     if consumers not in REGISTERS:
         raise ValueError(f"consumers: {', '.join(map(str, sorted(REGISTERS)[:-1]))} or "
                          f"{max(REGISTERS)} warpgroups, got {consumers}")
