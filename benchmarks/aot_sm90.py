@@ -18,6 +18,7 @@ nothing about speed or results by itself.
     python benchmarks/aot_sm90.py --quant none fp8 fp8_block --direct both
     python benchmarks/aot_sm90.py --quant nvfp4 --configs 16x64x256:4:3:swap --loop
     python benchmarks/aot_sm90.py --prepare nvfp4 mxfp4    # the fp4 preparation kernel instead
+    python benchmarks/aot_sm90.py --quant none fp8 fp8_block --digest   # each build's SASS hash
 
 --prepare builds the quantizing fp4 preparation kernel (kernels/prepare.py `_fp4_kernel`,
 bf16 source, the tile `_fp4_tiles` picks for DeepSeek-V3's 7168-wide rows) and prints its SASS
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import hashlib
 import inspect
 import json
 import re
@@ -268,6 +270,9 @@ def main() -> int:
                         help="print the K loop's SASS instruction counts (nvdisasm)")
     parser.add_argument("--dynamic-k", action="store_true",
                         help="4-bit: pass the K-step count at run time (FP4_STATIC_K_STEPS off)")
+    parser.add_argument("--digest", action="store_true",
+                        help="print each build's sha256 of its SASS (to compare two trees' "
+                             "builds: a change that leaves them equal leaves the tables valid)")
     parser.add_argument("--prepare", nargs="+", choices=("nvfp4", "mxfp4"),
                         help="build the fp4 preparation kernel for these formats instead")
     args = parser.parse_args()
@@ -310,6 +315,9 @@ def main() -> int:
                 print(f"    ptxas: {advisory}", flush=True)
             if args.loop:
                 print(loop_summary(kernel, config), flush=True)
+            if args.digest:
+                digest = hashlib.sha256("\n".join(sass(kernel)).encode()).hexdigest()[:16]
+                print(f"    sass {digest}", flush=True)
     print(f"{len(seen) - failures} built, {failures} failed")
     return 1 if failures else 0
 

@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|bitperm|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -59,9 +59,13 @@
 # the GEMMs alone with 2 / 3 / 4 consumers (dev_gluon_fp4_decode.py --cases decode), then
 # DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 1-64 in four arms (consumers 2 / 3 x gather
 # 0 / 1024), each twice, alternated; about 9 minutes.
-# bitperm: the 4-bit GEMMs alone on the current and on a bit-permuted packed layout
-# (dev_fp4_bitperm.py: 9 integer operations for 8 values instead of ~16; two processes, each
-# output checked against the reference); about 2 minutes.
+# layout4: the 4-bit kernel order with permuted word bits (quant.FP4_WORD_BITS) against the
+# tree before it, unpacked at $AB_OLD (e.g. `git archive a95db5c | tar -x -C ab_old`): the
+# 4-bit and preparation tests on the GPU, the GEMMs alone (dev_gluon_fp4_decode.py) and the
+# 4-bit layers (bench.py, T = 1 ... 16384) on both trees, alternated; about 8 minutes.
+# layout4p: the preparation of the 4-bit layers (bench_prepare.py, bf16 and pre-quantized
+# checkpoints) on both trees; about 4 minutes.
+# tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -318,12 +322,49 @@ if [[ "$what" == ab4d ]]; then
     grep -A9 '^ *model' "$out/$name.log" | cut -c1-64
   done
 fi
-if [[ "$what" == bitperm ]]; then
-  for layout in current permuted; do
-    timeout 150 python3 benchmarks/dev_fp4_bitperm.py --layout $layout --out "$out" \
-      > "$out/fp4_bitperm_$layout.log" 2>&1 || status=1
-    echo "layout $layout"; tail -n 7 "$out/fp4_bitperm_$layout.log"
+if [[ "$what" == layout4 ]]; then
+  old="${AB_OLD:-ab_old}"
+  timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_fp4.py \
+    tests/test_decode_ptx.py tests/test_prepare_fp4_order.py > "$out/pytest_fp4_layout.log" 2>&1 \
+    || status=1
+  echo "fp4 + preparation tests"; tail -n 1 "$out/pytest_fp4_layout.log"
+  timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_ws_fp4.py \
+    -k "experts_on_ws_fp4 or three_consumers or gathered or partial_last_tile or mxfp4" \
+    > "$out/pytest_ws_fp4_layout.log" 2>&1 || status=1
+  echo "ws_fp4 tests"; tail -n 1 "$out/pytest_ws_fp4_layout.log"
+  for tree in new old; do
+    dir=.; [[ $tree == old ]] && dir="$old"
+    (cd "$dir" && PYTHONPATH="$PWD" timeout 60 python3 benchmarks/dev_gluon_fp4_decode.py \
+      --cases prefill --variants "gluon prefill 128" --out "$out" > "$out/gluon_fp4_layout_$tree.log" 2>&1) \
+      || status=1
+    mv "$out/gluon_fp4_decode.json" "$out/gluon_fp4_layout_$tree.json" 2>/dev/null
+    echo "GEMMs alone, $tree tree"; tail -n 3 "$out/gluon_fp4_layout_$tree.log"
   done
+  for arm in old:a new:a new:b old:b; do
+    tree=${arm%%:*}; dir=.; [[ $tree == old ]] && dir="$old"
+    name="ab_fp4_layout_${tree}_${arm##*:}"
+    (cd "$dir" && PYTHONPATH="$PWD" timeout 60 python3 benchmarks/bench.py --no-baseline \
+      --no-bf16-peer --no-plot --peers torch --deadline-s 40 --models deepseek_v3 gpt_oss_120b \
+      --quant nvfp4 mxfp4 --listed-only --tokens 1 4 16 64 1024 4096 16384 \
+      --out "$out/$name.json" > "$out/$name.log" 2>&1) || status=1
+    echo "$name"; grep -A15 '^ *model' "$out/$name.log" | cut -c1-80
+  done
+fi
+if [[ "$what" == layout4p ]]; then
+  old="${AB_OLD:-ab_old}"
+  for tree in new old; do
+    dir=.; [[ $tree == old ]] && dir="$old"
+    (cd "$dir" && PYTHONPATH="$PWD" timeout 200 python3 benchmarks/bench_prepare.py --cases \
+      deepseek_v3:nvfp4 deepseek_v3:nvfp4:pre gpt_oss_120b:mxfp4 gpt_oss_120b:mxfp4:pre \
+      --no-torch-path --out "$out/prepare_fp4_layout_$tree.json" \
+      > "$out/prepare_fp4_layout_$tree.log" 2>&1) || status=1
+    echo "preparation, $tree tree"; tail -n 16 "$out/prepare_fp4_layout_$tree.log" | cut -c1-150
+  done
+fi
+if [[ "$what" == tune4 ]]; then
+  SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \
+    deepseek_v3:nvfp4 gpt_oss_120b:mxfp4 || status=1
+  mkdir -p "$out/tuned" && cp moe_ops/tuned/*.json "$out/tuned/"
 fi
 if [[ "$what" == tune ]]; then
   pairs=$(python3 -c "import json; m = json.load(open('benchmarks/shapes.json'))['models']; print(' '.join(f'{n}:{q}' for n, e in m.items() for q in e['quant']))")

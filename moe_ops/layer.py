@@ -94,20 +94,25 @@ class FusedMoE(nn.Module):
         self._weights_loaded = False
         self.register_load_state_dict_post_hook(FusedMoE._mark_loaded)
 
-    # state_dict format: 2 = packed fp4 rows in quant.py's kernel order (padded); version-1
-    # dicts (natural packing) are converted on load, so a saved layer is never misread.
-    _version = 2
+    # state_dict format: 3 = packed fp4 rows in quant.py's kernel order (padded, each word's
+    # bits permuted); version-2 dicts (the byte order without the word permutation) and
+    # version-1 ones (natural packing) are converted on load, so a saved layer is never misread.
+    _version = 3
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
-        if self.quant in ("nvfp4", "mxfp4") and local_metadata.get("version", 1) < 2:
+        version = local_metadata.get("version", 1)
+        if self.quant in ("nvfp4", "mxfp4") and version < 3:
             for role, k in (("w13", self.hidden_size), ("w2", self.intermediate_size)):
                 key = prefix + role
-                if key in state_dict and state_dict[key].shape[-1] == k // 2:
-                    state_dict[key] = q.fp4_to_kernel_order(state_dict[key])
-                key = prefix + role + "_scale"
-                if key in state_dict:
-                    state_dict[key] = q.fp4_pad_scales(state_dict[key], k, self.quant)
+                if version < 2:
+                    if key in state_dict and state_dict[key].shape[-1] == k // 2:
+                        state_dict[key] = q.fp4_to_kernel_order(state_dict[key])
+                    key = prefix + role + "_scale"
+                    if key in state_dict:
+                        state_dict[key] = q.fp4_pad_scales(state_dict[key], k, self.quant)
+                elif key in state_dict and state_dict[key].shape[-1] == q.fp4_padded_k(k) // 2:
+                    state_dict[key] = q.fp4_permute_word_bits(state_dict[key])
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 

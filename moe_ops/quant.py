@@ -165,8 +165,65 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 # Kp = K rounded up to FP4_K_ALIGN (so every K step of up to 256 columns reads whole runs,
 # unmasked), is 4 runs of Kp/8 bytes:
 #     byte t * Kp/8 + 2c + q  =  code(16c + 2t + q)  |  code(16c + 2t + q + 8) << 4
+# and then each little-endian 32-bit word of it (bytes (c, 0), (c, 1), (c + 1, 0), (c + 1, 1)
+# of a run, c even: the 8 codes one decode step turns into four bf16 pairs) has its bits
+# permuted (FP4_WORD_BITS), so that the decode is 9 integer operations for 8 values instead of
+# ~16. The decode wants each bf16 pair's two codes with their signs at bits 15 / 31 and their
+# magnitudes at bits 8-6 / 24-22 (P = 0x81C081C0: the bf16 bits of value * 2^-126); in the
+# permuted word the pair of the bytes' low nibbles of (c, 0), (c, 1) sits at P, that of slice
+# c + 1 at P rotated left by 4, the high nibbles of slice c at P rotated by 10, and those of
+# slice c + 1 in two parts rotated by 14 (the magnitudes' lowest bits) and 6 (the rest): four
+# rotations of P cannot tile the 32 bits (the differences of {6, 7, 8, 15} mod 16 leave no
+# fourth translate), hence the split. The decode: an and, two rotate-and pairs, and two
+# rotates, an and and an or (grouped_gemm._E2M1_BF16_ASM_HEAD; ws_fp4's K loop 3.30 -> 2.43
+# SASS instructions a weight value on sm_90).
 # Block scales keep their natural order, padded with zeros to Kp / block (value 0 * 0 = 0).
 FP4_K_ALIGN = 256
+
+
+def _fp4_word_bits() -> tuple[int, ...]:
+    """FP4_WORD_BITS[i]: where bit i of a byte-ordered word goes in the kernel-order word.
+    Bit i is bit b (3: the sign) of the nibble n (0: low) of byte j (i = 8j + 4n + b); the
+    byte's pair is j // 2 (slice c or c + 1), its half of the bf16 pair j % 2."""
+    rotation = {(0, 0): (0, 0), (0, 1): (4, 4), (1, 0): (10, 10), (1, 1): (14, 6)}
+    bits = []
+    for j in range(4):
+        for n in range(2):
+            low_rotation, rotation_rest = rotation[(n, j // 2)]
+            half = 16 * (j % 2)
+            for b in range(4):
+                field = half + (15 if b == 3 else 6 + b)          # P's bit in its half
+                bits.append((field + (low_rotation if b == 0 else rotation_rest)) % 32)
+    assert sorted(bits) == list(range(32))
+    return tuple(bits)
+
+
+FP4_WORD_BITS = _fp4_word_bits()
+
+
+def _rotation_groups(bits: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A bit permutation as (left rotation, mask of the source bits it moves) pairs."""
+    groups: dict[int, int] = {}
+    for i, d in enumerate(bits):
+        groups[(d - i) % 32] = groups.get((d - i) % 32, 0) | 1 << i
+    return tuple(sorted(groups.items()))
+
+
+def fp4_permute_word_bits(rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Byte-ordered packed rows uint8 [..., Kp/2] -> the kernel order (FP4_WORD_BITS applied to
+    each little-endian 32-bit word), or back with inverse=True. Any device."""
+    bits = FP4_WORD_BITS
+    if inverse:
+        back = [0] * 32
+        for i, d in enumerate(bits):
+            back[d] = i
+        bits = tuple(back)
+    words = rows.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(words)
+    for rotation, mask in _rotation_groups(bits):
+        moved = words & mask
+        out |= ((moved << rotation) | (moved >> (32 - rotation))) & 0xFFFFFFFF
+    return out.to(torch.int32).view(torch.uint8).view(rows.shape)
 
 
 def fp4_padded_k(k: int) -> int:
@@ -183,14 +240,15 @@ def fp4_to_kernel_order(packed: torch.Tensor) -> torch.Tensor:
         codes = torch.nn.functional.pad(codes, (0, kp - k))
     codes = codes.unflatten(-1, (kp // 16, 2, 4, 2))            # [..., c, h, t, q]
     byte = codes.select(-3, 0) | (codes.select(-3, 1) << 4)     # [..., c, t, q]
-    return byte.transpose(-3, -2).flatten(-3).contiguous()      # [..., t, c, q]
+    return fp4_permute_word_bits(byte.transpose(-3, -2).flatten(-3))   # [..., t, c, q]
 
 
 def fp4_from_kernel_order(kernel: torch.Tensor, k: int) -> torch.Tensor:
     """Kernel-order rows uint8 [..., Kp/2] -> natural packed [..., K/2] (the inverse)."""
     kp = kernel.shape[-1] * 2
     check(kp == fp4_padded_k(k), "kernel-order fp4 rows", f"{fp4_padded_k(k) // 2} bytes for K={k}", kp // 2)
-    byte = kernel.unflatten(-1, (4, kp // 16, 2)).transpose(-3, -2)  # [..., c, t, q]
+    byte = fp4_permute_word_bits(kernel, inverse=True)
+    byte = byte.unflatten(-1, (4, kp // 16, 2)).transpose(-3, -2)    # [..., c, t, q]
     codes = torch.stack((byte & 0xF, byte >> 4), dim=-3)             # [..., c, h, t, q]
     return pack_e2m1(codes.flatten(-4)[..., :k])
 

@@ -5,13 +5,15 @@ Triton interpreter cannot run inline assembly, so without this the fast decode w
 on a GPU only.
 
 Operand layout (inline_asm_elementwise with pack=4): $4 holds the 4 packed code bytes of
-elements 0-3 (element i in byte i), $5 / $6 the bf16 multipliers of elements 0-1 / 2-3; the
+elements 0-3 (element i in byte i) as the kernel order stores them, the word's bits permuted
+(quant.FP4_WORD_BITS), $5 / $6 the bf16 multipliers of elements 0-1 / 2-3; the
 outputs $0 / $1 are the low nibbles' values of elements 0-1 / 2-3, $2 / $3 the high nibbles'.
 """
 import numpy as np
 import pytest
 import torch
 
+from moe_ops import quant as q
 from moe_ops.kernels.grouped_gemm import (
     _E2M1_BF16_ASM_MXFP4, _E2M1_BF16_ASM_NVFP4, _E4M3_TO_BF16_P117,
 )
@@ -39,7 +41,9 @@ def codes_and_factors(gen: np.random.Generator, factor_values: np.ndarray):
 
 def decode(asm: str, codes: np.ndarray, factors: np.ndarray):
     fbits = bf16_bits(factors)
-    operands = {4: codes[:, 0] | codes[:, 1] << 8 | codes[:, 2] << 16 | codes[:, 3] << 24,
+    word = torch.from_numpy(codes.astype(np.uint8))             # byte i = element i's codes
+    word = q.fp4_permute_word_bits(word).view(torch.int32).numpy().view(np.uint32)[:, 0]
+    operands = {4: word,
                 5: fbits[:, 0] | fbits[:, 1] << 16, 6: fbits[:, 2] | fbits[:, 3] << 16}
     out = run(asm, operands, [0, 1, 2, 3])
     low = np.stack([out[0] & 0xFFFF, out[0] >> 16, out[1] & 0xFFFF, out[1] >> 16], axis=1)
@@ -88,26 +92,20 @@ def test_emulator_rejects_what_it_does_not_know():
         run("cvt.rn.f16x2.e4m3x2 $0, $1;", {1: np.zeros(1, np.uint32)}, [0])
 
 
-def test_bit_permuted_layout_decodes_the_same(capsys):
-    """benchmarks/dev_fp4_bitperm.py (the decode on a bit-permuted packed layout, measured
-    before adoption): its bit map is a permutation of the 32 bits, and the permuted decode of
-    permuted words equals the current decode of the words for both formats (every byte in
-    every position, random words and factors); a word's permutation in torch equals numpy's."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    import dev_fp4_bitperm as bp
-    bp.check(samples=20000)
-    assert capsys.readouterr().out.count("equals the current one") == 2
-    dst = bp.bit_map()
-    words = np.random.default_rng(1).integers(0, 1 << 32, size=64, dtype=np.uint64).astype(
-        np.uint32)
-    packed = torch.from_numpy(words.view(np.uint8).copy()).view(4, 64)
-    permuted = bp.permute_packed(packed, dst).contiguous().view(torch.int32).numpy().view(
-        np.uint32).reshape(-1)
-    assert np.array_equal(permuted, bp.permute_words_np(words, dst))
-    assert not np.array_equal(permuted, words)
-    # the permuted decode is the current one with only its field extraction replaced
-    for quant in ("nvfp4", "mxfp4"):
-        asm = bp.permuted_asm(quant)
-        assert "prmt" not in asm and asm.count("shf.r.wrap.b32") == 4
+def test_word_bits_are_a_rotation_of_the_decode_fields():
+    """quant.FP4_WORD_BITS puts each bf16 pair's fields (P = 0x81C081C0: signs at 15 / 31,
+    magnitudes at 8-6 / 24-22) at the rotations the decode head undoes: a single set bit of a
+    byte-ordered word decodes (unit multipliers) to exactly one bit of one output."""
+    words = np.array([1 << i for i in range(32)], dtype=np.uint32)
+    packed = torch.from_numpy(words.view(np.uint8).copy()).view(32, 4)
+    permuted = q.fp4_permute_word_bits(packed).view(torch.int32).numpy().view(np.uint32)[:, 0]
+    assert sorted(int(v).bit_length() - 1 for v in permuted) == list(range(32))
+    one = np.full(32, 0x3F803F80, dtype=np.uint32)
+    out = run(_E2M1_BF16_ASM_NVFP4.value, {4: permuted, 5: one, 6: one}, [0, 1, 2, 3])
+    for i in range(32):
+        j, nibble, b = i // 8, (i // 4) % 2, i % 4
+        register = 2 * nibble + j // 2             # lo0, lo1, hi0, hi1
+        field = 16 * (j % 2) + (15 if b == 3 else 6 + b)
+        got = [int(out[r][i]) for r in range(4)]
+        # (the multiply by one keeps a lone magnitude bit; a lone sign bit is -0)
+        assert got == [1 << field if r == register else 0 for r in range(4)], i

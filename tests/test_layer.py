@@ -342,6 +342,22 @@ def test_state_dict_of_the_natural_fp4_format_is_converted(gen, quant):
 
 
 @pytest.mark.parametrize("quant", ["nvfp4", "mxfp4"])
+def test_state_dict_of_the_byte_order_format_is_converted(gen, quant):
+    """A state_dict saved before the word permutation of the kernel order (format version 2:
+    the byte order alone) loads into the same weights as the current one."""
+    layer, _ = loaded_layer(gen, quant=quant, activation="swiglu", bias=False)
+    current = layer.state_dict()
+    old = type(current)((name, q.fp4_permute_word_bits(t, inverse=True)
+                         if name in ("w13", "w2") else t) for name, t in current.items())
+    assert not torch.equal(old["w13"], current["w13"])
+    old._metadata = {"": {"version": 2}}
+    fresh = moe_ops.FusedMoE(layer.num_experts, layer.hidden_size, layer.intermediate_size,
+                             layer.top_k, quant=quant, backend="reference")
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.w13, current["w13"]) and torch.equal(fresh.w2, current["w2"])
+
+
+@pytest.mark.parametrize("quant", ["nvfp4", "mxfp4"])
 def test_unpadded_natural_fp4_state_dict_is_not_misread(quant):
     """With K a multiple of 256 the natural and the kernel-order tensors have the same shape:
     only the format version tells them apart, and the load converts by it."""

@@ -233,7 +233,8 @@ def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _fp4_kernel_order_by_hand(packed: torch.Tensor) -> torch.Tensor:
     """Natural packed rows [..., K/2] -> the kernel order, from its definition (quant.py):
     K padded with zero codes to Kp (a multiple of 256); byte t*Kp/8 + 2c + q holds codes
-    16c + 2t + q (low nibble) and 16c + 2t + q + 8 (high nibble)."""
+    16c + 2t + q (low nibble) and 16c + 2t + q + 8 (high nibble); then bit i of each
+    little-endian 32-bit word moves to bit quant.FP4_WORD_BITS[i]."""
     k = packed.shape[-1] * 2
     kp = -(-k // 256) * 256
     codes = torch.zeros(*packed.shape[:-1], kp, dtype=torch.uint8)
@@ -246,7 +247,11 @@ def _fp4_kernel_order_by_hand(packed: torch.Tensor) -> torch.Tensor:
     low = (16 * c + 2 * t + q_).flatten()
     out = torch.full((*packed.shape[:-1], kp // 2), 255, dtype=torch.uint8)
     out[..., position] = codes[..., low] | (codes[..., low + 8] << 4)
-    return out
+    words = out.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    permuted = torch.zeros_like(words)
+    for i, bit in enumerate(q.FP4_WORD_BITS):
+        permuted |= ((words >> i) & 1) << bit
+    return permuted.to(torch.int32).view(torch.uint8).view(out.shape)
 
 
 def _fp4_padded_scales_by_hand(scale: torch.Tensor, block: int) -> torch.Tensor:

@@ -368,7 +368,8 @@ def test_dequantize_fp4_matches_independent_decode():
 @pytest.mark.parametrize("k", [16, 32, 96, 256, 2880])
 def test_fp4_kernel_order_round_trip_and_padding(k):
     """quant.fp4_to_kernel_order / fp4_from_kernel_order are inverse; the padding is code 0;
-    every code lands in the byte and nibble its definition gives."""
+    every code lands in the byte and nibble its definition gives (before the words' bit
+    permutation, which tests/test_decode_ptx.py checks against the decode)."""
     gen = torch.Generator().manual_seed(k)
     packed = torch.randint(0, 256, (3, 5, k // 2), dtype=torch.uint8, generator=gen)
     kernel = q.fp4_to_kernel_order(packed)
@@ -377,13 +378,16 @@ def test_fp4_kernel_order_round_trip_and_padding(k):
     assert kernel.shape == (3, 5, kp // 2) and kernel.dtype == torch.uint8
     assert torch.equal(q.fp4_from_kernel_order(kernel, k), packed)
     codes = q.unpack_e2m1(packed)
+    byte_order = q.fp4_permute_word_bits(kernel, inverse=True)
+    assert not torch.equal(byte_order, kernel)
     for col in (0, 1, 7, 8, 9, 15, k - 1):
         c, r = divmod(col, 16)
         h, r = divmod(r, 8)
         t, qq = divmod(r, 2)
-        byte = kernel[..., t * (kp // 8) + 2 * c + qq]
+        byte = byte_order[..., t * (kp // 8) + 2 * c + qq]
         assert torch.equal((byte >> 4) if h else (byte & 15), codes[..., col]), col
-    padding = q.unpack_e2m1(q.fp4_to_kernel_order(torch.zeros_like(packed) + 0x77))
+    padding = q.unpack_e2m1(q.fp4_permute_word_bits(
+        q.fp4_to_kernel_order(torch.zeros_like(packed) + 0x77), inverse=True))
     assert int((padding == 7).sum()) == 3 * 5 * k  # padded codes are 0
     scale = torch.randint(1, 255, (3, 5, k // 16), dtype=torch.uint8, generator=gen)
     padded = q.fp4_pad_scales(scale.view(torch.float8_e4m3fn), k, "nvfp4")

@@ -7,9 +7,10 @@ the quantized rows (and their scales) at the rows the permutation index names. N
 of a weight is ever materialized: the plain-torch route (moe_ops.quant's reference functions,
 then `index_copy_`) makes several float32 copies of each tensor and is many times slower.
 Packed 4-bit rows are written in the GEMMs' kernel order (moe_ops.quant, "The kernel order of
-packed e2m1 rows"), from float weights (quantize_scatter: each code shifted straight into its
-run) or from pre-quantized natural packed rows (scatter_fp4_rows: the nibbles re-paired in each
-thread's registers, _kernel_order_runs).
+packed e2m1 rows"), from float weights (quantize_scatter: each code shifted straight to its bits
+of a kernel-order word, _fp4_word) or from pre-quantized natural packed rows (scatter_fp4_rows:
+the nibbles re-paired in each thread's registers, _kernel_order_runs, and each word's bits
+permuted, _permute_fp4_word).
 
 The quantization math is moe_ops.quant's, operation for operation, so the bytes are identical:
 - every division the reference does is a correctly rounded one here (`tl.div_rn`; Triton's `/`
@@ -188,20 +189,11 @@ def _e2m1_bits(y, SATURATE: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_nibble(y, SATURATE: tl.constexpr):
-    """float32 -> int32 whose low 4 bits are y's e2m1 code with its sign (bit 3), as
-    quant.pack_e2m1 writes a nibble; bits 4-22 are zero (the bits of 2^23 + code, see
-    _e2m1_bits, plus the sign). A value that rounds to zero is +0: the sign goes on only below
-    -0.25 (code != 0 and y < 0), as a select between two integers (one predicated add)."""
-    code = _e2m1_bits(y, SATURATE)
-    return tl.where(y < -0.25, code + 8, code)
-
-
-@triton.jit
 def _kernel_order_runs(lo, hi):
     """The 8 natural packed bytes of one 16-column slice, as int32 halves lo (bytes 0-3) and hi
-    (bytes 4-7) -> the slice's 2 bytes in each of the row's 4 runs of the kernel order
-    (moe_ops.quant, "The kernel order of packed e2m1 rows"), as two int32: run t's 16 bits at
+    (bytes 4-7) -> the slice's 2 bytes in each of the row's 4 runs of the kernel order before
+    its words' bit permutation (moe_ops.quant, "The kernel order of packed e2m1 rows";
+    _permute_fp4_word does that), as two int32: run t's 16 bits at
     bits 16t of `runs01` (t = 0, 1) and 16(t - 2) of `runs23` (t = 2, 3).
 
     Natural byte 4h + t of a slice holds columns 2t + 8h (low nibble) and + 1 (high nibble); the
@@ -218,24 +210,49 @@ def _kernel_order_runs(lo, hi):
     return runs01, runs23
 
 
+# The kernel order's word permutation (moe_ops.quant.FP4_WORD_BITS) as left rotations of
+# masked bits, grouped by rotation: _permute_fp4_word's constants, checked against quant's.
+_WORD_ROTATIONS = ((0, 0x60180000), (2, 0x07000000), (6, 0x80000007), (8, 0x18000000),
+                   (12, 0x00000078), (14, 0x00000700), (18, 0x00000080), (20, 0x00007800),
+                   (24, 0x00600000), (26, 0x00078000), (30, 0x00800000))
+assert _WORD_ROTATIONS == q._rotation_groups(q.FP4_WORD_BITS)
+
+
 @triton.jit
-def _store_runs(dst, run, runs01, runs23, mask):
-    """Store each slice's 2 bytes of the 4 runs (_kernel_order_runs) at dst (int16 pointers:
-    the slice's 2 bytes in run 0), dst + run, + 2 run, + 3 run (run = Kp/16 int16)."""
-    tl.store(dst, runs01.to(tl.int16), mask=mask)
-    tl.store(dst + run, (runs01 >> 16).to(tl.int16), mask=mask)
-    tl.store(dst + 2 * run, runs23.to(tl.int16), mask=mask)
-    tl.store(dst + 3 * run, (runs23 >> 16).to(tl.int16), mask=mask)
+def _rotl32(x, n: tl.constexpr):
+    """uint32 x rotated left by n (0 < n < 32): one funnel shift on the GPU."""
+    return (x << n) | (x >> (32 - n))
+
+
+@triton.jit
+def _permute_fp4_word(w):
+    """A byte-ordered word (uint32: bytes (c, 0), (c, 1), (c + 1, 0), (c + 1, 1) of a run)
+    -> the kernel order's word (quant.FP4_WORD_BITS), by the 11 rotations of _WORD_ROTATIONS."""
+    return ((w & 0x60180000) | _rotl32(w & 0x07000000, 2) | _rotl32(w & 0x80000007, 6)
+            | _rotl32(w & 0x18000000, 8) | _rotl32(w & 0x00000078, 12)
+            | _rotl32(w & 0x00000700, 14) | _rotl32(w & 0x00000080, 18)
+            | _rotl32(w & 0x00007800, 20) | _rotl32(w & 0x00600000, 24)
+            | _rotl32(w & 0x00078000, 26) | _rotl32(w & 0x00800000, 30))
+
+
+@triton.jit
+def _store_words(dst, run, w0, w1, w2, w3, mask):
+    """Store a slice pair's kernel-order word of each of the 4 runs (uint32) at dst (int32
+    pointers: the pair's word in run 0), dst + run, + 2 run, + 3 run (run = Kp/32 int32)."""
+    tl.store(dst, w0.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(dst + run, w1.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(dst + 2 * run, w2.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(dst + 3 * run, w3.to(tl.int32, bitcast=True), mask=mask)
 
 
 @triton.jit
 def _slice_word(nat):
-    """Natural packed bytes [rows, slices, 4] (any integer type, values 0..255) -> int32
-    [rows, slices], byte j of the word = element j (little-endian, as the bytes lie in memory).
-    The 4-wide axis is 4 contiguous source elements, one vector load: the sum stays within one
-    thread (and its terms have disjoint bits, so it is an or)."""
+    """Natural packed bytes [rows, pairs, 2, 4] (any integer type, values 0..255) -> int32
+    [rows, pairs, 2], byte j of the word = element j (little-endian, as the bytes lie in
+    memory). The 4-wide axis is 4 contiguous source elements, one vector load: the sum stays
+    within one thread (and its terms have disjoint bits, so it is an or)."""
     j = tl.arange(0, 4)
-    return tl.sum(nat.to(tl.int32) << (8 * j)[None, None, :], axis=2)
+    return tl.sum(nat.to(tl.int32) << (8 * j)[None, None, None, :], axis=3)
 
 
 @triton.jit
@@ -335,16 +352,13 @@ def _fp4_half_slices(src_rows, c, h, mask, stride_sk, SRC: tl.constexpr, EVEN: t
 
 
 @triton.jit
-def _fp4_load(src_ptr, e, col_block, rows, N, slices, stride_se, stride_sn, stride_sk,
-              SRC: tl.constexpr, EVEN_N: tl.constexpr, SLICES_ALIGN: tl.constexpr,
-              BLOCK_S: tl.constexpr):
-    """The source values of one fp4 tile (see _fp4_kernel) as float32 [rows, slices, 4]: the
-    low and high columns of each slice's two halves (lo0, hi0, lo1, hi1)."""
-    EVEN: tl.constexpr = EVEN_N and SLICES_ALIGN == BLOCK_S
-    c = col_block * BLOCK_S + tl.arange(0, BLOCK_S)
+def _fp4_load(src_ptr, e, c, rows, N, slices, stride_se, stride_sn, stride_sk,
+              SRC: tl.constexpr, EVEN: tl.constexpr, SLICES_ALIGN: tl.constexpr):
+    """The source values of slices c of one fp4 tile (see _fp4_kernel) as float32 [rows,
+    len(c), 4]: the low and high columns of each slice's two halves (lo0, hi0, lo1, hi1)."""
     src_rows = src_ptr + e * stride_se + rows.to(tl.int64) * stride_sn
-    # Load masks constant over SLICES_ALIGN slices (bounds written as multiples of it), so the
-    # loads stay vectorized; whole scale blocks are in or out.
+    # Load masks constant over SLICES_ALIGN slices (bounds written as multiples of it); whole
+    # scale blocks are in or out.
     slice_ok = c < (slices // SLICES_ALIGN) * SLICES_ALIGN
     mask = ((rows < N)[:, None] & slice_ok[None, :])[:, :, None]
     lo0, hi0 = _fp4_half_slices(src_rows, c, 0, mask, stride_sk, SRC, EVEN)
@@ -353,28 +367,68 @@ def _fp4_load(src_ptr, e, col_block, rows, N, slices, stride_se, stride_sn, stri
 
 
 @triton.jit
-def _fp4_quantize_store(
-    lo0, hi0, lo1, hi1, dst_ptr, dst_rows_ptr, scale_ptr, scale_rows_ptr, table_ptr,
-    factor2_ptr, e, col_block, rows, N, run,
-    stride_de, stride_dn, stride_ce, stride_cn,
-    QUANT: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """Quantize one fp4 tile loaded by _fp4_load and store its kernel-order codes and block
-    scales (see _fp4_kernel). Shared by _fp4_kernel and _nvfp4_fused_kernel, whose nvfp4
-    factors (table, factor2) come from the amax pass of the same launch."""
-    c = col_block * BLOCK_S + tl.arange(0, BLOCK_S)
-    row_mask = rows < N
-    store_mask = None if EVEN_N else row_mask[:, None]   # stores mask rows only
-    slice_amax = tl.maximum(tl.max(tl.maximum(tl.abs(lo0), tl.abs(hi0)), axis=2),
-                            tl.max(tl.maximum(tl.abs(lo1), tl.abs(hi1)), axis=2))
-    if QUANT == "nvfp4":
-        block_amax = slice_amax                                           # [rows, slices]
-    else:
-        block_amax = tl.max(tl.reshape(slice_amax, (BLOCK_N, BLOCK_S // 2, 2)), axis=2)
+def _fp4_load_pairs(src_ptr, e, col_block, rows, N, slices, stride_se, stride_sn, stride_sk,
+                    SRC: tl.constexpr, EVEN_N: tl.constexpr, SLICES_ALIGN: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
+    """_fp4_load of a tile's even slices, then of its odd ones ([rows, BLOCK_S / 2, 4] each):
+    a kernel-order word holds a slice pair's codes, so the thread that holds pair p holds
+    both slices (each slice half still one 16-byte load of a 16-bit source)."""
+    EVEN: tl.constexpr = EVEN_N and SLICES_ALIGN == BLOCK_S
+    a = 2 * (col_block * (BLOCK_S // 2) + tl.arange(0, BLOCK_S // 2))
+    a_lo0, a_hi0, a_lo1, a_hi1 = _fp4_load(src_ptr, e, a, rows, N, slices, stride_se,
+                                           stride_sn, stride_sk, SRC, EVEN, SLICES_ALIGN)
+    b_lo0, b_hi0, b_lo1, b_hi1 = _fp4_load(src_ptr, e, a + 1, rows, N, slices, stride_se,
+                                           stride_sn, stride_sk, SRC, EVEN, SLICES_ALIGN)
+    return a_lo0, a_hi0, a_lo1, a_hi1, b_lo0, b_hi0, b_lo1, b_hi1
 
+
+# Where _fp4_word puts each code (the magnitude's bits, then the sign): quant.FP4_WORD_BITS,
+# bit 8j + 4n + b being bit b of nibble n of byte j (bytes (c, 0), (c, 1), (c + 1, 0), (c + 1, 1)).
+assert q.FP4_WORD_BITS == (6, 7, 8, 15, 16, 17, 18, 25, 22, 23, 24, 31, 0, 1, 2, 9,
+                           10, 11, 12, 19, 20, 13, 14, 21, 26, 27, 28, 3, 4, 29, 30, 5)
+# _e2m1_at leaves 0x4B000000 << MAG (the float32 bits of 2^23 that _e2m1_bits adds to the code)
+# in the sum of a word's six whole fields: its negation mod 2^32, added once a word.
+_E2M1_WORD_EXCESS = tl.constexpr(
+    -sum(0x4B000000 << m for m in (6, 22, 16, 0, 10, 26)) % (1 << 32))
+
+
+@triton.jit
+def _e2m1_at(y, MAG: tl.constexpr, SIGN: tl.constexpr, SATURATE: tl.constexpr):
+    """y's e2m1 code as uint32 bits: its magnitude at bits MAG..MAG+2 plus 0x4B000000 << MAG
+    (see _E2M1_WORD_EXCESS: one shift-add a code instead of a mask more), its sign at SIGN
+    (set only below -0.25: a value that rounds to zero is +0, as quant.e2m1_encode gives it)."""
+    r = _e2m1_bits(y, SATURATE).to(tl.uint32, bitcast=True)
+    return (r << MAG) + ((y < -0.25).to(tl.uint32) << SIGN)
+
+
+@triton.jit
+def _e2m1_split_at(y, MAG0: tl.constexpr, MAG12: tl.constexpr, SIGN: tl.constexpr,
+                   SATURATE: tl.constexpr):
+    """_e2m1_at for a code whose magnitude is split: bit 0 at MAG0, bits 1-2 at MAG12..+1;
+    no excess."""
+    r = _e2m1_bits(y, SATURATE).to(tl.uint32, bitcast=True)
+    return (((r & 1) << MAG0) | ((r & 6) << (MAG12 - 1))
+            | ((y < -0.25).to(tl.uint32) << SIGN))
+
+
+@triton.jit
+def _fp4_word(a_lo0, a_hi0, a_lo1, a_hi1, b_lo0, b_hi0, b_lo1, b_hi1, SATURATE: tl.constexpr):
+    """The kernel-order word (uint32) of one run of a slice pair from the scaled values of
+    columns 2t, 2t + 1, 2t + 8, 2t + 9 of slices a = c and b = c + 1 (_fp4_half_slices' lo0,
+    hi0, lo1, hi1): byte (c, 0) holds columns 2t | 2t + 8, (c, 1) 2t + 1 | 2t + 9, and so on,
+    each code's bits where quant.FP4_WORD_BITS puts them."""
+    w = (_e2m1_at(a_lo0, 6, 15, SATURATE) + _e2m1_at(a_lo1, 16, 25, SATURATE)
+         + _e2m1_at(a_hi0, 22, 31, SATURATE) + _e2m1_at(a_hi1, 0, 9, SATURATE)
+         + _e2m1_at(b_lo0, 10, 19, SATURATE) + _e2m1_at(b_hi0, 26, 3, SATURATE)
+         + _E2M1_WORD_EXCESS)
+    return (w | _e2m1_split_at(b_lo1, 20, 13, 21, SATURATE)
+            | _e2m1_split_at(b_hi1, 4, 29, 5, SATURATE))
+
+
+@triton.jit
+def _fp4_block_factors(amax, e, table_ptr, factor2_ptr, QUANT: tl.constexpr):
+    """Block amax [rows, blocks] -> (the block-scale bytes, the factor that scales a block's
+    values onto the e2m1 grid), as quant.quantize_nvfp4 / quantize_mxfp4 compute them."""
     if QUANT == "nvfp4":
         # quant.quantize_nvfp4: block scale = e4m3(amax / 6 * inv_global); the values are
         # divided by block scale * global scale through its (correctly rounded) inverse.
@@ -385,50 +439,90 @@ def _fp4_quantize_store(
         # order store after it, the H200 build of this kernel gave wrong block-scale bytes from
         # cvt.rn.satfinite.e4m3x2 (an eighth of the groups; nvfp4 only, the interpreter right).
         # (block amax and the inverse global scale are >= 0, so the scale is.)
-        block_scale = _e4m3_bits_nonneg(tl.div_rn(block_amax, 6.0) * inv_global)
+        block_scale = _e4m3_bits_nonneg(tl.div_rn(amax, 6.0) * inv_global)
         factor = tl.load(table_ptr + e * 128 + block_scale.to(tl.int32))
     else:
         # quant.quantize_mxfp4: exponent = ceil(log2(amax / 6)), exactly, from the bits of
         # y = amax / 6: for a normal y = 1.m * 2^E it is E, plus 1 unless m == 0; a
         # subnormal y lies in (0, 2^-126): -126 above 2^-127, else <= -127 (clamped).
-        y = tl.div_rn(block_amax, 6.0)
+        y = tl.div_rn(amax, 6.0)
         bits = y.to(tl.int32, bitcast=True)
         biased = (bits >> 23) & 0xFF
         mantissa = bits & 0x7FFFFF
         exponent = tl.where(biased == 0, tl.where(mantissa > 0x400000, -126, -127),
                             biased - 127 + (mantissa != 0).to(tl.int32))
-        exponent = tl.where(block_amax > 0, exponent, -127)
+        exponent = tl.where(amax > 0, exponent, -127)
         exponent = tl.minimum(tl.maximum(exponent, -127), 127)
         # 2^-exponent, built exactly (2^-127 is subnormal: bit 22 alone).
         factor = tl.where(exponent == 127, tl.full(exponent.shape, 0x400000, tl.int32),
                           (127 - exponent) << 23).to(tl.float32, bitcast=True)
         block_scale = (exponent + 127).to(tl.uint8)
-        # Back to one factor per slice (the two slices of a block share it).
-        factor = tl.reshape(tl.broadcast_to(factor[:, :, None], (BLOCK_N, BLOCK_S // 2, 2)),
-                            (BLOCK_N, BLOCK_S))
-    # mxfp4's scaled values never pass 6 (2^exponent >= amax / 6): no saturation needed.
-    # The codes go straight to their kernel-order runs (moe_ops.quant, "The kernel order of
-    # packed e2m1 rows"): run t of a slice is 16 bits, columns 2t | 2t + 8 (its byte q = 0) and
-    # 2t + 1 | 2t + 9 (q = 1), i.e. lo0 | lo1 << 4 | hi0 << 8 | hi1 << 12 at index t of the
-    # loaded halves (_fp4_half_slices). Three shift-adds per run: no natural bytes, no
-    # re-pairing (_kernel_order_runs, which the pre-quantized path still needs). The nibbles'
-    # high bits (2^23's) leave the low 16 bits, the ones stored, untouched.
-    f = factor[:, :, None]
+    return block_scale, factor
+
+
+@triton.jit
+def _slice_amax(lo0, hi0, lo1, hi1):
+    """The amax of each slice of a tile loaded by _fp4_load: [rows, slices]."""
+    return tl.maximum(tl.max(tl.maximum(tl.abs(lo0), tl.abs(hi0)), axis=2),
+                      tl.max(tl.maximum(tl.abs(lo1), tl.abs(hi1)), axis=2))
+
+
+@triton.jit
+def _fp4_quantize_store(
+    a_lo0, a_hi0, a_lo1, a_hi1, b_lo0, b_hi0, b_lo1, b_hi1,
+    dst_ptr, dst_rows_ptr, scale_ptr, scale_rows_ptr, table_ptr,
+    factor2_ptr, e, col_block, rows, N, run,
+    stride_de, stride_dn, stride_ce, stride_cn,
+    QUANT: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Quantize one fp4 tile loaded by _fp4_load, its even slices (a) and odd ones (b) apart,
+    and store its kernel-order words and block scales (see _fp4_kernel). Shared by _fp4_kernel
+    and _nvfp4_fused_kernel, whose nvfp4 factors (table, factor2) come from the amax pass of
+    the same launch."""
+    PAIRS: tl.constexpr = BLOCK_S // 2
+    pairs = col_block * PAIRS + tl.arange(0, PAIRS)
+    row_mask = rows < N
+    store_mask = None if EVEN_N else row_mask[:, None]   # stores mask rows only
+    amax_a = _slice_amax(a_lo0, a_hi0, a_lo1, a_hi1)                      # [rows, pairs]
+    amax_b = _slice_amax(b_lo0, b_hi0, b_lo1, b_hi1)
+    if QUANT == "nvfp4":
+        # a 16-wide block a slice
+        scale_a, fa = _fp4_block_factors(amax_a, e, table_ptr, factor2_ptr, QUANT)
+        scale_b, fb = _fp4_block_factors(amax_b, e, table_ptr, factor2_ptr, QUANT)
+    else:
+        # a 32-wide block a slice pair
+        block_scale, fa = _fp4_block_factors(tl.maximum(amax_a, amax_b), e, table_ptr,
+                                             factor2_ptr, QUANT)
+        fb = fa
+    # The codes go straight to their place in the kernel order's words (moe_ops.quant, "The
+    # kernel order of packed e2m1 rows"): run t of a slice pair is one 32-bit word of the 8
+    # codes of columns 2t, 2t + 1, 2t + 8, 2t + 9 of both slices, i.e. index t of the loaded
+    # halves (_fp4_half_slices), each code shifted to its bits (_fp4_word): no natural bytes,
+    # no re-pairing across threads. mxfp4's scaled values never pass 6 (2^exponent >= amax /
+    # 6): no saturation needed.
+    fa = fa[:, :, None]
+    fb = fb[:, :, None]
     SAT: tl.constexpr = QUANT == "nvfp4"
-    runs = (_e2m1_nibble(lo0 * f, SAT) + (_e2m1_nibble(lo1 * f, SAT) << 4)
-            + (_e2m1_nibble(hi0 * f, SAT) << 8) + (_e2m1_nibble(hi1 * f, SAT) << 12))
+    words = _fp4_word(a_lo0 * fa, a_hi0 * fa, a_lo1 * fa, a_hi1 * fa,
+                      b_lo0 * fb, b_hi0 * fb, b_lo1 * fb, b_hi1 * fb, SAT)
 
     dst_rows = _load(dst_rows_ptr + rows, row_mask, EVEN_N).to(tl.int64)
-    dst = (dst_ptr + e * stride_de + dst_rows[:, None, None] * stride_dn + c[None, :, None]
-           + (tl.arange(0, 4) * run)[None, None, :])                         # run t of slice c
-    tl.store(dst, runs.to(tl.int16), mask=None if EVEN_N else row_mask[:, None, None])
+    dst = (dst_ptr + e * stride_de + dst_rows[:, None, None] * stride_dn + pairs[None, :, None]
+           + (tl.arange(0, 4) * run)[None, None, :])                  # run t of the pair
+    tl.store(dst, words.to(tl.int32, bitcast=True),
+             mask=None if EVEN_N else row_mask[:, None, None])
     scale_rows = _load(scale_rows_ptr + rows, row_mask, EVEN_N).to(tl.int64)
     scale = scale_ptr + e * stride_ce + scale_rows * stride_cn
     if QUANT == "nvfp4":
+        # slices 2p and 2p + 1 side by side ([rows, pairs, 2] -> [rows, slices])
+        block_scale = tl.reshape(tl.join(scale_a, scale_b), (BLOCK_N, BLOCK_S))
+        c = col_block * BLOCK_S + tl.arange(0, BLOCK_S)
         tl.store(scale[:, None] + c[None, :], block_scale, mask=store_mask)
     else:
-        groups = col_block * (BLOCK_S // 2) + tl.arange(0, BLOCK_S // 2)
-        tl.store(scale[:, None] + groups[None, :], block_scale, mask=store_mask)
+        tl.store(scale[:, None] + pairs[None, :], block_scale, mask=store_mask)
 
 
 @triton.jit
@@ -471,16 +565,17 @@ def _fp4_kernel(
     this grid has programs per expert; programs past the last tile redo the last one (the
     same maximum, no branch, no mask).
 
-    dst is the int16 view of the kernel-order rows: a row is 4 runs of `run` = Kp/16 int16, the
-    2 bytes of slice c in run t at t * run + c (moe_ops.quant, "The kernel order of packed e2m1
-    rows"; _kernel_order_runs). The grid covers the padded row (Kp/16 slices, BLOCK_S divides
-    it): the padding past K is loaded as zeros and so written as zero codes and zero scales
-    (what the GEMMs, which read it unmasked, need), in the same pass.
+    dst is the int32 view of the kernel-order rows: a row is 4 runs of `run` = Kp/32 words,
+    the word of slices 2p and 2p + 1 in run t at t * run + p (moe_ops.quant, "The kernel order
+    of packed e2m1 rows": each word's bits permuted, FP4_WORD_BITS). The grid covers the padded
+    row (Kp/16 slices, BLOCK_S divides it): the padding past K is loaded as zeros and so written
+    as zero codes and zero scales (what the GEMMs, which read it unmasked, need), in the same
+    pass.
 
-    Each thread holds whole slices (two 16-byte loads of a 16-bit source), so the block amax and
-    the codes, shifted straight into their kernel-order runs, stay in its registers; the stores
-    are 16-byte vectors along each run. (An earlier version packed natural bytes first and
-    re-paired them across threads: 2.8x the memory floor instead of ~1.5x.)
+    Each thread holds whole slice pairs (four 16-byte loads of a 16-bit source), so the block
+    amax and the codes, shifted straight to their bits of the kernel-order words (_fp4_word),
+    stay in its registers. (An earlier version packed natural bytes first and re-paired them
+    across threads: 2.8x the memory floor instead of ~1.5x.)
 
     QUANT "nvfp4": e4m3 block scales (16 along K = one slice); factor2 = the inverse of the
                    expert's global scale (0 for a zero expert), table = the inverse of each
@@ -494,9 +589,11 @@ def _fp4_kernel(
                    padding, no column masks).
     """
     e, row_block, col_block, rows = _tile(num_col_blocks, BLOCK_N)
-    lo0, hi0, lo1, hi1 = _fp4_load(src_ptr, e, col_block, rows, N, slices, stride_se,
-                                   stride_sn, stride_sk, SRC, EVEN_N, SLICES_ALIGN, BLOCK_S)
-    _fp4_quantize_store(lo0, hi0, lo1, hi1, dst_ptr, dst_rows_ptr, scale_ptr, scale_rows_ptr,
+    a_lo0, a_hi0, a_lo1, a_hi1, b_lo0, b_hi0, b_lo1, b_hi1 = _fp4_load_pairs(
+        src_ptr, e, col_block, rows, N, slices, stride_se, stride_sn, stride_sk, SRC, EVEN_N,
+        SLICES_ALIGN, BLOCK_S)
+    _fp4_quantize_store(a_lo0, a_hi0, a_lo1, a_hi1, b_lo0, b_hi0, b_lo1, b_hi1,
+                        dst_ptr, dst_rows_ptr, scale_ptr, scale_rows_ptr,
                         table_ptr, factor2_ptr, e, col_block, rows, N, run,
                         stride_de, stride_dn, stride_ce, stride_cn,
                         QUANT, EVEN_N, BLOCK_N, BLOCK_S)
@@ -755,15 +852,17 @@ def _nvfp4_fused_kernel(
         col_block = tile % num_col_blocks
         rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
         # The weights first: their loads are in flight while the flag is checked.
-        lo0, hi0, lo1, hi1 = _fp4_load(src_ptr, e, col_block, rows, N, slices, stride_se,
-                                       stride_sn, stride_sk, SRC, EVEN_N, SLICES_ALIGN, BLOCK_S)
+        a_lo0, a_hi0, a_lo1, a_hi1, b_lo0, b_hi0, b_lo1, b_hi1 = _fp4_load_pairs(
+            src_ptr, e, col_block, rows, N, slices, stride_se, stride_sn, stride_sk, SRC,
+            EVEN_N, SLICES_ALIGN, BLOCK_S)
         # Acquire reads of the flag, so that the factors read below are those published before
         # it. Triton turns an atomic add of 0 into an atomic load (ld.acquire.gpu: no
         # read-modify-write contending on the flag's address); a spin on volatile loads followed
         # by one such read would not do: with its result unused that read is dropped.
         while tl.atomic_add(ready, 0, sem="acquire") == 0:
             pass
-        _fp4_quantize_store(lo0, hi0, lo1, hi1, dst_ptr, dst_rows_ptr, scale_ptr,
+        _fp4_quantize_store(a_lo0, a_hi0, a_lo1, a_hi1, b_lo0, b_hi0, b_lo1, b_hi1,
+                            dst_ptr, dst_rows_ptr, scale_ptr,
                             scale_rows_ptr, table_ptr, inv_global_ptr, e, col_block, rows, N,
                             run, stride_de, stride_dn, stride_ce, stride_cn,
                             "nvfp4", EVEN_N, BLOCK_N, BLOCK_S)
@@ -803,38 +902,46 @@ def _fp4_order_rows_kernel(
 ):
     """One tile of natural packed e2m1 rows src[e] (BLOCK_N rows, BLOCK_S 16-column slices; a
     row is `slices` = K/16 slices) -> the same rows in kernel order at dst[e, dst_rows[r]] (the
-    int16 view, runs of `run` = Kp/16 int16, see _fp4_kernel), bit for bit. The grid covers the
+    int32 view, runs of `run` = Kp/32 words, see _fp4_kernel), bit for bit. The grid covers the
     padded row (Kp/16 slices, BLOCK_S divides it): the padding is written as zeros.
 
-    WORDS: src is the int64 view of the rows (a slice's 8 bytes are one word; strides in words):
-    one 8-byte element a slice, vector loads and stores, the re-pairing within each thread.
-    Otherwise src is bytes with any strides, each half of a slice loaded as 4 bytes.
+    WORDS: src is the int64 view of the rows (a slice's 8 bytes are one element; strides in
+    them): a slice pair is one 16-byte load, the re-pairing within each thread. Otherwise src
+    is bytes with any strides, each half of a slice loaded as 4 bytes.
     SLICES_ALIGN: a power of two <= BLOCK_S that divides `slices` (== BLOCK_S: the row has no
     padding, no column masks).
     """
     EVEN_K: tl.constexpr = SLICES_ALIGN == BLOCK_S
     EVEN: tl.constexpr = EVEN_N and EVEN_K
+    PAIRS: tl.constexpr = BLOCK_S // 2
     e, row_block, col_block, rows = _tile(num_col_blocks, BLOCK_N)
-    c = col_block * BLOCK_S + tl.arange(0, BLOCK_S)
+    pairs = col_block * PAIRS + tl.arange(0, PAIRS)
     row_mask = rows < N
     # Whole slices are loaded or read as zeros, SLICES_ALIGN of them at a time (bounds written
-    # as multiples of it, so Triton sees the masks constant over that many and keeps the loads
-    # vectorized). Stores mask rows only.
-    mask = row_mask[:, None] & (c < (slices // SLICES_ALIGN) * SLICES_ALIGN)[None, :]
-    src_rows = src_ptr + e * stride_se + rows.to(tl.int64)[:, None] * stride_sn
+    # as multiples of it). Stores mask rows only.
+    c = 2 * pairs[None, :, None] + tl.arange(0, 2)[None, None, :]           # [1, pairs, 2]
+    mask = row_mask[:, None, None] & (c < (slices // SLICES_ALIGN) * SLICES_ALIGN)
+    src_rows = src_ptr + e * stride_se + rows.to(tl.int64)[:, None, None] * stride_sn
     if WORDS:
-        word = _load(src_rows + c[None, :], mask, EVEN)
+        word = _load(src_rows + c, mask, EVEN)                           # [rows, pairs, 2]
         lo = word.to(tl.int32)
         hi = (word >> 32).to(tl.int32)
     else:
-        j = tl.arange(0, 4)[None, None, :]
-        src = src_rows[:, :, None] + ((8 * c)[None, :, None] + j).to(tl.int64) * stride_sk
-        lo = _slice_word(_load(src, mask[:, :, None], EVEN))
-        hi = _slice_word(_load(src + 4 * stride_sk, mask[:, :, None], EVEN))
+        j = tl.arange(0, 4)[None, None, None, :]
+        src = src_rows[:, :, :, None] + ((8 * c)[:, :, :, None] + j).to(tl.int64) * stride_sk
+        lo = _slice_word(_load(src, mask[:, :, :, None], EVEN))
+        hi = _slice_word(_load(src + 4 * stride_sk, mask[:, :, :, None], EVEN))
     runs01, runs23 = _kernel_order_runs(lo, hi)
+    a01, b01 = tl.split(runs01.to(tl.uint32, bitcast=True))                 # slices 2p, 2p + 1
+    a23, b23 = tl.split(runs23.to(tl.uint32, bitcast=True))
+    # a run's word: slice 2p's 2 bytes, then slice 2p + 1's
+    w0 = _permute_fp4_word((a01 & 0xFFFF) | (b01 << 16))
+    w1 = _permute_fp4_word((a01 >> 16) | (b01 & 0xFFFF0000))
+    w2 = _permute_fp4_word((a23 & 0xFFFF) | (b23 << 16))
+    w3 = _permute_fp4_word((a23 >> 16) | (b23 & 0xFFFF0000))
     dst_rows = _load(dst_rows_ptr + rows, row_mask, EVEN_N).to(tl.int64)
-    dst = dst_ptr + e * stride_de + dst_rows[:, None] * stride_dn + c[None, :]
-    _store_runs(dst, run, runs01, runs23, None if EVEN_N else row_mask[:, None])
+    dst = dst_ptr + e * stride_de + dst_rows[:, None] * stride_dn + pairs[None, :]
+    _store_words(dst, run, w0, w1, w2, w3, None if EVEN_N else row_mask[:, None])
 
 
 def _rows_view(w: torch.Tensor, width: int) -> Optional[torch.Tensor]:
@@ -950,7 +1057,7 @@ def quantize_scatter(
         table = _nvfp4_inverse_table(factor)
     slices, block_n, block_s, align, col_blocks = _fp4_tiles(n, k)
     src, kind = _fp4_source(w)
-    runs = _int16_rows(dst)
+    runs = _int32_rows(dst)
     programs = cdiv(n, block_n) * col_blocks
     plan = (_next_amax_plan(next_weight, e, programs, w.device) if next_weight is not None
             else None)
@@ -969,7 +1076,7 @@ def quantize_scatter(
     _fp4_kernel[(programs, e)](
         src, runs, dst_rows, scale_arg, scale_rows_arg,
         table if quant == "nvfp4" else dst_rows, factor2 if factor2 is not None else dst_rows,
-        n, slices, col_blocks, q.fp4_padded_k(k) // 16, *src.stride(), runs.stride(0),
+        n, slices, col_blocks, q.fp4_padded_k(k) // 32, *src.stride(), runs.stride(0),
         runs.stride(1), *scale_strides,
         QUANT=quant, SRC=kind, HW_E4M3=hw, EVEN_N=n % block_n == 0, SLICES_ALIGN=align,
         BLOCK_N=block_n, BLOCK_S=block_s, num_warps=_FP4_WARPS, enable_fp_fusion=False,
@@ -1079,7 +1186,7 @@ def quantize_scatter_nvfp4(
         scale_dst = scale_dst.view(torch.uint8)
     slices, block_n, block_s, align, col_blocks = _fp4_tiles(n, k)
     src, kind = _fp4_source(w)
-    runs = _int16_rows(dst)
+    runs = _int32_rows(dst)
     (amax_rows, amax_cols, stride_an, stride_ak), amax_n, amax_k, iters, even = _amax_view(src)
     amax_tiles = cdiv(amax_rows, amax_n * iters) * cdiv(amax_cols, amax_k)
     quant_tiles = cdiv(n, block_n) * col_blocks
@@ -1091,7 +1198,7 @@ def quantize_scatter_nvfp4(
     table = torch.empty((e, 128), dtype=torch.float32, device=device)
     _nvfp4_fused_kernel[(e * (amax_tiles + quant_tiles),)](
         src, runs, dst_rows, scale_dst, scale_rows, sync, global_scale, inv_global, table,
-        e, n, slices, col_blocks, q.fp4_padded_k(k) // 16, quant_tiles,
+        e, n, slices, col_blocks, q.fp4_padded_k(k) // 32, quant_tiles,
         amax_tiles, amax_rows, amax_cols, cdiv(amax_cols, amax_k),
         *src.stride(), runs.stride(0), runs.stride(1), scale_dst.stride(0), scale_dst.stride(1),
         stride_an, stride_ak,
@@ -1115,11 +1222,11 @@ def _fp4_column_tiles(slices: int, padded_slices: int, max_slices: int) -> tuple
     return block_s, min(slices & -slices, block_s)
 
 
-def _int16_rows(dst: torch.Tensor) -> torch.Tensor:
-    """The int16 view of kernel-order rows uint8 [E, *, Kp/2] (contiguous rows, even strides):
-    what the fp4 kernels store, one slice's 2 bytes of a run at a time."""
-    assert _rows_allow(dst, 2)
-    return dst.view(torch.int16)
+def _int32_rows(dst: torch.Tensor) -> torch.Tensor:
+    """The int32 view of kernel-order rows uint8 [E, *, Kp/2] (contiguous rows, strides a
+    multiple of 4): what the fp4 kernels store, one slice pair's word of a run at a time."""
+    assert _rows_allow(dst, 4)
+    return dst.view(torch.int32)
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -1176,13 +1283,13 @@ def scatter_fp4_rows(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tenso
     assert k % 16 == 0, "fp4 rows are whole 16-column slices"
     assert src.element_size() == 1 and dst.element_size() == 1
     assert dst.shape[-1] == q.fp4_padded_k(k) // 2 and dst.stride(-1) == 1
-    src, dst = src.view(torch.uint8), _int16_rows(dst.view(torch.uint8))
+    src, dst = src.view(torch.uint8), _int32_rows(dst.view(torch.uint8))
     slices = k // 16
     # Whole slices as int64 words where the rows allow it (contiguous, 8-byte aligned).
     words = _rows_allow(src, 8)
     if words:
         src = src.view(torch.int64)
-    padded_slices = dst.shape[-1] // 4
+    padded_slices = dst.shape[-1] // 2     # Kp/16 (rows of Kp/8 words)
     block_s, align = _fp4_column_tiles(slices, padded_slices, _FP4_ORDER_MAX_SLICES)
     block_n = min(max(1, _COPY_TILE_BYTES // (8 * block_s)), next_power_of_2(n))
     col_blocks = padded_slices // block_s

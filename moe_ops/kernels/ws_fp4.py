@@ -31,9 +31,12 @@ Swap-AB: the weight rows are the MMA's M side, the dispatch's 16-slot blocks its
 up to 8 routed rows an expert; prefill's forms: 64- and 128-slot blocks, PREFILL_SLOTS and
 WIDE_SLOTS). N need only be a multiple of 64: a consumer whose rows of the last tile lie past
 N idles through the ring.
-Its sm_90 K loop: 3.3 instructions a weight value for nvfp4, 3.7 for mxfp4 (two multiplies a
-pair: see grouped_gemm's _E2M1_BF16_ASM_MXFP4) (benchmarks/dev_gluon_fp4_decode.py --aot),
-against the Triton loop's 5.1.
+Its sm_90 K loop: 2.43 instructions a weight value for nvfp4, 2.83 for mxfp4 (two multiplies
+a pair: see grouped_gemm's _E2M1_BF16_ASM_MXFP4) (benchmarks/dev_gluon_fp4_decode.py --aot),
+against the Triton loop's 5.1; 3.30 and 3.70 before the kernel order permuted each word's bits
+for the decode (quant.FP4_WORD_BITS: DeepSeek-V3 nvfp4 T = 1 / 16 / 64 103.6 / 785 / 1579 ->
+89.8 / 706 / 1421 us, gpt-oss-120b mxfp4 53.2 / 339 / 703 -> 46.0 / 275 / 568, the prefill
+GEMMs 5-6% faster; results/h200_ab_fp4_layout_*.json).
 
 Contract (grouped_gemm's, dispatch mode only): activation rows [slots, K] in dispatch order
 (GEMM1's gathered by grouped_gemm.gather_rows, or by the dispatch's own launch,
