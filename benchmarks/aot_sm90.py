@@ -216,7 +216,7 @@ def prepare_summary(quant: str, amax_next: bool = False, k: int = 7168) -> str:
         consts.update(AMAX_NEXT=True, NEXT_SRC="bf16", NEXT_UNIT_K=True, NEXT_EVEN=True,
                       NEXT_BLOCK_N=tile_n, NEXT_BLOCK_K=tile_k, NEXT_ITERS=1, next_stride_k=1,
                       next_col_blocks=1, PAIR_MAX=True)
-    types = dict(src_ptr="*i32", dst_ptr="*i16", dst_rows_ptr="*i64", scale_rows_ptr="*i64",
+    types = dict(src_ptr="*i32", dst_ptr="*i32", dst_rows_ptr="*i64", scale_rows_ptr="*i64",
                  scale_ptr="*u8", table_ptr="*fp32", factor2_ptr="*fp32", next_ptr="*i32",
                  next_amax_ptr="*i32")
     parameters = inspect.signature(prepare._fp4_kernel.fn).parameters

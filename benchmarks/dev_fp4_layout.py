@@ -9,6 +9,8 @@ Variants:
   cur       the natural packed order [N, K/2] (the package's layout before the kernel order):
             3-D load, inline-PTX decode, join + reshape; the compiler gathers each thread's
             bytes for the MMA's register fragment with single-byte shared loads and permutes
+            (it calls the package's decode, which since reads kernel-order words: its timing
+            stands for the natural order's loads, its err column no longer means anything)
   p1        the kernel order with one chunk per K step: per row and BK chunk, byte (t, c, q)
             holds codes 16c+2t+q (low nibble) and 16c+2t+q+8 (high nibble), t < 4, c < BK/16,
             q < 2; a thread's bytes of a step are one run of BK/8 bytes
@@ -19,7 +21,6 @@ Variants:
 Results: results/h200_fp4_layout.json (this variant list), results/h200_fp4_layout_first.json
 (an earlier list: cur, p1, nodecode over 64/128 x 128/256 tiles and 3/5 stages, where p1 was
 first measured, and an earlier p1 whose loads were too narrow to be pipelined).
-"""
 """
 from __future__ import annotations
 
@@ -33,9 +34,24 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from moe_ops.kernels.grouped_gemm import (  # noqa: E402
-    _E2M1_BF16_ASM_MXFP4, _E2M1_BF16_ASM_NVFP4, _dequant_fp4_tile_bf16_asm,
-)
+from moe_ops.kernels import fp4_decode  # noqa: E402
+from moe_ops.kernels.fp4_decode import _dequant_fp4_tile_bf16_asm  # noqa: E402
+
+# The byte-order decode this experiment measured (before the kernel order permuted each word's
+# bits; see moe_ops.quant): each byte to the high byte of a 16-bit half (prmt), its sign and
+# magnitude moved into place; the package's multiplies after it. The p1 / c32 / c64 variants
+# hand it 4 bytes with pack=4, which is right for this head whatever bytes the compiler packs.
+_BYTE_ORDER_HEAD = (
+    ".reg .b32 t0, t1, lo0, lo1, hi0, hi1, m, z;\nmov.b32 z, 0;\n"
+    "prmt.b32 t0, $4, z, 0x1404;\nprmt.b32 t1, $4, z, 0x3424;\n"
+    + fp4_decode._ptx_sign_and_field("lo0", "t0", 4, 2, "0x01C001C0")
+    + fp4_decode._ptx_sign_and_field("lo1", "t1", 4, 2, "0x01C001C0")
+    + fp4_decode._ptx_sign_and_field("hi0", "t0", 0, 6, "0x01C001C0")
+    + fp4_decode._ptx_sign_and_field("hi1", "t1", 0, 6, "0x01C001C0"))
+_E2M1_BF16_ASM_NVFP4 = tl.constexpr(fp4_decode._E2M1_BF16_ASM_NVFP4.value.replace(
+    fp4_decode._E2M1_BF16_ASM_HEAD, _BYTE_ORDER_HEAD))
+_E2M1_BF16_ASM_MXFP4 = tl.constexpr(fp4_decode._E2M1_BF16_ASM_MXFP4.value.replace(
+    fp4_decode._E2M1_BF16_ASM_HEAD, _BYTE_ORDER_HEAD))
 
 READ_TBPS = 4.55
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]

@@ -71,6 +71,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${MOE_OPS_RESULTS_DIR:-benchmarks/results}"
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"   # absolute: the A/B modes run from another tree
 what="${1:-all}"
 status=0
 if [[ "$what" == check || "$what" == all ]]; then

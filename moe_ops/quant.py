@@ -174,9 +174,9 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 # c + 1 at P rotated left by 4, the high nibbles of slice c at P rotated by 10, and those of
 # slice c + 1 in two parts rotated by 14 (the magnitudes' lowest bits) and 6 (the rest): four
 # rotations of P cannot tile the 32 bits (the differences of {6, 7, 8, 15} mod 16 leave no
-# fourth translate), hence the split. The decode: an and, two rotate-and pairs, and two
-# rotates, an and and an or (grouped_gemm._E2M1_BF16_ASM_HEAD; ws_fp4's K loop 3.30 -> 2.43
-# SASS instructions a weight value on sm_90).
+# fourth translate), hence the split. The decode: an and, three rotate-and pairs, then a
+# rotate, an and and an or (10 PTX instructions, 9 in SASS: fp4_decode._E2M1_BF16_ASM_HEAD;
+# ws_fp4's K loop 3.30 -> 2.43 SASS instructions a weight value on sm_90).
 # Block scales keep their natural order, padded with zeros to Kp / block (value 0 * 0 = 0).
 FP4_K_ALIGN = 256
 
@@ -218,12 +218,21 @@ def fp4_permute_word_bits(rows: torch.Tensor, inverse: bool = False) -> torch.Te
         for i, d in enumerate(bits):
             back[d] = i
         bits = tuple(back)
-    words = rows.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    out = torch.zeros_like(words)
-    for rotation, mask in _rotation_groups(bits):
-        moved = words & mask
-        out |= ((moved << rotation) | (moved >> (32 - rotation))) & 0xFFFFFFFF
-    return out.to(torch.int32).view(torch.uint8).view(rows.shape)
+    groups = _rotation_groups(bits)
+    words = rows.contiguous().view(torch.int32).reshape(-1)
+    out = torch.empty_like(words)
+    # in chunks: the int64 temporaries of a whole checkpoint tensor would be ~10x its bytes
+    for start in range(0, words.numel(), _PERMUTE_CHUNK):
+        chunk = words[start:start + _PERMUTE_CHUNK].to(torch.int64) & 0xFFFFFFFF
+        permuted = torch.zeros_like(chunk)
+        for rotation, mask in groups:
+            moved = chunk & mask
+            permuted |= ((moved << rotation) | (moved >> (32 - rotation))) & 0xFFFFFFFF
+        out[start:start + _PERMUTE_CHUNK] = permuted.to(torch.int32)
+    return out.view(torch.uint8).view(rows.shape)
+
+
+_PERMUTE_CHUNK = 1 << 22     # words (16 MiB of packed bytes)
 
 
 def fp4_padded_k(k: int) -> int:

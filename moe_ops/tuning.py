@@ -117,15 +117,20 @@ def linked_token_count(*tensors_and_dims: Any) -> int:
 # The source files a tunable kernel is built from: the module of its @triton.jit entry point and
 # the modules of the device functions it calls (activations, fp8 rounding, the PDL prologue).
 KERNEL_SOURCES = {GROUPED_GEMM: ("grouped_gemm", "common")}
+# Modules only some quant modes' builds read (the 4-bit decode): hashed into those modes' kernel
+# source alone, so that a change of the 4-bit decode leaves the other modes' tables valid.
+QUANT_SOURCES = {GROUPED_GEMM: {"nvfp4": ("fp4_decode",), "mxfp4": ("fp4_decode",)}}
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_source_hash(kernel: str = GROUPED_GEMM) -> str:
-    """sha256 (16 hex digits) of the source text of the kernel's modules (KERNEL_SOURCES): a
-    config tuned for one version of a kernel never silently applies to another."""
+def kernel_source_hash(kernel: str = GROUPED_GEMM, quant: Optional[str] = None) -> str:
+    """sha256 (16 hex digits) of the source text of the kernel's modules (KERNEL_SOURCES, and
+    QUANT_SOURCES of `quant`): a config tuned for one version of a kernel never silently
+    applies to another."""
     import importlib
     digest = hashlib.sha256()
-    for name in KERNEL_SOURCES.get(kernel, (kernel,)):
+    names = KERNEL_SOURCES.get(kernel, (kernel,)) + QUANT_SOURCES.get(kernel, {}).get(quant, ())
+    for name in names:
         module = importlib.import_module(f"moe_ops.kernels.{name}")
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()[:16]
@@ -213,7 +218,7 @@ def problem_key(problem: GemmProblem, *, num_tokens: int, top_k: int, activation
     """The key of a grouped-GEMM problem at num_tokens (>= 1) tokens."""
     local = problem.num_experts
     return ProblemKey(
-        kernel=kernel, kernel_hash=kernel_source_hash(kernel), gemm=problem.gemm,
+        kernel=kernel, kernel_hash=kernel_source_hash(kernel, problem.quant), gemm=problem.gemm,
         num_experts=local if num_experts is None else num_experts, n=problem.n, k=problem.k,
         top_k=top_k, quant=problem.quant, activation=activation, gated=problem.gated,
         dtype=str(problem.dtype).replace("torch.", ""), local_experts=local,
@@ -404,8 +409,22 @@ def current_metadata(gpu: Optional[str] = None) -> Dict[str, Any]:
     meta = dict(_versions())
     meta["format"] = FORMAT_VERSION
     meta["gpu"] = gpu_name() if gpu is None else gpu
+    # (informational: each entry's key carries the hash of its own mode's source, which is
+    # what decides whether the entry applies, see _stale_entry)
     meta["kernel_hash"] = {GROUPED_GEMM: kernel_source_hash(GROUPED_GEMM)}
+    for quant, names in QUANT_SOURCES[GROUPED_GEMM].items():
+        meta["kernel_hash"][f"{GROUPED_GEMM}+{'+'.join(names)}"] = kernel_source_hash(
+            GROUPED_GEMM, quant)
     return meta
+
+
+def _stale_entry(key: "ProblemKey") -> bool:
+    """Whether an entry was tuned on another source of its kernel (for its quant mode); an
+    entry of a kernel this package does not have is stale too."""
+    try:
+        return key.kernel_hash != kernel_source_hash(key.kernel, key.quant)
+    except ImportError:
+        return True
 
 
 def _metadata_mismatch(meta: Any, expected: Dict[str, Any], fields: Iterable[str]) -> List[str]:
@@ -415,11 +434,11 @@ def _metadata_mismatch(meta: Any, expected: Dict[str, Any], fields: Iterable[str
             for name in fields if meta.get(name) != expected[name]]
 
 
-_STRICT_FIELDS = ("format", "package", "package_version", "torch", "triton", "gpu",
-                  "kernel_hash")
+# (The kernel source is checked entry by entry, _stale_entry: one file holds several modes.)
+_STRICT_FIELDS = ("format", "package", "package_version", "torch", "triton", "gpu")
 # Shipped tables are tuned once per GPU; they hold across torch/triton updates as long as the
 # kernel source is the same (a config is a launch choice; correctness does not depend on it).
-_SHIPPED_FIELDS = ("format", "package", "gpu", "kernel_hash")
+_SHIPPED_FIELDS = ("format", "package", "gpu")
 
 
 def read_cache_file(path: os.PathLike, *, expected: Optional[Dict[str, Any]] = None,
@@ -447,7 +466,7 @@ def read_cache_file(path: os.PathLike, *, expected: Optional[Dict[str, Any]] = N
                           f"metadata does not match ({'; '.join(mismatch)})",
                           TuningCacheWarning, stacklevel=3)
         return {}
-    entries, bad = {}, 0
+    entries, bad, stale = {}, 0, 0
     for text, entry in data["entries"].items():
         try:
             key = ProblemKey.from_str(text)
@@ -457,9 +476,16 @@ def read_cache_file(path: os.PathLike, *, expected: Optional[Dict[str, Any]] = N
         except (KeyError, ValueError, TypeError, AttributeError):
             bad += 1
             continue
+        if _stale_entry(key):
+            stale += 1
+            continue
         entries[key] = config
     if bad and warn:
         warnings.warn(f"moe_ops tuning cache {path}: {bad} malformed entries ignored",
+                      TuningCacheWarning, stacklevel=3)
+    if stale and warn:
+        warnings.warn(f"moe_ops tuning cache {path}: {stale} entries ignored, tuned on another "
+                      f"kernel source (kernel_hash of their keys)",
                       TuningCacheWarning, stacklevel=3)
     return entries
 
@@ -492,7 +518,13 @@ def write_cache_file(path: os.PathLike, entries: Dict[ProblemKey, Dict[str, Any]
             old = json.loads(path.read_text())
             if (isinstance(old, dict) and isinstance(old.get("entries"), dict)
                     and not _metadata_mismatch(old.get("metadata"), metadata, _STRICT_FIELDS)):
-                merged.update(old["entries"])
+                for text, entry in old["entries"].items():
+                    try:
+                        if _stale_entry(ProblemKey.from_str(text)):
+                            continue   # tuned on another kernel source: dropped
+                    except (KeyError, ValueError, TypeError, AttributeError):
+                        pass           # kept as it was (read_cache_file reports it)
+                    merged[text] = entry
         except (OSError, ValueError, UnicodeDecodeError):
             pass
         for key, entry in entries.items():

@@ -1,5 +1,5 @@
-"""The GPU-only inline PTX of the 4-bit decode (grouped_gemm._E2M1_BF16_ASM_*), run on the CPU
-by tests/ptx_emu.py, bit for bit against the formats' values: every code byte, nvfp4 block-scale
+"""The GPU-only inline PTX of the 4-bit decode (kernels/fp4_decode.py, _E2M1_BF16_ASM_*), run
+on the CPU by tests/ptx_emu.py, bit for bit against the formats' values: every code byte, nvfp4 block-scale
 multipliers from every finite e4m3 scale, mxfp4 exponents over the range bf16 holds. The
 Triton interpreter cannot run inline assembly, so without this the fast decode would be tested
 on a GPU only.
@@ -12,8 +12,12 @@ outputs $0 / $1 are the low nibbles' values of elements 0-1 / 2-3, $2 / $3 the h
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from moe_ops import quant as q
+from moe_ops.kernels import INTERPRET
+from moe_ops.kernels.fp4_decode import NVFP4_FAST_EPILOGUE, _dequant_fp4_tile_bf16_asm
 from moe_ops.kernels.grouped_gemm import (
     _E2M1_BF16_ASM_MXFP4, _E2M1_BF16_ASM_NVFP4, _E4M3_TO_BF16_P117,
 )
@@ -109,3 +113,98 @@ def test_word_bits_are_a_rotation_of_the_decode_fields():
         got = [int(out[r][i]) for r in range(4)]
         # (the multiply by one keeps a lone magnitude bit; a lone sign bit is -0)
         assert got == [1 << field if r == register else 0 for r in range(4)], i
+
+
+def _emulated_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+    """Triton's interpreter cannot run inline PTX: run it on ptx_emu instead. Operands are
+    packed `pack` elements at a time in element order (32 / width of them a register), the
+    outputs unpacked the same way."""
+    from triton.runtime import interpreter
+    words = {8: np.uint8, 16: np.uint16, 32: np.uint32}
+    outputs = sum(c.startswith("=") for c in constraints.split(","))
+    shape = values[0].data.shape
+    groups = int(np.prod(shape)) // pack
+    operands, number = {}, outputs
+    for value in values:
+        data = np.broadcast_to(value.data, shape).reshape(-1)
+        bits = data.dtype.itemsize * 8
+        elements = data.view(words[bits]).astype(np.uint32).reshape(groups, pack)
+        per = 32 // bits
+        for r in range(max(1, pack // per)):
+            register = np.zeros(groups, np.uint32)
+            for j in range(min(per, pack - r * per)):
+                register |= elements[:, r * per + j] << np.uint32(bits * j)
+            operands[number] = register
+            number += 1
+    out = run(asm, operands, list(range(outputs)))
+
+    class Call:
+        def __init__(self, results):
+            self.results = results
+
+        def get_result(self, i):
+            return self.results[i]
+
+    results, o = [], 0
+    for ty in types:
+        element = ty.element_ty if hasattr(ty, "element_ty") else ty
+        bits = element.primitive_bitwidth
+        per = 32 // bits
+        elements = np.zeros((groups, pack), np.uint32)
+        registers = max(1, pack // per)
+        for r in range(registers):
+            for j in range(min(per, pack - r * per)):
+                elements[:, r * per + j] = (out[o + r] >> np.uint32(bits * j)) & np.uint32(
+                    (1 << bits) - 1)
+        o += registers
+        data = elements.reshape(shape).astype(words[bits]).view(interpreter._get_np_dtype(element))
+        results.append(interpreter.TensorHandle(data, element))
+    return Call(results)
+
+
+@triton.jit
+def _fast_decode_kernel(packed_ptr, scale_ptr, out_ptr, K0, KP: tl.constexpr,
+                        QUANT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        G: tl.constexpr):
+    """One K step (BK columns from K0) of kernel-order rows of KP columns through the fast
+    decode."""
+    rows = tl.arange(0, BN)
+    runs = tl.arange(0, 4)[:, None] * (KP // 8) + K0 // 8 + tl.arange(0, BK // 8)[None, :]
+    packed = tl.load(packed_ptr + rows[:, None, None] * (KP // 2) + runs[None])
+    scale = tl.load(scale_ptr + rows[:, None] * (KP // G) + K0 // G
+                    + tl.arange(0, BK // G)[None, :])
+    tl.store(out_ptr + rows[:, None] * BK + tl.arange(0, BK)[None, :],
+             _dequant_fp4_tile_bf16_asm(packed, scale, QUANT, BN, BK))
+
+
+
+def test_fast_decode_tile_wiring_on_the_emulator(monkeypatch):
+    """_dequant_fp4_tile_bf16_asm (the Triton kernels' GPU decode) in the interpreter with its
+    inline PTX emulated: the words it forms, which multiplier goes with which slice, and the
+    order of its bf16 pairs give the dequantized weight exactly, for every K-step width and
+    offset of a padded row. (Which bytes the GPU's register layout would pack together, the
+    interpreter cannot show: the GPU tests do.)"""
+    if not INTERPRET:
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1)")
+    from triton.runtime import interpreter
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", _emulated_inline_asm)
+
+    gen = torch.Generator().manual_seed(3)
+    kp, bn = 512, 16
+    for quant, group in (("nvfp4", 16), ("mxfp4", 32)):
+        natural = torch.randint(0, 256, (bn, kp // 2), dtype=torch.uint8, generator=gen)
+        if quant == "nvfp4":
+            scale = (torch.rand(bn, kp // group, generator=gen) * 300 + 2 ** -9).to(
+                torch.float8_e4m3fn)
+        else:
+            scale = torch.randint(100, 150, (bn, kp // group), dtype=torch.uint8, generator=gen)
+        want = q.dequantize_fp4(natural, scale, quant)
+        if quant == "nvfp4":
+            want = want / NVFP4_FAST_EPILOGUE
+        packed = q.fp4_to_kernel_order(natural)
+        for bk in (32, 64, 128, 256):
+            for k0 in range(0, kp, bk):
+                out = torch.full((bn, bk), float("nan"), dtype=torch.bfloat16)
+                _fast_decode_kernel[(1,)](packed, scale.view(torch.uint8), out, k0, kp, quant,
+                                          bn, bk, group)
+                assert torch.equal(out.float(), want[:, k0:k0 + bk]), (quant, bk, k0)

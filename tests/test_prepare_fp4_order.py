@@ -98,6 +98,15 @@ def test_quantize_scatter_writes_the_reference_bytes_in_kernel_order(quant, dtyp
     _check_quantize_scatter(w, quant, gen)
 
 
+@pytest.mark.parametrize("k", [16, 80, 272])
+def test_quantize_scatter_with_an_odd_slice_count(k):
+    """nvfp4 rows of an odd number of 16-column slices: a kernel-order word holds a slice pair,
+    so the last pair is one slice of data and one of padding (written as zero codes)."""
+    gen = _generator("nvfp4", torch.bfloat16, (2, 6, k))
+    w = (torch.randn(2, 6, k, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
+    _check_quantize_scatter(w, "nvfp4", gen)
+
+
 @pytest.mark.parametrize("quant", ["nvfp4", "mxfp4"])
 def test_quantize_scatter_of_a_strided_source(quant):
     """A transposed checkpoint (w stored [E, K, N]): the kernel's column-by-column source path."""

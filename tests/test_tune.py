@@ -4,6 +4,7 @@ and that the layer's own calls look those entries up; the candidate short lists;
 Timings on CPU mean nothing: fake timers decide where the test needs a winner."""
 import dataclasses
 import json
+import warnings
 import time
 from pathlib import Path
 
@@ -291,14 +292,14 @@ def test_shipped_tables_cover_every_model_and_quant_on_the_h200():
         for quant in shape.quant:
             path = tune.shipped_path("NVIDIA H200", name, quant)
             assert path.exists(), f"no shipped table {path.name}"
-            meta = json.loads(path.read_text())["metadata"]
-            assert meta["kernel_hash"] == expected["kernel_hash"], (
-                f"{path.name} was tuned on another kernel source: re-tune on an H200 with "
-                "`bash benchmarks/h200_run.sh tune`")
-            entries = tuning.read_cache_file(path, expected=expected,
-                                             fields=tuning._SHIPPED_FIELDS)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")   # stale entries warn: tuned on another source
+                entries = tuning.read_cache_file(path, expected=expected,
+                                                 fields=tuning._SHIPPED_FIELDS)
             got = {(k.gemm, k.bucket) for k in entries if k.quant == quant}
-            assert got == {(g, b) for g in (1, 2) for b in token_buckets()}, path.name
+            assert got == {(g, b) for g in (1, 2) for b in token_buckets()}, (
+                f"{path.name}: re-tune on an H200 after a kernel change "
+                "(`bash benchmarks/h200_run.sh tune`)")
             assert not Path(f"{path}.lock").exists()
 
 

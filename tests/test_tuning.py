@@ -206,7 +206,34 @@ def test_file_round_trip(tuner, tmp_path):
     assert not list(path.parent.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("field", ["torch", "triton", "package_version", "gpu", "kernel_hash"])
+def test_kernel_hash_of_the_4bit_modes_covers_their_decode():
+    """The 4-bit problems' kernel source adds fp4_decode.py to grouped_gemm's: a change of the
+    4-bit decode invalidates their tables only; the other modes' keys keep the plain hash."""
+    import hashlib
+    import moe_ops.kernels.common as common
+    import moe_ops.kernels.fp4_decode as fp4_decode
+    import moe_ops.kernels.grouped_gemm as gg
+    digest = hashlib.sha256()
+    for module in (gg, common, fp4_decode):
+        with open(module.__file__, "rb") as f:
+            digest.update(f.read())
+    for quant in ("nvfp4", "mxfp4"):
+        assert tuning.kernel_source_hash(quant=quant) == digest.hexdigest()[:16]
+    for quant in ("none", "fp8", "fp8_block"):
+        assert tuning.kernel_source_hash(quant=quant) == tuning.kernel_source_hash()
+    assert key_at().kernel_hash == tuning.kernel_source_hash(quant=key_at().quant)
+
+
+def test_entries_of_another_kernel_source_ignored_with_one_warning(tmp_path):
+    path = tmp_path / "t.json"
+    stale = {dataclasses.replace(key_at(b), kernel_hash="0" * 16): FAST for b in (1, 2)}
+    write_table(path, {**stale, key_at(4): FAST})
+    with pytest.warns(TuningCacheWarning) as record:
+        assert read_cache_file(path) == {key_at(4): FAST}
+    assert len(record) == 1 and "kernel source" in str(record[0].message)
+
+
+@pytest.mark.parametrize("field", ["torch", "triton", "package_version", "gpu"])
 def test_metadata_mismatch_ignored_with_one_warning(tmp_path, field):
     path = tmp_path / "t.json"
     write_table(path, {key_at(1): FAST, key_at(2): FAST, key_at(4): FAST}, **{field: "other"})

@@ -313,6 +313,29 @@ def test_fp4_defaults():
     assert ws_fp4.HALF_BLOCKS == (env("MOE_OPS_WS_FP4_HALF_BLOCKS", "1") == "1")
     assert ws_fp4.PARTIAL_N_OK == (env("MOE_OPS_WS_FP4_PARTIAL_N", "1") == "1")
     assert ws_fp4.PREFILL_PIPELINE == (env("MOE_OPS_WS_FP4_PREFILL_PIPELINE", "0") == "1")
+    assert ws_fp4.CONSUMERS == env("MOE_OPS_WS_FP4_CONSUMERS", "auto")
+    assert experts_mod.ALIGN_GATHER_MAX_PAIRS == min(
+        int(env("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", "128")), 1024)
+
+
+def test_consumers_rule(monkeypatch):
+    """ws_fp4.consumers_for: "auto" runs three consumer warpgroups for nvfp4 decode from
+    THREE_CONSUMERS_MIN_PAIRS routed pairs where partial last tiles are allowed, two otherwise
+    (mxfp4, fewer pairs, the prefill forms); a forced count applies to decode only."""
+    monkeypatch.setattr(ws_fp4, "CONSUMERS", "auto")
+    monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", True)
+    least = ws_fp4.THREE_CONSUMERS_MIN_PAIRS
+    decode = ws_fp4.BLOCK_M
+    assert ws_fp4.consumers_for(decode, "nvfp4", least) == 3
+    assert ws_fp4.consumers_for(decode, "nvfp4", least - 1) == 2
+    assert ws_fp4.consumers_for(decode, "mxfp4", 10 * least) == 2
+    assert ws_fp4.consumers_for(ws_fp4.PREFILL_SLOTS, "nvfp4", 10 * least) == 2
+    assert ws_fp4.consumers_for(ws_fp4.WIDE_SLOTS, "nvfp4", 10 * least) == 2
+    monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", False)
+    assert ws_fp4.consumers_for(decode, "nvfp4", 10 * least) == 2
+    monkeypatch.setattr(ws_fp4, "CONSUMERS", "4")
+    assert ws_fp4.consumers_for(decode, "mxfp4", 1) == 4
+    assert ws_fp4.consumers_for(ws_fp4.PREFILL_SLOTS, "nvfp4", 1) == 2
 
 
 @needs_hopper

@@ -22,7 +22,7 @@ Here the schedule is explicit:
              of the tile, into a ring of STAGES slots
   consumers  2 (or 3, 4) warpgroups, 64 weight rows each: the packed tile is read from shared
              memory in the layout of wgmma's A fragment (each thread its two rows' runs),
-             decoded with grouped_gemm's inline PTX and given to `warpgroup_mma` as its
+             decoded with fp4_decode's inline PTX and given to `warpgroup_mma` as its
              register operand; the layout conversions are proved trivial at compile time
              (assert_trivial). The four threads sharing a row pair convert a quarter of its
              block scales each and exchange them. PIPELINE: each decodes step k + 1 while its
@@ -32,7 +32,7 @@ up to 8 routed rows an expert; prefill's forms: 64- and 128-slot blocks, PREFILL
 WIDE_SLOTS). N need only be a multiple of 64: a consumer whose rows of the last tile lie past
 N idles through the ring.
 Its sm_90 K loop: 2.43 instructions a weight value for nvfp4, 2.83 for mxfp4 (two multiplies
-a pair: see grouped_gemm's _E2M1_BF16_ASM_MXFP4) (benchmarks/dev_gluon_fp4_decode.py --aot),
+a pair: see fp4_decode's _E2M1_BF16_ASM_MXFP4) (benchmarks/dev_gluon_fp4_decode.py --aot),
 against the Triton loop's 5.1; 3.30 and 3.70 before the kernel order permuted each word's bits
 for the decode (quant.FP4_WORD_BITS: DeepSeek-V3 nvfp4 T = 1 / 16 / 64 103.6 / 785 / 1579 ->
 89.8 / 706 / 1421 us, gpt-oss-120b mxfp4 53.2 / 339 / 703 -> 46.0 / 275 / 568, the prefill
@@ -59,8 +59,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moe_ops.kernels.common import device_properties, round_to_dtype
-from moe_ops.kernels.grouped_gemm import (
-    _E2M1_BF16_ASM_MXFP4, _E2M1_BF16_ASM_NVFP4, _E4M3_TO_BF16_P117, _launcher)
+from moe_ops.kernels.fp4_decode import (
+    _E2M1_BF16_ASM_MXFP4, _E2M1_BF16_ASM_NVFP4, _E4M3_TO_BF16_P117)
+from moe_ops.kernels.grouped_gemm import _launcher
 from moe_ops.kernels.ws_gemm import (
     ACTIVATIONS, release_steps, available, env_choice, ring_barriers, ring_next, write_rows)
 
@@ -154,7 +155,8 @@ PAIRS_LAYOUT = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
 STORE_LAYOUT = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
 # One K step's packed bytes of a warpgroup's 64 rows, [64, 128] (byte j = 32t + 2c + q of a row:
-# run t, slice c, pair q): each thread holds its two rows' (r, r + 8) run t, the bytes wgmma's A
+# run t, slice c, pair q; 4 of them a kernel-order word, whose bits are permuted, so each
+# thread's 4 consecutive bytes stay a memory word): each thread holds its two rows' (r, r + 8) run t, the bytes wgmma's A
 # fragment needs (rows 16w + l/4 and + 8, columns 16c + 2t + q and + 8).
 PACKED_LAYOUT = gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
@@ -208,7 +210,8 @@ def decode_step(packed, scales, P2: gl.constexpr, P4: gl.constexpr, DOT: gl.cons
         low, high = gl.inline_asm_elementwise(
             _E2M1_BF16_ASM_NVFP4, "=r,=r,=r,=r,r,r,r", [packed, factor],
             dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-    # byte j = 32t + 2c + q holds columns 16c + 2t + q (low nibble) and + 8 (high)
+    # element j = 32t + 2c + q (its word's byte j % 4, bits permuted) decodes to columns
+    # 16c + 2t + q (low) and + 8 (high)
     values = gl.reshape(gl.join(low, high), [64, 4, 16, 2, 2])          # [row, t, c, q, h]
     values = gl.reshape(gl.permute(values, [0, 2, 4, 1, 3]), [64, 256])  # k = 16c+8h+2t+q
     return gl.convert_layout(values, DOT, assert_trivial=True)
@@ -685,12 +688,16 @@ def tma_box_rows(consumers: int) -> int:
 
 def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0) -> int:
     """Consumer warpgroups of a launch: the prefill forms' 2; decode's CONSUMERS when forced,
-    else three for nvfp4 calls of THREE_CONSUMERS_MIN_PAIRS routed pairs or more (see CONSUMERS)."""
+    else three for nvfp4 calls of THREE_CONSUMERS_MIN_PAIRS routed pairs or more (see CONSUMERS)
+    where partial last tiles are allowed. (gemm() counts the routing's pairs; applies() without
+    `consumers` knows none: experts.py passes the same count to both.)"""
     if slots != BLOCK_M:
         return 2
     if CONSUMERS != "auto":
         return int(CONSUMERS)
-    return 3 if quant == "nvfp4" and num_pairs >= THREE_CONSUMERS_MIN_PAIRS else 2
+    # (192-row tiles leave DeepSeek's N = 4096 and 7168 a partial last tile: PARTIAL_N_OK)
+    return (3 if quant == "nvfp4" and num_pairs >= THREE_CONSUMERS_MIN_PAIRS and PARTIAL_N_OK
+            else 2)
 
 
 def default_pipeline(slots: int) -> bool:
@@ -713,7 +720,8 @@ def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tenso
     k = a.shape[1] if k is None else k
     return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
             and a.dtype == torch.bfloat16
-            and n % (ROWS if PARTIAL_N_OK else block_n(consumers or consumers_for(slots, quant))) == 0
+            and n % (ROWS if PARTIAL_N_OK
+                     else block_n(consumers or consumers_for(slots, quant))) == 0
             and kp > 0 and kp % BLOCK_K == 0 and (kp // GROUP[quant]) % 16 == 0
             and w.is_contiguous() and w.data_ptr() % 16 == 0
             and w_scale.is_contiguous() and w_scale.data_ptr() % 16 == 0
