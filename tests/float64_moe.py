@@ -21,6 +21,7 @@ moe_ops.quant, but only to produce quantized *inputs*, never for the oracle's ma
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -177,8 +178,28 @@ def dequantize_weight64(
     return values * s
 
 
+# The e4m3 rounding of an operand that lies within this relative distance of a rounding
+# midpoint depends on the last bits of how it was computed (float32 in the package, float64
+# here): both roundings are the SPEC's operand. e4m3_near_ties(+1 / -1) rounds those values up /
+# down in magnitude (MoECase.matches_oracle tries both when the nominal rounding misses).
+E4M3_TIE_WIDTH = 2.0 ** -18
+_E4M3_TIE_SIDE = 0
+
+
+@contextmanager
+def e4m3_near_ties(side: int):
+    global _E4M3_TIE_SIDE
+    previous, _E4M3_TIE_SIDE = _E4M3_TIE_SIDE, side
+    try:
+        yield
+    finally:
+        _E4M3_TIE_SIDE = previous
+
+
 def _round_e4m3(v: torch.Tensor) -> torch.Tensor:
     """float64 values in [-448, 448] -> nearest e4m3 (torch's cast of the float32 value)."""
+    if _E4M3_TIE_SIDE:
+        v = v * (1.0 + _E4M3_TIE_SIDE * E4M3_TIE_WIDTH)
     return e4m3_decode(v.clamp(-FP8_MAX, FP8_MAX).to(torch.float32).to(torch.float8_e4m3fn))
 
 

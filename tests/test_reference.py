@@ -19,6 +19,7 @@ from float64_moe import (
     ROUTINGS,
     MoECase,
     allowed_dtypes,
+    e4m3_near_ties,
     moe_configs,
     quantize_checkpoint,
     random_checkpoint,
@@ -32,12 +33,26 @@ SETTINGS = settings(max_examples=200, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def assert_matches_oracle(out: torch.Tensor, ref: torch.Tensor, case: MoECase, what: str = "") -> None:
+def assert_matches_oracle(out: torch.Tensor, ref: torch.Tensor, case: MoECase, what: str = "",
+                          oracle=None) -> None:
+    """out against the oracle's ref within SPEC's tolerance. fp8 modes, given `oracle` (a
+    callable re-evaluating ref): where the nominal rounding misses, each token's row may match
+    the oracle with its activation operands' near-tie e4m3 roundings taken up or down instead
+    (float64_moe.e4m3_near_ties: a value within 2^-18 of a rounding midpoint rounds either way
+    depending on float32 against float64 arithmetic before it; one such flip in a 40-wide
+    intermediate moved a token by 5%)."""
     c = case.cfg
     assert out.shape == (ref.shape[0], c["hidden"]), (out.shape, ref.shape)
     assert out.dtype == c["dtype"]
     assert torch.isfinite(out).all(), f"non-finite output {what} {c}"
     err = rel_frobenius(out, ref)
+    if err > case.tolerance() and oracle is not None and c["quant"] in ("fp8", "fp8_block"):
+        got, nominal = out.detach().cpu().double(), ref.detach().cpu().double()
+        rows = (got - nominal).norm(dim=-1)
+        for side in (1, -1):
+            with e4m3_near_ties(side):
+                rows = torch.minimum(rows, (got - oracle().cpu().double()).norm(dim=-1))
+        err = float(rows.norm() / nominal.norm().clamp_min(1e-300))
     assert err <= case.tolerance(), f"{what} relative error {err:.3g} > {case.tolerance()} for {c}"
 
 
@@ -52,7 +67,8 @@ def test_routed_matches_float64(cfg, entry):
         out = case.layer()(case.x, case.logits)
     else:
         out = case.function(case.x, case.logits)
-    assert_matches_oracle(out, case.oracle(case.x, case.logits), case, entry)
+    assert_matches_oracle(out, case.oracle(case.x, case.logits), case, entry,
+                          oracle=lambda: case.oracle(case.x, case.logits))
 
 
 def _sweep_cases():
@@ -82,7 +98,8 @@ def test_every_routing_activation_quant(routing, activation, quant):
                    alpha=1.702, limit=7.0, offset=0, num_local=8)
         case = MoECase(cfg)
         out = case.layer()(case.x, case.logits)
-        assert_matches_oracle(out, case.oracle(case.x, case.logits), case, f"seed={seed}")
+        assert_matches_oracle(out, case.oracle(case.x, case.logits), case, f"seed={seed}",
+                              oracle=lambda: case.oracle(case.x, case.logits))
 
 
 def test_swiglu_oai_clamps_against_float64():
@@ -101,7 +118,8 @@ def test_swiglu_oai_clamps_against_float64():
     g = case.x.double() @ case.given["w1"][0].double().T
     assert (g > 7).any() and (g < -7).any(), "the gate never reaches the clamp"
     out = layer(case.x, case.logits)
-    assert_matches_oracle(out, case.oracle(case.x, case.logits), case, f"seed={seed}")
+    assert_matches_oracle(out, case.oracle(case.x, case.logits), case, f"seed={seed}",
+                          oracle=lambda: case.oracle(case.x, case.logits))
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -118,7 +136,8 @@ def test_fp32_activations_against_float64(activation, gate_scale):
     case = MoECase(cfg)
     for entry in (case.layer(), case.function):
         out = entry(case.x, case.logits)
-        assert_matches_oracle(out, case.oracle(case.x, case.logits), case, f"seed={seed}")
+        assert_matches_oracle(out, case.oracle(case.x, case.logits), case, f"seed={seed}",
+                              oracle=lambda: case.oracle(case.x, case.logits))
 
 
 # ---------------------------------------------------------------------------------------------
