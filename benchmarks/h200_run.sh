@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -66,6 +66,8 @@
 # layout4p: the preparation of the 4-bit layers (bench_prepare.py, bf16 and pre-quantized
 # checkpoints) on both trees; about 4 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
+# ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
+# half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -361,6 +363,12 @@ if [[ "$what" == layout4p ]]; then
       > "$out/prepare_fp4_layout_$tree.log" 2>&1) || status=1
     echo "preparation, $tree tree"; tail -n 16 "$out/prepare_fp4_layout_$tree.log" | cut -c1-150
   done
+fi
+if [[ "$what" == ws4rest ]]; then
+  timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py \
+    -k "mxfp4 or half or early or pipelined or padding" > "$out/pytest_ws_fp4_rest.log" 2>&1 \
+    || status=1
+  echo "ws_fp4 tests (the rest)"; tail -n 3 "$out/pytest_ws_fp4_rest.log"
 fi
 if [[ "$what" == tune4 ]]; then
   SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \
