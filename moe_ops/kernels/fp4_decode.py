@@ -99,10 +99,19 @@ def _fp4_words(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _fp4_slice_pairs(a, b, c, d, BLOCK_N: tl.constexpr, C: tl.constexpr):
-    """A word's four values of one nibble [BLOCK_N, 4, C / 2] each (a, b: bytes (2p, 0),
-    (2p, 1); c, d: (2p + 1, 0), (2p + 1, 1)) -> [BLOCK_N, 4 (t), C (c), 2 (q)]. (join stacks
-    along a new last axis: [..., slice parity, q] from a c / b d.)"""
+def _fp4_nibble_tile(pair0, pair1, BLOCK_N: tl.constexpr, C: tl.constexpr,
+                     CODES: tl.constexpr):
+    """The two bf16-pair registers of one nibble of the words, uint32 [BLOCK_N, 4, C / 2] each
+    (pair0: bytes (2p, 0), (2p, 1); pair1: (2p + 1, 0), (2p + 1, 1)) -> [BLOCK_N, 4 (t), C (c),
+    2 (q)]: their e2m1 codes (CODES: fields as the decode head leaves them) or their bf16
+    values (the asm's products). (join stacks along a new last axis: [..., slice parity, q]
+    from a c / b d.)"""
+    if CODES:
+        a, b = _pair_codes(pair0)
+        c, d = _pair_codes(pair1)
+    else:
+        a, b = _bf16_pair(pair0)
+        c, d = _bf16_pair(pair1)
     return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), (BLOCK_N, 4, C, 2))
 
 
@@ -118,13 +127,8 @@ def _fp4_word_codes(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     lo1 = _rotr32(word, 4) & P
     hi0 = _rotr32(word, 10) & P
     hi1 = (_rotr32(word, 14) & 0x00400040) | (_rotr32(word, 6) & 0x81808180)
-    a, b = _pair_codes(lo0)
-    c, d = _pair_codes(lo1)
-    low = _fp4_slice_pairs(a, b, c, d, BLOCK_N, C)
-    a, b = _pair_codes(hi0)
-    c, d = _pair_codes(hi1)
-    high = _fp4_slice_pairs(a, b, c, d, BLOCK_N, C)
-    return low, high
+    return (_fp4_nibble_tile(lo0, lo1, BLOCK_N, C, True),
+            _fp4_nibble_tile(hi0, hi1, BLOCK_N, C, True))
 
 
 # The GPU path of the e2m1 decode (bf16 dots), a kernel-order word (8 values) per asm block:
@@ -250,10 +254,5 @@ def _dequant_fp4_tile_bf16_asm(packed, scale, QUANT: tl.constexpr, BLOCK_N: tl.c
         [word, tl.broadcast_to(fa[:, None, :], word.shape),
          tl.broadcast_to(fb[:, None, :], word.shape)],
         dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
-    a, b = _bf16_pair(lo0)
-    c, d = _bf16_pair(lo1)
-    low = _fp4_slice_pairs(a, b, c, d, BLOCK_N, C)
-    a, b = _bf16_pair(hi0)
-    c, d = _bf16_pair(hi1)
-    high = _fp4_slice_pairs(a, b, c, d, BLOCK_N, C)
-    return _fp4_natural_k(low, high, BLOCK_N, BLOCK_K)
+    return _fp4_natural_k(_fp4_nibble_tile(lo0, lo1, BLOCK_N, C, False),
+                          _fp4_nibble_tile(hi0, hi1, BLOCK_N, C, False), BLOCK_N, BLOCK_K)
