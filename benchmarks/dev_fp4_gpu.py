@@ -139,6 +139,9 @@ def make_weights(model: str, seed: int = 0) -> dict:
             scale = (center + torch.randint(-1, 2, (E, rows, cols // group), device=DEVICE,
                                             generator=g)).to(torch.uint8)
             out[name + "_scale"] = q.fp4_pad_scales(scale, cols, quant)
+            # the layout's fold of bytes past 128 (none here: row scales 1)
+            out[name + "_scale"], out[name + "_global_scale"] = q.mxfp4_fold_scales(
+                out[name + "_scale"])
     if m["bias"]:
         out["b13"] = torch.randn(E, 2 * I, device=DEVICE, generator=g) * 0.1
         out["b2"] = torch.randn(E, H, device=DEVICE, generator=g) * 0.1

@@ -52,7 +52,8 @@ def aot():
     for consumers, pipeline, quant, slots in (
             (2, False, "nvfp4", 16), (3, False, "nvfp4", 16), (4, False, "nvfp4", 16),
             (2, True, "nvfp4", 16),
-            (4, True, "nvfp4", 16), (2, False, "mxfp4", 16), (2, True, "mxfp4", 16),
+            (4, True, "nvfp4", 16), (2, False, "mxfp4", 16), (3, False, "mxfp4", 16),
+            (2, True, "mxfp4", 16),
             (2, False, "nvfp4", 64), (2, True, "nvfp4", 64), (2, False, "mxfp4", 64),
             (2, False, "nvfp4", 128), (2, False, "mxfp4", 128)):
         kernel = ws_fp4.compile_sm90(gemm=2, activation="none", consumers=consumers,

@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -65,6 +65,22 @@
 # 4-bit layers (bench.py, T = 1 ... 16384) on both trees, alternated; about 8 minutes.
 # layout4p: the preparation of the 4-bit layers (bench_prepare.py, bf16 and pre-quantized
 # checkpoints) on both trees; about 4 minutes.
+# fold4: mxfp4's one-multiply decode (the layout's block scales folded to at most 2, the rest
+# in a per-row scale: quant.mxfp4_fold_scales) against the tree before it at $AB_OLD: the 4-bit,
+# preparation and mxfp4 ws_fp4 tests on the GPU, gpt-oss-120b mxfp4 at T = 1 ... 16384 on both
+# trees alternated (and the new tree with three decode consumers for mxfp4,
+# MOE_OPS_WS_FP4_CONSUMERS=3); about 8 minutes. fold4p: its preparation on both trees, then the
+# tuner on gpt-oss-120b mxfp4 (SHIP=1); about 4 minutes.
+# fold4c: the 4-bit path's correctness after the fold (the fp4, layout, preparation and quant
+# tests, the ws_fp4 tests of mxfp4 and of the consumer counts, gpu_check of the 4-bit models,
+# compute-sanitizer on the small layers) and the 4-bit decode layers kernel by kernel
+# (profile_layer.py, T = 1-64); about 9 minutes.
+# c4ab: the 4-bit decode's consumer warpgroups chosen per GEMM (MOE_OPS_WS_FP4_CONSUMERS=a,b:
+# GEMM1 a, GEMM2 b): DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 1-64 with 2,2 / 3,3 /
+# 3,2 / 2,3, two alternated passes; about 8 minutes.
+# ncu4l: Nsight Compute on the 4-bit decode layers' two GEMMs (profile_layer.py's first call,
+# T = 64) of gpt-oss-120b mxfp4 and DeepSeek-V3 nvfp4: speed of light, warp states, scheduler
+# and memory statistics, the lines that tell them apart printed; about 4 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
@@ -369,6 +385,84 @@ if [[ "$what" == ws4rest ]]; then
     -k "mxfp4 or half or early or pipelined or padding" > "$out/pytest_ws_fp4_rest.log" 2>&1 \
     || status=1
   echo "ws_fp4 tests (the rest)"; tail -n 3 "$out/pytest_ws_fp4_rest.log"
+fi
+if [[ "$what" == fold4 ]]; then
+  old="${AB_OLD:-ab_old}"
+  timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_fp4.py \
+    tests/test_prepare_fp4_order.py tests/test_layout.py -k "fp4 or device or reload" \
+    > "$out/pytest_fold4_fp4.log" 2>&1 || status=1
+  echo "fp4 + preparation tests"; tail -n 1 "$out/pytest_fold4_fp4.log"
+  timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_ws_fp4.py -k mxfp4 \
+    > "$out/pytest_fold4_ws.log" 2>&1 || status=1
+  echo "ws_fp4 mxfp4 tests"; tail -n 1 "$out/pytest_fold4_ws.log"
+  for arm in old:a new:a c3:a new:b old:b c3:b; do
+    tree=${arm%%:*}; dir=.; [[ $tree == old ]] && dir="$old"
+    consumers=auto; [[ $tree == c3 ]] && consumers=3
+    name="ab_fold4_${tree}_${arm##*:}"
+    (cd "$dir" && PYTHONPATH="$PWD" MOE_OPS_WS_FP4_CONSUMERS=$consumers timeout 45 python3 \
+      benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch --deadline-s 35 \
+      --models gpt_oss_120b --quant mxfp4 --listed-only --tokens 1 4 16 64 1024 4096 16384 \
+      --out "$out/$name.json" > "$out/$name.log" 2>&1) || status=1
+    echo "$name"; grep -A9 '^ *model' "$out/$name.log" | cut -c1-80
+  done
+fi
+if [[ "$what" == fold4p ]]; then
+  old="${AB_OLD:-ab_old}"
+  for tree in new old; do
+    dir=.; [[ $tree == old ]] && dir="$old"
+    (cd "$dir" && PYTHONPATH="$PWD" timeout 100 python3 benchmarks/bench_prepare.py --cases \
+      gpt_oss_120b:mxfp4 gpt_oss_120b:mxfp4:pre --no-torch-path \
+      --out "$out/prepare_fold4_$tree.json" > "$out/prepare_fold4_$tree.log" 2>&1) || status=1
+    echo "preparation, $tree tree"; tail -n 8 "$out/prepare_fold4_$tree.log" | cut -c1-150
+  done
+  SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" timeout 120 bash benchmarks/gpu_tune_check.sh \
+    gpt_oss_120b:mxfp4 || status=1
+  mkdir -p "$out/tuned" && cp moe_ops/tuned/*.json "$out/tuned/"
+fi
+if [[ "$what" == fold4c ]]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fp4.py \
+    tests/test_layout.py tests/test_prepare_fp4_order.py tests/test_quant.py \
+    > "$out/pytest_fold4c_fp4.log" 2>&1 || status=1
+  echo "fp4 + layout + preparation + quant tests"; tail -n 1 "$out/pytest_fold4c_fp4.log"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py \
+    -k "mxfp4 or consumers or three" > "$out/pytest_fold4c_ws.log" 2>&1 || status=1
+  echo "ws_fp4 tests (mxfp4, consumers)"; tail -n 1 "$out/pytest_fold4c_ws.log"
+  timeout 100 python3 benchmarks/gpu_check.py --models deepseek_v3 gpt_oss_120b \
+    --quant nvfp4 mxfp4 --json "$out/gpu_check_fp4.json" > "$out/gpu_check_fp4.log" 2>&1 \
+    || status=1
+  tail -n 14 "$out/gpu_check_fp4.log"
+  timeout 60 python3 benchmarks/profile_layer.py --models deepseek_v3 gpt_oss_120b \
+    --quant nvfp4 mxfp4 --tokens 1 4 16 64 --deadline-s 45 \
+    --out "$out/profile_decode_fp4.json" > "$out/profile_decode_fp4.log" 2>&1 || status=1
+  echo "4-bit decode"; tail -n 9 "$out/profile_decode_fp4.log" | cut -c1-240
+  timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/gpu_check.py \
+    --sanitize > "$out/sanitize.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|passed|failed" "$out/sanitize.log" | tail -n 3
+fi
+if [[ "$what" == c4ab ]]; then
+  start=$SECONDS
+  for arm in 2,2:a 3,3:a 3,2:a 2,3:a 2,3:b 3,2:b 3,3:b 2,2:b; do
+    consumers=${arm%%:*}
+    [[ ${arm##*:} == b && $((SECONDS - start)) -gt 290 ]] && break
+    name="ab_consumers_${consumers/,/_}_${arm##*:}"
+    MOE_OPS_WS_FP4_CONSUMERS=$consumers timeout 70 python3 benchmarks/bench.py --no-baseline \
+      --no-bf16-peer --no-plot --peers torch --deadline-s 60 --models deepseek_v3 gpt_oss_120b \
+      --quant nvfp4 mxfp4 --listed-only --tokens 1 4 16 64 --out "$out/$name.json" \
+      > "$out/$name.log" 2>&1 || status=1
+    echo "$name"; grep -A9 '^ *model' "$out/$name.log" | cut -c1-52
+  done
+fi
+if [[ "$what" == ncu4l ]]; then
+  for case in gpt_oss_120b:mxfp4 deepseek_v3:nvfp4; do
+    m=${case%%:*}; q=${case##*:}
+    timeout 160 ncu -k regex:_ws_fp4 -c 2 --section SpeedOfLight --section WarpStateStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats --csv \
+      --page details python3 benchmarks/profile_layer.py --models "$m" --quant "$q" --tokens 64 \
+      --calls 1 > "$out/ncu_layer_$m.csv" 2> "$out/ncu_layer_$m.log" || status=1
+    echo "$m $q T = 64"
+    grep -E '"(Duration|DRAM Throughput|Memory Throughput|Executed Ipc Active|Issue Slots Busy|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|Grid Size|Registers Per Thread|L2 Hit Rate|Mem Busy|Max Bandwidth)"' \
+      "$out/ncu_layer_$m.csv" | awk -F'","' '{print $5 " | " $(NF-2) " | " $NF}' | cut -c1-120
+  done
 fi
 if [[ "$what" == tune4 ]]; then
   SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \

@@ -94,14 +94,28 @@ class FusedMoE(nn.Module):
         self._weights_loaded = False
         self.register_load_state_dict_post_hook(FusedMoE._mark_loaded)
 
-    # state_dict format: 3 = packed fp4 rows in quant.py's kernel order (padded, each word's
-    # bits permuted); version-2 dicts (the byte order without the word permutation) and
-    # version-1 ones (natural packing) are converted on load, so a saved layer is never misread.
-    _version = 3
+    # state_dict format: 4 = mxfp4's block scales folded to at most 2 with a per-row scale
+    # (quant.mxfp4_fold_scales; w13/w2_global_scale); 3 = packed fp4 rows in quant.py's kernel
+    # order (padded, each word's bits permuted). Older dicts are converted on load (version 3's
+    # mxfp4 scales folded, version 2's byte order permuted, version 1's natural packing put in
+    # kernel order), so a saved layer is never misread.
+    _version = 4
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
         version = local_metadata.get("version", 1)
+        self._convert_fp4_rows(state_dict, prefix, version)
+        if self.quant == "mxfp4" and version < 4:
+            for role in ("w13", "w2"):
+                key = prefix + role + "_scale"
+                if key in state_dict and prefix + role + "_global_scale" not in state_dict:
+                    state_dict[key], state_dict[prefix + role + "_global_scale"] = (
+                        q.mxfp4_fold_scales(state_dict[key]))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def _convert_fp4_rows(self, state_dict, prefix, version) -> None:
+        """Packed fp4 rows (and block scales) of a version-1 or -2 dict into version 3's form."""
         if self.quant in ("nvfp4", "mxfp4") and version < 3:
             for role, k in (("w13", self.hidden_size), ("w2", self.intermediate_size)):
                 key = prefix + role
@@ -113,8 +127,6 @@ class FusedMoE(nn.Module):
                         state_dict[key] = q.fp4_pad_scales(state_dict[key], k, self.quant)
                 elif key in state_dict and state_dict[key].shape[-1] == q.fp4_padded_k(k) // 2:
                     state_dict[key] = q.fp4_permute_word_bits(state_dict[key])
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
 
     @staticmethod
     def _mark_loaded(module: "FusedMoE", incompatible_keys) -> None:

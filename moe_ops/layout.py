@@ -5,7 +5,7 @@ its own scales. The kernels want gate and up rows *interleaved* in one tensor
 `w13 [E, 2I, H]` (row 2i = gate i, row 2i+1 = up i), so that one GEMM1 output tile holds gate and
 up of the same intermediate columns and the activation runs in the GEMM's epilogue with no
 second pass. Every per-row companion of w13 (its scales, nvfp4's global scale expanded per row,
-its bias) follows the same row order; fp8_block's scales have one row per 128 weight rows and
+mxfp4's row scale from the fold of its block scales, its bias) follows the same row order; fp8_block's scales have one row per 128 weight rows and
 interleave at that granularity.
 
 Each kernel-layout tensor (a *role*: "w13", "w13_scale", ...) is filled by one `index_copy_` per
@@ -249,9 +249,10 @@ def plan_layout(
         scale_dtype = q.FP8_DTYPE if quant == "nvfp4" else torch.uint8
         add("w13_scale", i, (hp // b,), scale_dtype, gated, "padded")
         add("w2_scale", h, (ip // b,), scale_dtype, False, "padded")
-        if quant == "nvfp4":
-            add("w13_global_scale", i, (), torch.float32, gated)
-            add("w2_global_scale", h, (), torch.float32, False)
+        # nvfp4: the checkpoint's global scale, per row; mxfp4: the fold of each row's block
+        # scales (quant.mxfp4_fold_scales), written by load_into after the scales
+        add("w13_global_scale", i, (), torch.float32, gated)
+        add("w2_global_scale", h, (), torch.float32, False)
     if bias:
         add("b13", i, (), torch.float32, gated)
         add("b2", h, (), torch.float32, False)
@@ -403,6 +404,9 @@ def checkpoint_sources(
     if "global_scale" in pieces["w1"]:
         sources["w13_global_scale"] = [pieces[n]["global_scale"] for n in up]
         sources["w2_global_scale"] = [pieces["w2"]["global_scale"]]
+    elif quant == "mxfp4":
+        # derived from the block scales, not read from the checkpoint (load_into's fold)
+        sources["w13_global_scale"], sources["w2_global_scale"] = [], []
     biases = (("b1", (e, i)), ("b2", (e, h))) + ((("b3", (e, i)),) if gated else ())
     if bias:
         for name, shape in biases:
@@ -574,6 +578,27 @@ def load_into(
                 _quantize_into(role, destination, sources, permutations, kernels, chain, amaxes)
             continue
         apply_permutation(tensor, role_sources, permutations[role], kernels=kernels)
+    for role in ("w13", "w2"):
+        scale, row_scale = destination.get(f"{role}_scale"), destination.get(f"{role}_global_scale")
+        if row_scale is not None and scale.dtype == torch.uint8:  # mxfp4
+            fold_mxfp4_scales(scale, row_scale, kernels=kernels)
+
+
+def fold_mxfp4_scales(scale: torch.Tensor, row_scale: torch.Tensor, *, kernels: bool) -> None:
+    """mxfp4's kernel-layout block scales [E, N, G] folded in place to at most
+    quant.MXFP4_FOLD_MAX, each row's excess written to row_scale [E, N] as a power of two
+    (quant.mxfp4_fold_scales; for any real checkpoint the bytes stay and the row scales are 1).
+    On the device one launch reads the scales (a sixteenth of the packed weights' bytes) and
+    writes only rows that change."""
+    if kernels:
+        from moe_ops.kernels import prepare
+
+        prepare.fold_mxfp4_scales(scale, row_scale)
+        return
+    for e0, e1 in expert_chunks(scale.shape[0], scale[0].numel() * 8):
+        folded, factor = q.mxfp4_fold_scales(scale[e0:e1])
+        scale[e0:e1].copy_(folded)
+        row_scale[e0:e1].copy_(factor)
 
 
 def prepare_weights(

@@ -10,7 +10,8 @@ Formats
             per 128-column group.
 - nvfp4     e2m1 values packed two per uint8 (element 2i in the low nibble), an e4m3 scale per
             16 elements along K, and a float32 global scale per expert.
-- mxfp4     e2m1 packed the same way, an e8m0 scale (2^(s-127)) per 32 elements along K.
+- mxfp4     e2m1 packed the same way, an e8m0 scale (2^(s-127)) per 32 elements along K (in
+            the kernel layout folded to at most 2 with a per-row power of two: mxfp4_fold_scales).
 """
 from __future__ import annotations
 
@@ -326,6 +327,29 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_e2m1(codes), (exponent + E8M0_BIAS).to(torch.uint8)
 
 
+# mxfp4's kernel layout keeps every block-scale byte at most MXFP4_FOLD_MAX (scale <= 2), with
+# the rest of a row's exponent in a per-row power of two (the layout's w13/w2_global_scale,
+# applied to the accumulator like nvfp4's global scale): then the GPU decode's multiplier
+# 2^(s - 1) (the e2m1 field's 2^-126 and the scale in one bf16 multiply, half the multiplies of
+# taking 2^126 first) is a normal bf16 for every byte. Checkpoints hold s <= 128 in practice
+# (weights below 12): their bytes pass unchanged and the row scale is 1.
+MXFP4_FOLD_MAX = 128
+
+
+def mxfp4_fold_scales(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e8m0 block scales uint8 [..., N, G] -> (the kernel layout's bytes [..., N, G], the row
+    scale float32 [..., N]): a row whose largest byte m passes MXFP4_FOLD_MAX gives up
+    c = m - MXFP4_FOLD_MAX of every byte to its row scale 2^c. Exact for every byte >= c; a byte
+    below c (a block under 2^-127 of its row's largest, far below bf16's resolution of the
+    row's dot products) is clamped to 0 (2^c * 2^-127). The device preparation's fold
+    (kernels/prepare.py) gives the same bytes."""
+    top = scale.amax(dim=-1).to(torch.int32) if scale.shape[-1] else torch.zeros(
+        scale.shape[:-1], dtype=torch.int32, device=scale.device)
+    excess = (top - MXFP4_FOLD_MAX).clamp(min=0)
+    folded = (scale.to(torch.int32) - excess[..., None]).clamp(min=0).to(torch.uint8)
+    return folded, torch.exp2(excess.to(torch.float32))
+
+
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     return torch.exp2(scale.float() - E8M0_BIAS)
 
@@ -338,7 +362,8 @@ def dequantize_fp4(
 ) -> torch.Tensor:
     """Packed e2m1 [..., N, K/2] with its block scales -> float32 [..., N, K].
 
-    `row_scale` [..., N] is nvfp4's global scale, expanded per row by the kernel layout.
+    `row_scale` [..., N] is the kernel layout's per-row scale: nvfp4's global scale expanded per
+    row, mxfp4's fold (mxfp4_fold_scales).
     """
     values = e2m1_decode(unpack_e2m1(packed))
     block = fp4_scale_block(quant)

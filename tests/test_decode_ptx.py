@@ -1,6 +1,7 @@
-"""The GPU-only inline PTX of the 4-bit decode (kernels/fp4_decode.py, _E2M1_BF16_ASM_*), run
+"""The GPU-only inline PTX of the 4-bit decode (kernels/fp4_decode.py, _E2M1_BF16_ASM*), run
 on the CPU by tests/ptx_emu.py, bit for bit against the formats' values: every code byte, nvfp4 block-scale
-multipliers from every finite e4m3 scale, mxfp4 exponents over the range bf16 holds. The
+multipliers from every finite e4m3 scale, mxfp4 multipliers from every e8m0 byte the kernel
+layout holds (0-128, quant.mxfp4_fold_scales). The
 Triton interpreter cannot run inline assembly, so without this the fast decode would be tested
 on a GPU only.
 
@@ -17,10 +18,10 @@ import triton.language as tl
 
 from moe_ops import quant as q
 from moe_ops.kernels import INTERPRET
-from moe_ops.kernels.fp4_decode import NVFP4_FAST_EPILOGUE, _dequant_fp4_tile_bf16_asm
-from moe_ops.kernels.grouped_gemm import (
-    _E2M1_BF16_ASM_MXFP4, _E2M1_BF16_ASM_NVFP4, _E4M3_TO_BF16_P117,
+from moe_ops.kernels.fp4_decode import (
+    MXFP4_FAST_BIAS, NVFP4_FAST_EPILOGUE, _dequant_fp4_tile_bf16_asm,
 )
+from moe_ops.kernels.grouped_gemm import _E2M1_BF16_ASM, _E4M3_TO_BF16_P117
 from ptx_emu import run
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
@@ -64,13 +65,15 @@ def test_fast_decode_ptx_exact(quant):
         byte = torch.arange(256, dtype=torch.uint8)
         e4m3 = byte.view(torch.float8_e4m3fn).double()
         factor_values = (e4m3[~e4m3.isnan()] * 2.0 ** 117).numpy()
-        asm, unit = _E2M1_BF16_ASM_NVFP4.value, 2.0 ** -126   # the code's 2^-126 stays
     else:
-        # e8m0 exponents whose products stay finite in bf16 (6 * 2^125 the largest)
-        factor_values = 2.0 ** (np.arange(2, 253) - 127.0)
-        asm, unit = _E2M1_BF16_ASM_MXFP4.value, 1.0
+        # 2^(s - 1) (the bf16 bits (s + MXFP4_FAST_BIAS) << 7) for every byte s of the layout
+        s = np.arange(q.MXFP4_FOLD_MAX + 1)
+        factor_values = torch.from_numpy(((s + MXFP4_FAST_BIAS.value) << 7).astype(np.int16)).view(
+            torch.bfloat16).double().numpy()
+        assert np.array_equal(factor_values, 2.0 ** (s - 1.0))
+    unit = 2.0 ** -126   # the code's 2^-126 stays in the product
     codes, factors = codes_and_factors(gen, factor_values)
-    low, high = decode(asm, codes, factors)
+    low, high = decode(_E2M1_BF16_ASM.value, codes, factors)
     assert np.array_equal(low, bf16_bits(E2M1[codes & 15] * factors * unit))
     assert np.array_equal(high, bf16_bits(E2M1[codes >> 4] * factors * unit))
 
@@ -105,7 +108,7 @@ def test_word_bits_are_a_rotation_of_the_decode_fields():
     permuted = q.fp4_permute_word_bits(packed).view(torch.int32).numpy().view(np.uint32)[:, 0]
     assert sorted(int(v).bit_length() - 1 for v in permuted) == list(range(32))
     one = np.full(32, 0x3F803F80, dtype=np.uint32)
-    out = run(_E2M1_BF16_ASM_NVFP4.value, {4: permuted, 5: one, 6: one}, [0, 1, 2, 3])
+    out = run(_E2M1_BF16_ASM.value, {4: permuted, 5: one, 6: one}, [0, 1, 2, 3])
     for i in range(32):
         j, nibble, b = i // 8, (i // 4) % 2, i % 4
         register = 2 * nibble + j // 2             # lo0, lo1, hi0, hi1
@@ -197,7 +200,9 @@ def test_fast_decode_tile_wiring_on_the_emulator(monkeypatch):
             scale = (torch.rand(bn, kp // group, generator=gen) * 300 + 2 ** -9).to(
                 torch.float8_e4m3fn)
         else:
-            scale = torch.randint(100, 150, (bn, kp // group), dtype=torch.uint8, generator=gen)
+            # the layout's bytes (at most quant.MXFP4_FOLD_MAX), 0 included
+            scale = torch.randint(0, q.MXFP4_FOLD_MAX + 1, (bn, kp // group), dtype=torch.uint8,
+                                  generator=gen)
         want = q.dequantize_fp4(natural, scale, quant)
         if quant == "nvfp4":
             want = want / NVFP4_FAST_EPILOGUE

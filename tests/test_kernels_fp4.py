@@ -166,6 +166,32 @@ def test_fp4_default_configs_offset_invalid_ids(quant, monkeypatch, poisoned_emp
     run_and_check(quant, *case, activation="swiglu", offset=2)
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "swiglu_oai"])
+def test_mxfp4_rows_past_scale_two(activation, poisoned_empty):
+    """mxfp4 block scales past 2 (e8m0 bytes above 128) in some rows of some experts: the
+    layout folds each such row's excess into its row scale (quant.mxfp4_fold_scales), which
+    the kernels apply to the accumulator; the result is the checkpoint's, against float64.
+    (bf16: the boosted outputs pass fp16's range.)"""
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(23)
+    E, H, I, T, k = 4, 96, 64, 9, 2
+    ckpt = fp4_checkpoint(gen, "mxfp4", E, H, I, activation=activation,
+                          bias=activation == "swiglu_oai")
+    ckpt["w1_scale"][1] += 12                       # a whole expert's gate rows
+    ckpt["w3_scale"][2, 5:9] += 9                   # a few up rows
+    ckpt["w2_scale"][1, :, 0] += 14                 # one block of every row of an expert
+    kernel = moe_ops.prepare_weights(quant="mxfp4", activation=activation, dtype=dtype,
+                                     device=DEVICE, **ckpt)
+    assert float(kernel["w13_global_scale"].max()) > 1 and float(kernel["w2_global_scale"].max()) > 1
+    assert int(kernel["w13_scale"].max()) <= 128 and int(kernel["w2_scale"].max()) <= 128
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
+    ids[0] = torch.tensor([1, 2], dtype=torch.int32)
+    weights = torch.rand(T, k, generator=gen) + 0.1
+    run_and_check("mxfp4", ckpt, kernel, x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE),
+                  activation=activation)
+
+
 def test_fp4_through_the_public_op(poisoned_empty):
     """moe_ops.fused_moe(backend='triton') hands nvfp4's global scales to the kernels."""
     ckpt, kernel, x, ids, weights = make_case("nvfp4", 3, 64, 32, 4, 2, seed=3)
@@ -221,7 +247,7 @@ def test_fast_dequant_tile_exact_for_every_scale():
     """The GPU's bf16 decode (_dequant_fp4_tile_bf16_asm: e2m1 codes and nvfp4's e4m3 scales
     by bit moves) gives its (code, scale) products exactly (nvfp4: / NVFP4_FAST_EPILOGUE) for
     every code byte and every finite e4m3 scale byte (both signs, the subnormals), and for
-    mxfp4's exponents over the range whose products bf16 holds."""
+    every e8m0 byte mxfp4's kernel layout holds (0-128, quant.mxfp4_fold_scales)."""
     gen = torch.Generator().manual_seed(1)
     for quant, group in (("nvfp4", 16), ("mxfp4", 32)):
         bn, bk = 16 * 16, 256
@@ -232,8 +258,9 @@ def test_fast_dequant_tile_exact_for_every_scale():
             scale[0x7F], scale[0xFF] = 0x7E, 0xFE  # e4m3's NaNs: no checkpoint holds one
             scale = scale.repeat(bn * bk // group // 256).view(bn, bk // group)
         else:
-            # 2^(s - 127) for s in 2..252: 6 * 2^125 is the largest product, finite in bf16
-            scale = torch.randint(2, 253, (bn, bk // group), dtype=torch.uint8, generator=gen)
+            scale = torch.arange(q.MXFP4_FOLD_MAX + 1, dtype=torch.uint8).repeat(
+                -(-bn * bk // group // (q.MXFP4_FOLD_MAX + 1)))[:bn * bk // group]
+            scale = scale[torch.randperm(scale.numel(), generator=gen)].view(bn, bk // group)
         out = torch.full((bn, bk), float("nan"), dtype=torch.bfloat16, device=DEVICE)
         packed, scale_dev = q.fp4_to_kernel_order(natural).to(DEVICE), scale.to(DEVICE)
         for rows in range(0, bn, 16):  # a 16-row tile a launch

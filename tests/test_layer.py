@@ -109,7 +109,8 @@ def test_extra_repr_names_the_configuration():
     ("fp8_block", "geglu", False, {"w13", "w2", "w13_scale", "w2_scale"}),
     ("nvfp4", "swiglu", False, {"w13", "w2", "w13_scale", "w2_scale", "w13_global_scale",
                                 "w2_global_scale"}),
-    ("mxfp4", "swiglu_oai", True, {"w13", "w2", "w13_scale", "w2_scale", "b13", "b2"}),
+    ("mxfp4", "swiglu_oai", True, {"w13", "w2", "w13_scale", "w2_scale", "w13_global_scale",
+                                    "w2_global_scale", "b13", "b2"}),
 ])
 def test_kernel_weights_are_the_layer_parameters(gen, quant, activation, bias, roles):
     layer, _ = loaded_layer(gen, quant=quant, activation=activation, bias=bias)
@@ -330,6 +331,8 @@ def test_state_dict_of_the_natural_fp4_format_is_converted(gen, quant):
     for role, k in (("w13", layer.hidden_size), ("w2", layer.intermediate_size)):
         old[role] = q.fp4_from_kernel_order(current[role], k)
         old[role + "_scale"] = current[role + "_scale"][..., :k // q.fp4_scale_block(quant)]
+        if quant == "mxfp4":  # (row scales came with format version 4)
+            del old[role + "_global_scale"]
     old = type(current)(old)
     old._metadata = {"": {"version": 1}}
     fresh = moe_ops.FusedMoE(layer.num_experts, layer.hidden_size, layer.intermediate_size,
@@ -348,7 +351,8 @@ def test_state_dict_of_the_byte_order_format_is_converted(gen, quant):
     layer, _ = loaded_layer(gen, quant=quant, activation="swiglu", bias=False)
     current = layer.state_dict()
     old = type(current)((name, q.fp4_permute_word_bits(t, inverse=True)
-                         if name in ("w13", "w2") else t) for name, t in current.items())
+                         if name in ("w13", "w2") else t) for name, t in current.items()
+                        if quant == "nvfp4" or not name.endswith("_global_scale"))
     assert not torch.equal(old["w13"], current["w13"])
     old._metadata = {"": {"version": 2}}
     fresh = moe_ops.FusedMoE(layer.num_experts, layer.hidden_size, layer.intermediate_size,
@@ -366,9 +370,37 @@ def test_unpadded_natural_fp4_state_dict_is_not_misread(quant):
     layer.load_weights(**synthetic.random_checkpoint(4, 256, 256, quant=quant, seed=1))
     current = layer.state_dict()
     old = type(current)((name, q.fp4_from_kernel_order(t, 256) if name in ("w13", "w2") else t)
-                        for name, t in current.items())
+                        for name, t in current.items()
+                        if quant == "nvfp4" or not name.endswith("_global_scale"))
     assert old["w13"].shape == current["w13"].shape and not torch.equal(old["w13"], current["w13"])
     old._metadata = {"": {"version": 1}}
     fresh = moe_ops.FusedMoE(4, 256, 256, 2, quant=quant, backend="reference")
     fresh.load_state_dict(old)
     assert torch.equal(fresh.w13, current["w13"]) and torch.equal(fresh.w2, current["w2"])
+
+
+def test_state_dict_of_unfolded_mxfp4_scales_is_converted(gen):
+    """A version-3 mxfp4 state_dict (block scales as the checkpoint gave them, no row scales)
+    with bytes past 128 loads into the layer's folded scales and row scales, and computes what
+    a layer loaded from the checkpoint computes."""
+    from float64_moe import quantize_checkpoint, random_checkpoint
+    ckpt = random_checkpoint(gen, 4, 64, 64, activation="swiglu")
+    ckpt["w2"][1] *= 2.0 ** 30
+    ckpt = quantize_checkpoint(ckpt, "mxfp4")
+    layer = moe_ops.FusedMoE(4, 64, 64, 2, quant="mxfp4", backend="reference")
+    layer.load_weights(**ckpt)
+    current = layer.state_dict()
+    assert float(current["w2_global_scale"].max()) > 1.0
+    old = type(current)((name, t) for name, t in current.items()
+                        if not name.endswith("_global_scale"))
+    # version 3's bytes: the checkpoint's, padded (w13's have no row past 128: the same)
+    old["w2_scale"] = q.fp4_pad_scales(ckpt["w2_scale"], 64, "mxfp4")
+    assert int(old["w2_scale"].max()) > q.MXFP4_FOLD_MAX
+    old._metadata = {"": {"version": 3}}
+    fresh = moe_ops.FusedMoE(4, 64, 64, 2, quant="mxfp4", backend="reference")
+    fresh.load_state_dict(old)
+    for name, tensor in current.items():
+        assert torch.equal(getattr(fresh, name), tensor), name
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    logits = torch.randn(5, 4, generator=gen)
+    assert torch.equal(fresh(x, logits), layer(x, logits))

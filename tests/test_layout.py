@@ -114,8 +114,14 @@ def _layer(quant="none", activation="swiglu", bias=False, routing="renormalize",
 
 
 def _checkpoint(gen, quant, activation, bias, e=4, h=64, i=64, prequantized=False,
-                dtype=torch.bfloat16):
+                dtype=torch.bfloat16, boost=None):
+    """boost: expert 0's weights times it (mxfp4: 2^20 gives e8m0 bytes past 128, which the
+    layout folds into its row scales)."""
     ckpt = random_checkpoint(gen, e, h, i, activation=activation, bias=bias, dtype=dtype)
+    if boost is not None:
+        for name in ("w1", "w2", "w3"):
+            if ckpt.get(name) is not None:
+                ckpt[name][0] *= boost
     return quantize_checkpoint(ckpt, quant) if prequantized else ckpt
 
 
@@ -151,7 +157,9 @@ def test_reload_is_in_place_and_computes_no_index(quant, activation, prequantize
     x = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
     logits = torch.randn(9, 4, generator=gen)
 
-    new = _checkpoint(gen, quant, activation, True, prequantized=prequantized)
+    # (mxfp4: the second checkpoint's expert 0 has scales past 2, so its row scales change)
+    new = _checkpoint(gen, quant, activation, True, prequantized=prequantized,
+                      boost=2.0 ** 20 if quant == "mxfp4" else None)
     before = layout.permutation_computations
     layer.load_weights(**new)
     assert layout.permutation_computations == before, "load_weights recomputed an index"
@@ -286,6 +294,13 @@ def _layout_by_hand(ckpt: dict, quant: str, gated: bool, dtype=torch.bfloat16) -
         out["w13"], out["w2"] = (_fp4_kernel_order_by_hand(out[r]) for r in ("w13", "w2"))
         out["w13_scale"], out["w2_scale"] = (_fp4_padded_scales_by_hand(out[r], block)
                                              for r in ("w13_scale", "w2_scale"))
+    if quant == "mxfp4":
+        # each row's bytes past 128 folded into a row scale 2^excess
+        for r in ("w13", "w2"):
+            s = out[r + "_scale"].long()
+            excess = (s.max(dim=-1).values - 128).clamp(min=0)
+            out[r + "_scale"] = (s - excess[..., None]).clamp(min=0).to(torch.uint8)
+            out[r + "_global_scale"] = (2.0 ** excess).float()
     if "b1" in ckpt:
         out["b13"] = pair("b", lambda n: ckpt[n].float())
         out["b2"] = ckpt["b2"].float()
@@ -302,7 +317,9 @@ def _assert_layout(tensors: dict, ckpt: dict, quant: str, gated: bool, what: str
 
 
 def _prequantized(gen, quant, activation, e, h, i, bias=False):
-    return _checkpoint(gen, quant, activation, bias, e=e, h=h, i=i, prequantized=quant != "none")
+    # (mxfp4: expert 0's scales past 2, folded by the layout)
+    return _checkpoint(gen, quant, activation, bias, e=e, h=h, i=i, prequantized=quant != "none",
+                       boost=2.0 ** 20 if quant == "mxfp4" else None)
 
 
 def _check_same_shaped_w13_and_w2(quant: str, gen: torch.Generator) -> None:
@@ -561,6 +578,8 @@ def test_device_preparation_gives_the_reference_bytes(quant, activation, prequan
     dtype = torch.float16 if quant in ("nvfp4", "mxfp4") else torch.float32
     ckpt = random_checkpoint(gen, 3, h, i, activation=activation, bias=True, dtype=torch.bfloat16)
     ckpt["w1"][0].zero_()  # a zero expert (and zero blocks): scales 0, values 0, never NaN
+    if quant == "mxfp4":
+        ckpt["w2"][1] *= 2.0 ** 20  # scales past 2: rows the layout folds
     if prequantized:
         ckpt = quantize_checkpoint(ckpt, quant)
     ckpt = {k: v.to(_DEVICE) for k, v in ckpt.items()}

@@ -394,3 +394,37 @@ def test_fp4_kernel_order_round_trip_and_padding(k):
     assert padded.dtype == torch.float8_e4m3fn and padded.shape[-1] == kp // 16
     assert torch.equal(padded.view(torch.uint8)[..., :k // 16], scale)
     assert not padded.view(torch.uint8)[..., k // 16:].any()
+
+
+def test_mxfp4_fold_keeps_every_scale_bf16_can_matter_for():
+    """quant.mxfp4_fold_scales: bytes at most 128 after it; rows already there unchanged with
+    row scale 1; every block scale 2^(s - 127) equal to 2^(folded - 127) * row scale where
+    s >= the row's excess, and the clamped ones (under 2^-127 of their row's largest) at
+    2^-127 * row scale. The device fold (kernels/prepare.py; the interpreter on the CPU) gives
+    the same bytes in place."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    scale = torch.randint(0, 255, (3, 40, 12), dtype=torch.uint8, generator=gen)
+    scale[0] = torch.randint(0, 129, (40, 12), dtype=torch.uint8, generator=gen)
+    scale[1, 5] = 254                                   # the largest e8m0 a finite value has
+    scale[1, 6] = torch.tensor([254] + [0] * 11)        # a span past 2^254: some bytes clamped
+    folded, row = q.mxfp4_fold_scales(scale)
+    assert folded.dtype == torch.uint8 and row.dtype == torch.float32
+    assert int(folded.max()) <= q.MXFP4_FOLD_MAX
+    assert torch.equal(folded[0], scale[0]) and bool((row[0] == 1).all())
+    excess = (scale.long().amax(dim=-1) - 128).clamp(min=0)
+    assert torch.equal(row.double(), 2.0 ** excess.double())
+    want = 2.0 ** (scale.double() - 127)
+    got = 2.0 ** (folded.double() - 127) * row.double()[..., None]
+    kept = scale.long() >= excess[..., None]
+    assert torch.equal(got[kept], want[kept])
+    assert bool((~kept).any())
+    assert torch.equal(got[~kept], (2.0 ** -127 * row.double()[..., None]).expand_as(got)[~kept])
+    try:
+        from moe_ops.kernels import INTERPRET, prepare
+    except ImportError:
+        return
+    if not INTERPRET:
+        return
+    device_scale, device_row = scale.clone(), torch.full(row.shape, float("nan"))
+    prepare.fold_mxfp4_scales(device_scale, device_row)
+    assert torch.equal(device_scale, folded) and torch.equal(device_row, row)

@@ -143,8 +143,12 @@ def test_bad_calls_are_refused():
         ws_fp4.gemm(None, w, torch.zeros(2, 128, 8, dtype=torch.uint8), None, None, None, None,
                     gemm=2, activation="none", consumers=2, quant="mxfp4")
     w = torch.zeros(2, 128, 256, dtype=torch.uint8)
+    # both formats need the layout's row scale (nvfp4's global scale, mxfp4's fold), [E, N]
     with pytest.raises(ValueError, match="w_global_scale"):
-        ws_fp4.gemm(None, w, torch.zeros(2, 128, 16, dtype=torch.uint8), torch.ones(2, 128),
+        ws_fp4.gemm(None, w, torch.zeros(2, 128, 16, dtype=torch.uint8), None,
+                    None, None, None, gemm=2, activation="none", consumers=2, quant="mxfp4")
+    with pytest.raises(ValueError, match="w_global_scale"):
+        ws_fp4.gemm(None, w, torch.zeros(2, 128, 16, dtype=torch.uint8), torch.ones(2, 64),
                     None, None, None, gemm=2, activation="none", consumers=2, quant="mxfp4")
     with pytest.raises(ValueError, match="w_global_scale"):
         ws_fp4.gemm(None, w, torch.zeros(2, 128, 32, dtype=torch.uint8), None, None, None,
@@ -191,7 +195,7 @@ def test_experts_on_ws_fp4(activation, bias, I, tokens, consumers, which, monkey
 
 def test_decode_benchmark_builds():
     """benchmarks/dev_gluon_fp4_decode.py --aot (the kernel's sm_90 K loop, 2, 3 and 4
-    consumers, serial and pipelined, nvfp4 and mxfp4, decode's 16-slot and prefill's 64- and
+    consumers (mxfp4: 2 and 3), serial and pipelined, nvfp4 and mxfp4, decode's 16-slot and prefill's 64- and
     128-slot forms, the default epilogue) runs without a GPU; no local-memory access in any K
     loop; no stack at all but in the pipelined four-consumer form (two decoded operands in 112
     registers) and mxfp4's 128-slot form (its tile loop spills a few values once a tile: 120
@@ -203,7 +207,7 @@ def test_decode_benchmark_builds():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     builds = [line for line in done.stdout.splitlines() if "consumers" in line]
-    assert len(builds) == 12, done.stdout
+    assert len(builds) == 13, done.stdout
     assert all("(0 local)" in line for line in builds), done.stdout
     assert all("stack 0 B" in line for line in builds
                if "4 consumers, pipe" not in line and "mxfp4, 128 slots" not in line), done.stdout
@@ -219,7 +223,7 @@ def test_decode_benchmark_builds():
 def test_experts_on_ws_fp4_mxfp4(activation, bias, H, I, tokens, pipeline, which, monkeypatch,
                                  ws_fp4_calls, poisoned_empty):
     """mxfp4 on the kernel (MOE_OPS_WS_MXFP4=1): e8m0 scales loaded 16 bytes a row from a
-    16-byte-aligned column (K steps 2j and 2j + 1's), each step its half, no global scale;
+    16-byte-aligned column (K steps 2j and 2j + 1's), each step its half, the fold's row scales;
     gpt-oss's swiglu_oai with biases; K of 2-6 steps (H = 512-1536), the pipelined consumer,
     GEMM1 alone; gpt-oss's own sizes (H = I = 2880: K padded to 3072, the last step's
     activation box partly past the end; GEMM2's N = 2880, 22.5 tiles of 128 rows: the last
@@ -319,16 +323,17 @@ def test_fp4_defaults():
 
 
 def test_consumers_rule(monkeypatch):
-    """ws_fp4.consumers_for: "auto" runs three consumer warpgroups for nvfp4 decode from
+    """ws_fp4.consumers_for: "auto" runs three consumer warpgroups for 4-bit decode from
     THREE_CONSUMERS_MIN_PAIRS routed pairs where partial last tiles are allowed, two otherwise
-    (mxfp4, fewer pairs, the prefill forms); a forced count applies to decode only."""
+    (fewer pairs, the prefill forms); a forced count applies to decode only."""
     monkeypatch.setattr(ws_fp4, "CONSUMERS", "auto")
     monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", True)
     least = ws_fp4.THREE_CONSUMERS_MIN_PAIRS
     decode = ws_fp4.BLOCK_M
     assert ws_fp4.consumers_for(decode, "nvfp4", least) == 3
     assert ws_fp4.consumers_for(decode, "nvfp4", least - 1) == 2
-    assert ws_fp4.consumers_for(decode, "mxfp4", 10 * least) == 2
+    assert ws_fp4.consumers_for(decode, "mxfp4", least) == 3
+    assert ws_fp4.consumers_for(decode, "mxfp4", least - 1) == 2
     assert ws_fp4.consumers_for(ws_fp4.PREFILL_SLOTS, "nvfp4", 10 * least) == 2
     assert ws_fp4.consumers_for(ws_fp4.WIDE_SLOTS, "nvfp4", 10 * least) == 2
     monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", False)
@@ -336,6 +341,24 @@ def test_consumers_rule(monkeypatch):
     monkeypatch.setattr(ws_fp4, "CONSUMERS", "4")
     assert ws_fp4.consumers_for(decode, "mxfp4", 1) == 4
     assert ws_fp4.consumers_for(ws_fp4.PREFILL_SLOTS, "nvfp4", 1) == 2
+    # below THREE_CONSUMERS_MIN_PAIRS: three where 192-row tiles take fewer rows of waves
+    # (gpt-oss-120b T = 1, 4 experts on 132 SMs: GEMM1's 5760 rows, not GEMM2's 2880; DeepSeek-V3
+    # T = 1: neither; no counts known: two)
+    monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", True)
+    monkeypatch.setattr(ws_fp4, "CONSUMERS", "auto")
+    assert ws_fp4.consumers_for(decode, "mxfp4", 4, 1, 5760, 128, 132) == 3
+    assert ws_fp4.consumers_for(decode, "mxfp4", 4, 2, 2880, 128, 132) == 2
+    assert ws_fp4.consumers_for(decode, "mxfp4", 16, 1, 5760, 128, 132) == 2   # equal
+    assert ws_fp4.consumers_for(decode, "nvfp4", 8, 1, 4096, 256, 132) == 2
+    assert ws_fp4.consumers_for(decode, "nvfp4", 8, 2, 7168, 256, 132) == 2
+    assert ws_fp4.consumers_for(decode, "mxfp4", 4) == 2
+    assert ws_fp4.consumers_for(ws_fp4.PREFILL_SLOTS, "mxfp4", 4, 1, 5760, 128, 132) == 2
+    monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", False)
+    assert ws_fp4.consumers_for(decode, "mxfp4", 4, 1, 5760, 128, 132) == 2
+    monkeypatch.setattr(ws_fp4, "CONSUMERS", "3,2")  # one count a GEMM
+    assert ws_fp4.consumers_for(decode, "mxfp4", 1, gemm=1) == 3
+    assert ws_fp4.consumers_for(decode, "mxfp4", 1, gemm=2) == 2
+    assert ws_fp4.consumers_for(ws_fp4.PREFILL_SLOTS, "nvfp4", 1, gemm=1) == 2
 
 
 @needs_hopper

@@ -31,7 +31,7 @@ from moe_ops.kernels.act_quant import act_quant
 from moe_ops.kernels.align import SMALL_PATH_MAX_PAIRS, moe_align, moe_align_gather
 from moe_ops.kernels import ws_fp4, ws_gemm
 from moe_ops.kernels.combine import combine_pair_rows
-from moe_ops.kernels.common import is_gated, pdl_early_launch, upcast_dots
+from moe_ops.kernels.common import device_properties, is_gated, pdl_early_launch, upcast_dots
 from moe_ops.quant import FP4_K_ALIGN
 from moe_ops.kernels.grouped_gemm import (
     FP4_QUANTS, PERSISTENT_QUANTS, GemmConfig, GemmProblem, Routing, gather_rows, gemm1, gemm2,
@@ -259,8 +259,9 @@ def triton_experts(
 
     Weights in kernel layout: w13 [E, N13, H] (gate/up rows interleaved when gated), w2
     [E, H, I] (4-bit: packed bytes in quant.py's kernel order, [E, N13, Hp/2], [E, H, Ip/2]
-    with Hp, Ip padded to multiples of 256); scales, nvfp4's per-row global
-    scales and biases as described in grouped_gemm.py. Ids are global; ids outside
+    with Hp, Ip padded to multiples of 256); scales, the 4-bit layouts' per-row scales
+    (nvfp4's global scale, mxfp4's fold; both required) and biases as described in
+    grouped_gemm.py. Ids are global; ids outside
     [local_expert_offset, local_expert_offset + E) contribute nothing.
     """
     T, H = x.shape
@@ -311,16 +312,17 @@ def triton_experts(
                  ws_fp4.PREFILL_SLOTS if 0 < WS_FP4_PREFILL_MIN_ROWS * E <= T * top_k else None)
     fp4_ws = (WS_FP4 != "0" and quant in WS_FP4_QUANTS and fp4_slots is not None
               and gemm1_config is None and gemm2_config is None
-              and ((w13_global_scale is not None and w2_global_scale is not None)
-                   if quant == "nvfp4" else
-                   (w13_global_scale is None and w2_global_scale is None)))
-    fp4_consumers = ws_fp4.consumers_for(fp4_slots, quant, T * top_k) if fp4_ws else None
+              and w13_global_scale is not None and w2_global_scale is not None)
+    sms = device_properties(x.device).multi_processor_count if fp4_ws and x.is_cuda else None
+    fp4_consumers = ((ws_fp4.consumers_for(fp4_slots, quant, T * top_k, 1, w13.shape[1], E, sms),
+                      ws_fp4.consumers_for(fp4_slots, quant, T * top_k, 2, H, E, sms))
+                     if fp4_ws else (None, None))
     ws_fp4_1 = fp4_ws and ws_fp4.applies(quant, activation, w13.shape[1], x, w13, w13_scale,
-                                         fp4_slots, consumers=fp4_consumers)
+                                         fp4_slots, consumers=fp4_consumers[0])
     # (GEMM2 reads the intermediate's rows of I values)
     ws_fp4_2 = fp4_ws and WS_FP4 == "1" and ws_fp4.applies(quant, "none", H, x, w2, w2_scale,
                                                            fp4_slots, k=I,
-                                                           consumers=fp4_consumers)
+                                                           consumers=fp4_consumers[1])
     if ws_fp4_1 or ws_fp4_2:
         direct = False
     tile1 = ws_tile(quant, T * top_k, E, direct, activation, b13 is not None, w13.shape[1])
@@ -369,7 +371,7 @@ def triton_experts(
         del gathered
         ws_fp4.gemm(rows, w13, w13_scale, w13_global_scale, b13, intermediate, routing, gemm=1,
                     activation=activation, alpha=alpha, limit=limit, quant=quant,
-                    slots=fp4_slots, consumers=fp4_consumers)
+                    slots=fp4_slots, consumers=fp4_consumers[0])
         del rows
     elif ws1:
         rows, row_scales = gather_rows(a1, a1_scale, routing)
@@ -406,7 +408,7 @@ def triton_experts(
     if ws_fp4_2:
         ws_fp4.gemm(a2, w2, w2_scale, w2_global_scale, b2, pair_out, routing, gemm=2,
                     activation="none", quant=quant, slots=fp4_slots,
-                    consumers=fp4_consumers)
+                    consumers=fp4_consumers[1])
     elif ws2:
         ws_gemm.gemm(a2, a2_scale, w2, w2_scale, b2, pair_out, routing, gemm=2,
                      activation="none", tile=tile2, quant=quant)

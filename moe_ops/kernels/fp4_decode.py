@@ -132,7 +132,7 @@ def _fp4_word_codes(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 # The GPU path of the e2m1 decode (bf16 dots), a kernel-order word (8 values) per asm block:
-# 10 integer instructions (9 in SASS) and 4 (nvfp4) or 8 (mxfp4) bf16x2 multiplies for the 8,
+# 10 integer instructions (9 in SASS) and 4 bf16x2 multiplies for the 8,
 # where the portable bit arithmetic above takes about 10 instructions a value (and the kernel
 # order's bytes without the word permutation took 2 prmt and 16 shifts and masks). Why it
 # matters: streaming 4-bit weights at 4.55 TB/s is 9.1e12 values/s, about 35 values per clock
@@ -142,10 +142,12 @@ def _fp4_word_codes(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 # word: masked with P = 0x81C081C0 the 3 magnitude bits sit in bf16's two lowest exponent bits
 # and top mantissa bit, the bf16 bits of value * 2^-126 (em = 1, the e2m1 subnormal 0.5,
 # becomes a bf16 subnormal; the bf16 FMA keeps subnormals). The multiplier $5/$6 brings the
-# 2^-126 back together with the block scale: nvfp4 folds it into one multiply (scale * 2^117,
-# the last 2^9 is applied to the accumulator with the global scale, so no bf16 ever overflows);
-# mxfp4's 2^(s-127) can be up to 2^127, so it takes 2^126 first (exact: a normal e2m1 value) and
-# the scale second. lo0 / lo1: the low nibbles of bytes 0-1 / 2-3 (slices c / c + 1), hi0 /
+# 2^-126 back together with the block scale in one multiply: nvfp4's is scale * 2^117 (the last
+# 2^9 is applied to the accumulator with the global scale, so no bf16 ever overflows), mxfp4's
+# 2^(s-1) for its e8m0 byte s, a normal bf16 because the kernel layout keeps s <= 128
+# (quant.mxfp4_fold_scales: the rest of a row's exponent is its row scale, applied to the
+# accumulator; before the fold mxfp4 took 2^126 first and the scale second, 8 multiplies a
+# word instead of 4: 2.83 instructions a value in ws_fp4's K loop, nvfp4's 2.43). lo0 / lo1: the low nibbles of bytes 0-1 / 2-3 (slices c / c + 1), hi0 /
 # hi1 the high nibbles: the word itself, rotated right by 4, by 10, and by 14 and 6 in part.
 def _ptx_sign_and_field(dst: str, src: str, sign_shift: int, field_shift: int,
                         field_mask: str) -> str:
@@ -171,19 +173,7 @@ _E2M1_BF16_ASM_HEAD = (
     "shf.r.wrap.b32 hi1, $4, $4, 6;\n"
     "and.b32 hi1, hi1, 0x81808180;\n"
     "or.b32 hi1, hi1, t;\n")
-_E2M1_BF16_ASM_NVFP4 = tl.constexpr("{\n" + _E2M1_BF16_ASM_HEAD + """
-mul.rn.bf16x2 $0, lo0, $5;
-mul.rn.bf16x2 $1, lo1, $6;
-mul.rn.bf16x2 $2, hi0, $5;
-mul.rn.bf16x2 $3, hi1, $6;
-}
-""")
-_E2M1_BF16_ASM_MXFP4 = tl.constexpr("{\n" + _E2M1_BF16_ASM_HEAD + """
-mov.b32 m, 0x7E807E80;
-mul.rn.bf16x2 lo0, lo0, m;
-mul.rn.bf16x2 lo1, lo1, m;
-mul.rn.bf16x2 hi0, hi0, m;
-mul.rn.bf16x2 hi1, hi1, m;
+_E2M1_BF16_ASM = tl.constexpr("{\n" + _E2M1_BF16_ASM_HEAD + """
 mul.rn.bf16x2 $0, lo0, $5;
 mul.rn.bf16x2 $1, lo1, $6;
 mul.rn.bf16x2 $2, hi0, $5;
@@ -208,6 +198,8 @@ _E4M3_TO_BF16_P117 = tl.constexpr(
 # nvfp4's block-scale multiplier in the bf16 fast path is scale * 2^117 (not 2^126: 448 * 2^126
 # overflows bf16); the accumulator takes the remaining 2^9.
 NVFP4_FAST_EPILOGUE = 512.0
+# mxfp4's: 2^(s - 1), i.e. the bf16 bits (s + MXFP4_FAST_BIAS) << 7 (s <= 128 in the layout).
+MXFP4_FAST_BIAS = tl.constexpr(126)
 
 
 @triton.jit
@@ -244,13 +236,12 @@ def _dequant_fp4_tile_bf16_asm(packed, scale, QUANT: tl.constexpr, BLOCK_N: tl.c
         factor = tl.inline_asm_elementwise(_E4M3_TO_BF16_P117, "=r,=r,r", [scale],
                                            dtype=tl.bfloat16, is_pure=True, pack=4)
         fa, fb = tl.split(tl.reshape(_doubled_bf16(factor), (BLOCK_N, C // 2, 2)))
-        asm: tl.constexpr = _E2M1_BF16_ASM_NVFP4
     else:
-        fa = _doubled_bf16((scale.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True))  # 2^(s-127)
+        fa = _doubled_bf16(((scale.to(tl.int16) + MXFP4_FAST_BIAS) << 7).to(
+            tl.bfloat16, bitcast=True))  # 2^(s - 1): the code's 2^-126 and 2^(s - 127)
         fb = fa
-        asm: tl.constexpr = _E2M1_BF16_ASM_MXFP4
     lo0, lo1, hi0, hi1 = tl.inline_asm_elementwise(
-        asm, "=r,=r,=r,=r,r,r,r",
+        _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r",
         [word, tl.broadcast_to(fa[:, None, :], word.shape),
          tl.broadcast_to(fb[:, None, :], word.shape)],
         dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)

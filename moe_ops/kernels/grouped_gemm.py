@@ -28,7 +28,8 @@ order of quant.py (rows zero-padded to a multiple of 256 columns; each thread gr
 a K step in one run, the codes of a byte the pair the MMA's register fragment wants), with its
 block scales ([N, Kp/16] e4m3 / [N, Kp/32] e8m0), and dequantized in registers to the
 activations' dtype (bf16/fp16) for an ordinary tensor-core dot with fp32 accumulation (see
-`_dequant_fp4_tile`). nvfp4's global scale (one per expert, expanded per row by the layout)
+`_dequant_fp4_tile`). The layout's per-row scale (nvfp4's global scale, one per expert
+expanded per row; mxfp4's fold of each row's block exponents, quant.mxfp4_fold_scales)
 multiplies the accumulator's columns in the epilogue: one multiply per output instead of one
 per weight element.
 
@@ -67,7 +68,7 @@ from moe_ops.kernels.common import (
 )
 from moe_ops.kernels import INTERPRET
 from moe_ops.kernels.fp4_decode import (  # noqa: F401  (the 4-bit decode's names, re-exported)
-    NVFP4_FAST_EPILOGUE, _E2M1_BF16_ASM_HEAD, _E2M1_BF16_ASM_MXFP4, _E2M1_BF16_ASM_NVFP4,
+    MXFP4_FAST_BIAS, NVFP4_FAST_EPILOGUE, _E2M1_BF16_ASM, _E2M1_BF16_ASM_HEAD,
     _E4M3_TO_BF16_P117, _dequant_fp4_tile, _dequant_fp4_tile_bf16_asm,
 )
 from moe_ops.quant import FP4_K_ALIGN, fp4_scale_block
@@ -496,9 +497,9 @@ def _epilogue(acc, expert, pair_ids, row_ok, slots, a_rows, offs_n, w_rows, pid_
         a_s = tl.load(a_scale_ptr + a_rows * stride_asm, mask=row_ok, other=0.0)
         w_s = tl.load(w_scale_ptr + expert * stride_wse + w_rows * stride_wsn)
         acc = acc * a_s[:, None] * w_s[None, :]
-    if QUANT == "nvfp4":
+    if QUANT == "nvfp4" or QUANT == "mxfp4":
         global_scale = tl.load(w_global_scale_ptr + expert * stride_wge + w_rows)
-        if FAST_FP4:
+        if FAST_FP4 and QUANT == "nvfp4":
             global_scale = global_scale * 512.0  # NVFP4_FAST_EPILOGUE
         acc = acc * global_scale[None, :]
     if HAS_BIAS:
@@ -537,7 +538,7 @@ def _epilogue(acc, expert, pair_ids, row_ok, slots, a_rows, offs_n, w_rows, pid_
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-    w_global_scale_ptr,             # nvfp4: float32 [E, N], the global scale per weight row
+    w_global_scale_ptr,             # fp4: float32 [E, N], the layout's scale per weight row
     sorted_pair_ids_ptr, block_expert_ids_ptr, topk_ids_ptr, topk_weights_ptr,
     N, K, num_pairs, top_k, num_experts, local_expert_offset, num_m_blocks,
     stride_am, stride_asm,
@@ -1036,6 +1037,10 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
         num_m_blocks = routing.num_pairs
     else:
         num_m_blocks = routing.sorted_pair_ids.numel() // config.block_m
+    if quant in FP4_QUANTS and (global_scale is None or global_scale.shape != w.shape[:2]):
+        raise ValueError(f"global_scale: {quant} needs the layout's per-row scale "
+                         f"{list(w.shape[:2])}, got "
+                         f"{None if global_scale is None else list(global_scale.shape)}")
     if quant in FP4_QUANTS and config.block_k < max(32, fp4_scale_block(quant)):
         raise ValueError(f"{quant} needs block_k >= {max(32, fp4_scale_block(quant))}, "
                          f"got {config.block_k}")

@@ -1298,3 +1298,45 @@ def scatter_fp4_rows(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tenso
         dst.stride(0), dst.stride(1), WORDS=words, EVEN_N=n % block_n == 0,
         SLICES_ALIGN=align, BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4,
     )
+
+
+# mxfp4's fold (quant.mxfp4_fold_scales): a program reads _FOLD_TILE_BYTES of whole scale rows.
+_FOLD_TILE_BYTES = 16384
+
+
+@triton.jit
+def _fold_mxfp4_kernel(scale_ptr, row_scale_ptr, R, G, FOLD_MAX: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Rows r of scale [R, G] (uint8, contiguous): c = max(max_g scale[r] - FOLD_MAX, 0);
+    row_scale[r] = 2^c; the bytes rewritten as max(scale - c, 0) in rows where c > 0 only."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_G)
+    row_ok = rows < R
+    mask = row_ok[:, None] & (cols < G)[None, :]
+    ptrs = scale_ptr + rows[:, None] * G + cols[None, :]
+    s = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+    excess = tl.maximum(tl.max(s, axis=1) - FOLD_MAX, 0)
+    tl.store(row_scale_ptr + rows, ((excess + 127) << 23).to(tl.float32, bitcast=True),
+             mask=row_ok)
+    folded = tl.maximum(s - excess[:, None], 0).to(tl.uint8)
+    tl.store(ptrs, folded, mask=mask & (excess > 0)[:, None])
+
+
+def fold_mxfp4_scales(scale: torch.Tensor, row_scale: torch.Tensor) -> None:
+    """quant.mxfp4_fold_scales in place: scale uint8 [E, N, G] and row_scale float32 [E, N],
+    both contiguous (kernel-layout tensors); one read of the scales, the rows that change
+    rewritten."""
+    assert scale.dtype == torch.uint8 and row_scale.dtype == torch.float32
+    assert scale.is_contiguous() and row_scale.is_contiguous()
+    assert tuple(row_scale.shape) == tuple(scale.shape[:-1])
+    g = scale.shape[-1]
+    r = row_scale.numel()
+    if r == 0:
+        return
+    if g == 0:
+        row_scale.fill_(1.0)
+        return
+    block_g = next_power_of_2(g)
+    block_r = max(1, min(_FOLD_TILE_BYTES // block_g, next_power_of_2(r)))
+    _fold_mxfp4_kernel[(cdiv(r, block_r),)](scale, row_scale, r, g, FOLD_MAX=q.MXFP4_FOLD_MAX,
+                                            BLOCK_R=block_r, BLOCK_G=block_g, num_warps=4)

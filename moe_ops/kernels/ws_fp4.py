@@ -31,9 +31,10 @@ Swap-AB: the weight rows are the MMA's M side, the dispatch's 16-slot blocks its
 up to 8 routed rows an expert; prefill's forms: 64- and 128-slot blocks, PREFILL_SLOTS and
 WIDE_SLOTS). N need only be a multiple of 64: a consumer whose rows of the last tile lie past
 N idles through the ring.
-Its sm_90 K loop: 2.43 instructions a weight value for nvfp4, 2.83 for mxfp4 (two multiplies
-a pair: see fp4_decode's _E2M1_BF16_ASM_MXFP4) (benchmarks/dev_gluon_fp4_decode.py --aot),
-against the Triton loop's 5.1; 3.30 and 3.70 before the kernel order permuted each word's bits
+Its sm_90 K loop: 2.43 instructions a weight value for nvfp4 (benchmarks/dev_gluon_fp4_decode.py
+--aot), against the Triton loop's 5.1; mxfp4 took 2.83 while its decode multiplied twice
+(2^126, then the scale), one multiply since the layout folds its block scales to at most 2
+(quant.mxfp4_fold_scales; see fp4_decode's _E2M1_BF16_ASM); 3.30 and 3.70 before the kernel order permuted each word's bits
 for the decode (quant.FP4_WORD_BITS: DeepSeek-V3 nvfp4 T = 1 / 16 / 64 103.6 / 785 / 1579 ->
 89.8 / 706 / 1421 us, gpt-oss-120b mxfp4 53.2 / 339 / 703 -> 46.0 / 275 / 568, the prefill
 GEMMs 5-6% faster; results/h200_ab_fp4_layout_*.json).
@@ -42,8 +43,9 @@ Contract (grouped_gemm's, dispatch mode only): activation rows [slots, K] in dis
 (GEMM1's gathered by grouped_gemm.gather_rows, or by the dispatch's own launch,
 align.moe_align_gather, whose padding rows hold anything, NaN included: a slot is its own
 column of the MMA, its results dropped), bf16; weights [E, N, Kp/2] kernel-order packed
-with e4m3 scales [E, N, Kp/16] and the global scale per row [E, N] (nvfp4) or e8m0 scales
-[E, N, Kp/32] (mxfp4, Kp a multiple of 512); bias [E, N] or None. GEMM1 writes act(.) into
+with e4m3 scales [E, N, Kp/16] (nvfp4) or e8m0 scales [E, N, Kp/32] at most 128 (mxfp4, Kp a
+multiple of 512), and the layout's scale per row [E, N] (nvfp4's global scale, mxfp4's fold);
+bias [E, N] or None. GEMM1 writes act(.) into
 intermediate[slot] (gate/up rows interleaved), GEMM2 writes topk_weight * (.) into out[pair];
 padding slots are never written.
 """
@@ -59,8 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moe_ops.kernels.common import device_properties, round_to_dtype
-from moe_ops.kernels.fp4_decode import (
-    _E2M1_BF16_ASM_MXFP4, _E2M1_BF16_ASM_NVFP4, _E4M3_TO_BF16_P117)
+from moe_ops.kernels.fp4_decode import MXFP4_FAST_BIAS, _E2M1_BF16_ASM, _E4M3_TO_BF16_P117
 from moe_ops.kernels.grouped_gemm import _launcher
 from moe_ops.kernels.ws_gemm import (
     ACTIVATIONS, release_steps, available, env_choice, ring_barriers, ring_next, write_rows)
@@ -103,12 +104,16 @@ STAGES = {BLOCK_M: 4, PREFILL_SLOTS: 3, WIDE_SLOTS: 2}     # ring slots by the f
 # in tiles of 192 with the last one partial (PARTIAL_N). Measured on an H200, the decode layers
 # as graph replays in two alternated runs (results/h200_ab_fp4_decode_c*.json, 2026-12-01):
 # DeepSeek-V3 nvfp4 T = 4 / 16 / 64 336 / 868 / 1722 -> 302 / 780 / 1600 us, but T = 1 (8
-# experts, fewer and longer tiles) 106 -> 126; gpt-oss mxfp4 slower at every T (T = 16 340 ->
-# 458: the mxfp4 decode's extra multiplies want the registers). So "auto" (the default): three
-# for nvfp4 from THREE_CONSUMERS_MIN_PAIRS routed pairs, else two; MOE_OPS_WS_FP4_CONSUMERS=
-# 2|3|4 forces a count.
+# experts, fewer and longer tiles) 106 -> 126; gpt-oss mxfp4 then slower at every T (T = 16
+# 340 -> 458: its decode's second multiplies wanted the registers). With mxfp4's decode at one
+# multiply (quant.mxfp4_fold_scales) three win there too, by less (results/h200_ab_fold4_*.json,
+# 2026-12-02: gpt-oss-120b T = 16 / 64 263.7 / 548.5 and 539.9 -> 259.4 / 530.0 and 526.3 us,
+# T = 1 / 4 equal). So "auto" (the default): three from THREE_CONSUMERS_MIN_PAIRS routed pairs,
+# else two; MOE_OPS_WS_FP4_CONSUMERS=2|3|4 forces a count for both GEMMs of a call, "a,b" one
+# for each (GEMM1 a, GEMM2 b).
 REGISTERS = {2: (232, 40, 168), 3: (160, 24, 128), 4: (112, 24, 96)}
-CONSUMERS = env_choice("MOE_OPS_WS_FP4_CONSUMERS", "auto", ("auto", "2", "3", "4"))
+CONSUMERS = env_choice("MOE_OPS_WS_FP4_CONSUMERS", "auto", ("auto", "2", "3", "4") + tuple(
+    f"{a},{b}" for a in REGISTERS for b in REGISTERS))
 THREE_CONSUMERS_MIN_PAIRS = 32
 # A consumer's decode of K step k + 1 while its wgmma of step k runs (a second register operand)
 # instead of decode, MMA, wait in turn. Measured on an H200 (results/h200_ab_fp4_rows_16_*.json,
@@ -187,10 +192,11 @@ def decode_step(packed, scales, P2: gl.constexpr, P4: gl.constexpr, DOT: gl.cons
     wgmma's A-operand layout (DOT), bf16. nvfp4 (MX 0): e4m3 scales [64, 16] (SCALES_LAYOUT),
     one per 16-column slice c, the tile's values / 512 (NVFP4_FAST_EPILOGUE). mxfp4 (MX 1):
     e8m0 scales [64, 8] (MX_SCALES_LAYOUT), one per 32 columns (slices 2g and 2g + 1), the
-    tile's values exact."""
+    tile's values / their row's scale (the layout's fold)."""
     if MX:
-        # 2^(s - 127): the e8m0 byte is bf16's exponent field; slice c takes group c // 2
-        g = (scales.to(gl.int16) << 7).to(gl.bfloat16, bitcast=True)
+        # 2^(s - 1) (the code's 2^-126 and 2^(s - 127), s <= 128): s + 126 is bf16's exponent
+        # field; slice c takes group c // 2
+        g = ((scales.to(gl.int16) + MXFP4_FAST_BIAS) << 7).to(gl.bfloat16, bitcast=True)
         factor = gl.reshape(gl.join(g, g), [64, 16])
     else:
         # block scales * 2^117 by bit moves, four a register
@@ -202,14 +208,9 @@ def decode_step(packed, scales, P2: gl.constexpr, P4: gl.constexpr, DOT: gl.cons
     factor = gl.expand_dims(gl.expand_dims(factor, 2), 1)
     factor = gl.broadcast(factor, gl.full([64, 4, 16, 2], 0.0, gl.bfloat16, P4))[0]
     factor = gl.convert_layout(gl.reshape(factor, [64, 128]), P2, assert_trivial=True)
-    if MX:
-        low, high = gl.inline_asm_elementwise(
-            _E2M1_BF16_ASM_MXFP4, "=r,=r,=r,=r,r,r,r", [packed, factor],
-            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-    else:
-        low, high = gl.inline_asm_elementwise(
-            _E2M1_BF16_ASM_NVFP4, "=r,=r,=r,=r,r,r,r", [packed, factor],
-            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    low, high = gl.inline_asm_elementwise(
+        _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [packed, factor],
+        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
     # element j = 32t + 2c + q (its word's byte j % 4, bits permuted) decodes to columns
     # 16c + 2t + q (low) and + 8 (high)
     values = gl.reshape(gl.join(low, high), [64, 4, 16, 2, 2])          # [row, t, c, q, h]
@@ -541,12 +542,12 @@ def _epilogue_early(acc, scale, shift, terms0, terms1, n0, ptrs, strides, alpha,
 @gluon.jit
 def _row_terms(gscale_ptr, bias_ptr, expert, n0, stride_ge, stride_be, mma: gl.constexpr,
                MX: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """The tile's 64 weight rows' factor (nvfp4: the global scale * 512; mxfp4: unused) and
-    bias (zeros without), along the MMA layout's rows."""
+    """The tile's 64 weight rows' factor (the layout's row scale; nvfp4's * 512) and bias
+    (zeros without), along the MMA layout's rows."""
     w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-    scale = gl.full([64], 1.0, gl.float32, gl.SliceLayout(1, mma))
+    scale = gl.load(gscale_ptr + expert * stride_ge + w_rows)
     if not MX:
-        scale = gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0
+        scale = scale * 512.0
     shift = gl.zeros([64], gl.float32, gl.SliceLayout(1, mma))
     if HAS_BIAS:
         shift = gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)
@@ -686,18 +687,48 @@ def tma_box_rows(consumers: int) -> int:
     return rows if rows & (rows - 1) == 0 else ROWS
 
 
-def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0) -> int:
-    """Consumer warpgroups of a launch: the prefill forms' 2; decode's CONSUMERS when forced,
-    else three for nvfp4 calls of THREE_CONSUMERS_MIN_PAIRS routed pairs or more (see CONSUMERS)
-    where partial last tiles are allowed. (gemm() counts the routing's pairs; applies() without
-    `consumers` knows none: experts.py passes the same count to both.)"""
+def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0,
+                  gemm: Optional[int] = None, n: Optional[int] = None,
+                  experts: Optional[int] = None, programs: Optional[int] = None) -> int:
+    """Consumer warpgroups of a launch: the prefill forms' 2; decode's CONSUMERS when forced
+    (for GEMM `gemm`, 1 or 2, where it names one a GEMM), else, where partial last tiles are
+    allowed, three for calls of THREE_CONSUMERS_MIN_PAIRS routed pairs or more (see CONSUMERS)
+    and, below that, three where the GEMM's tiles (n weight rows of each of at most
+    min(experts, num_pairs) experts, on `programs` SMs) then take fewer rows of waves
+    (_row_waves), else two. (gemm() counts the routing's pairs; applies() without `consumers`
+    knows none: experts.py passes the same counts to both.)"""
     if slots != BLOCK_M:
         return 2
     if CONSUMERS != "auto":
-        return int(CONSUMERS)
+        forced = CONSUMERS.split(",")
+        return int(forced[min(len(forced), gemm or 1) - 1])
     # (192-row tiles leave DeepSeek's N = 4096 and 7168 a partial last tile: PARTIAL_N_OK)
-    return (3 if quant == "nvfp4" and num_pairs >= THREE_CONSUMERS_MIN_PAIRS and PARTIAL_N_OK
-            else 2)
+    if not PARTIAL_N_OK:
+        return 2
+    if num_pairs >= THREE_CONSUMERS_MIN_PAIRS:
+        return 3
+    if n is None or experts is None or programs is None:
+        return 2
+    active = min(experts, num_pairs)
+    return 3 if _row_waves(3, n, active, programs) < _row_waves(2, n, active, programs) else 2
+
+
+# Below THREE_CONSUMERS_MIN_PAIRS a decode GEMM is a wave or a few of tiles, and a tile's time
+# grows with its rows: three consumers pay where their 192-row tiles take fewer rows of waves
+# than 128-row ones. gpt-oss-120b at T = 1 (4 experts): GEMM1's 5760 rows are 180 tiles of 128
+# (2 waves on 132 SMs, 256 rows) or 120 of 192 (1 wave, 192 rows); its GEMM2's 2880 rows 92 or
+# 60 tiles (1 wave either way: 128 rows beat 192). Measured on an H200 (results/
+# h200_ab_consumers_*.json, 2026-12-02, graph replays, two alternated passes): gpt-oss-120b
+# mxfp4 T = 1 with 2,2 / 3,3 / 3,2 / 2,3 consumers (GEMM1, GEMM2) 45.5 / 45.1 / 42.0 / 48.3 us
+# (41.2 for 3,2 in the second pass); at T = 4 (equal row waves) 2,2 best (100.4 against 101.3-
+# 103.0); DeepSeek-V3 nvfp4 T = 1 2,2 best (89.7 against 90.5-106.6), T = 4-64 3,3 best (271 /
+# 716 / 1438 us against 279-289 / 725-750 / 1490-1537), as gpt-oss at T = 16 / 64 (259 / 527-543).
+def _row_waves(consumers: int, n: int, experts: int, programs: int) -> int:
+    """Weight rows an SM runs through for a GEMM of `experts` experts' n rows in tiles of
+    `consumers` warpgroups, the tiles spread over `programs` SMs in waves."""
+    rows = block_n(consumers)
+    tiles = experts * -(-n // rows)
+    return -(-tiles // programs) * rows
 
 
 def default_pipeline(slots: int) -> bool:
@@ -735,7 +766,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
          half_blocks: Optional[bool] = None) -> None:
     """One nvfp4 / mxfp4 GEMM over the dispatch's live blocks of `slots` rows (16: decode's
     form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers; see the module docstring);
-    mxfp4 has no global scale (w_global_scale None). pipeline: the pipelined consumers
+    w_global_scale: the layout's row scale [E, N] (nvfp4's global scale, mxfp4's fold). pipeline: the pipelined consumers
     (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide form's).
     early: the epilogue's operands loaded before each tile's K loop (default: EARLY_EPILOGUE).
     half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other forms never)."""
@@ -747,7 +778,11 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         raise ValueError("gemm=1 needs an activation (GEMM1's epilogue applies it)")
     if slots == WIDE_SLOTS and pipeline:
         raise ValueError(f"pipeline: the {slots}-slot form has serial consumers only")
-    consumers = consumers or consumers_for(slots, quant, routing.num_pairs)
+    if consumers is None:
+        if programs is None:
+            programs = device_properties(a.device).multi_processor_count
+        consumers = consumers_for(slots, quant, routing.num_pairs, gemm, w.shape[1], w.shape[0],
+                                  programs)
     if consumers not in REGISTERS:
         raise ValueError(f"consumers: {', '.join(map(str, sorted(REGISTERS)[:-1]))} or "
                          f"{max(REGISTERS)} warpgroups, got {consumers}")
@@ -767,9 +802,8 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     if (kp // group) % 16:
         raise ValueError(f"w_scale: rows of {kp // group} bytes, the kernel's scale loads need "
                          f"whole 16 bytes (Kp a multiple of {16 * group})")
-    if (quant == "nvfp4") != (w_global_scale is not None) or (
-            w_global_scale is not None and w_global_scale.shape != (E, N)):
-        raise ValueError(f"w_global_scale: nvfp4 needs [E, N] = {(E, N)}, mxfp4 none; got "
+    if w_global_scale is None or w_global_scale.shape != (E, N):
+        raise ValueError(f"w_global_scale: the layout's row scale [E, N] = {(E, N)}, got "
                          f"{None if w_global_scale is None else tuple(w_global_scale.shape)}")
     if routing.direct or routing.align_block_m % slots:
         raise ValueError(f"routing: the fp4 kernel's {slots}-slot form needs a dispatch "
@@ -788,13 +822,11 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     if programs is None:
         programs = device_properties(a.device).multi_processor_count
     dummy = routing.topk_weights
-    gscale = w_global_scale if w_global_scale is not None else dummy
     _launcher((programs, ), _ws_fp4_kernel)(
-        w_desc, s_desc, x_desc, gscale, bias if bias is not None else dummy, out,
+        w_desc, s_desc, x_desc, w_global_scale, bias if bias is not None else dummy, out,
         routing.sorted_pair_ids, routing.topk_weights, routing.block_expert_ids,
         routing.num_padded, N, kp, routing.num_pairs,
-        w_global_scale.stride(0) if w_global_scale is not None else 0,
-        bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
+        w_global_scale.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
         ALIGN_M=routing.align_block_m, STAGES=STAGES[slots],
         ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
