@@ -46,7 +46,10 @@ def fused_moe(
 ) -> torch.Tensor:
     """SPEC §1 on `hidden_states [T, H]`: route by `router_logits [T, num_experts]` (global
     experts) or take `topk_ids`/`topk_weights`, then run the local experts held in the kernel
-    layout. Returns [T, H] in the dtype of hidden_states: the partial sum of the local experts."""
+    layout (what `prepare_weights` makes; for nvfp4 and mxfp4 `w13_global_scale` /
+    `w2_global_scale` are the layout's per-row scales, and mxfp4's block-scale bytes are at
+    most 128: quant.mxfp4_fold_scales). Returns [T, H] in the dtype of hidden_states: the
+    partial sum of the local experts."""
     weights = (w13, w2, w13_scale, w2_scale, w13_global_scale, w2_global_scale, b13, b2)
     expert_args = (activation, quant, float(swiglu_alpha), float(swiglu_limit),
                    int(local_expert_offset), backend)

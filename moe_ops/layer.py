@@ -107,10 +107,12 @@ class FusedMoE(nn.Module):
         self._convert_fp4_rows(state_dict, prefix, version)
         if self.quant == "mxfp4" and version < 4:
             for role in ("w13", "w2"):
-                key = prefix + role + "_scale"
-                if key in state_dict and prefix + role + "_global_scale" not in state_dict:
-                    state_dict[key], state_dict[prefix + role + "_global_scale"] = (
-                        q.mxfp4_fold_scales(state_dict[key]))
+                key, row_key = prefix + role + "_scale", prefix + role + "_global_scale"
+                if key in state_dict:
+                    state_dict[key], factor = q.mxfp4_fold_scales(state_dict[key])
+                    # (a row scale the dict somehow holds already keeps its meaning)
+                    state_dict[row_key] = (state_dict[row_key].float() * factor
+                                           if row_key in state_dict else factor)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 

@@ -347,7 +347,8 @@ def mxfp4_fold_scales(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale.shape[:-1], dtype=torch.int32, device=scale.device)
     excess = (top - MXFP4_FOLD_MAX).clamp(min=0)
     folded = (scale.to(torch.int32) - excess[..., None]).clamp(min=0).to(torch.uint8)
-    return folded, torch.exp2(excess.to(torch.float32))
+    # 2^excess by its float32 bits (exact on every device; excess <= 126)
+    return folded, ((excess + 127) << 23).view(torch.float32)
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:

@@ -216,6 +216,36 @@ def test_decode_benchmark_builds():
 
 
 @needs_hopper
+@pytest.mark.parametrize("tokens,early", [(3, True), (3, False), (40, True)])
+def test_mxfp4_rows_past_scale_two_on_ws_fp4(tokens, early, monkeypatch, ws_fp4_calls,
+                                             poisoned_empty):
+    """mxfp4 rows whose block scales pass 2 on the kernel (both GEMMs; decode and, at 40
+    tokens an expert on average, prefill's 64-slot form; both epilogues): the layout's fold
+    puts each such row's excess in its row scale, which the epilogue applies."""
+    import moe_ops
+    from test_kernels_fp4 import DEVICE, fp4_checkpoint
+    monkeypatch.setattr(experts_mod, "WS_FP4", "1")
+    monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
+    monkeypatch.setattr(ws_fp4, "EARLY_EPILOGUE", early)
+    gen = torch.Generator().manual_seed(29)
+    E, H, I, k = 4, 512, 512, 2
+    ckpt = fp4_checkpoint(gen, "mxfp4", E, H, I, activation="swiglu_oai", bias=True)
+    ckpt["w1_scale"][1] += 12
+    ckpt["w3_scale"][2, 5:9] += 9
+    ckpt["w2_scale"][1, :, 0] += 14
+    kernel = moe_ops.prepare_weights(quant="mxfp4", activation="swiglu_oai",
+                                     dtype=torch.bfloat16, device=DEVICE, **ckpt)
+    assert float(kernel["w13_global_scale"].max()) > 1 and float(kernel["w2_global_scale"].max()) > 1
+    T = tokens * E // k
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
+    weights = torch.rand(T, k, generator=gen) + 0.1
+    run_and_check("mxfp4", ckpt, kernel, x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE),
+                  activation="swiglu_oai")
+    assert ws_fp4_calls == [1, 2]
+
+
+@needs_hopper
 @pytest.mark.parametrize("activation,bias,H,I,tokens,pipeline,which", [
     ("swiglu_oai", True, 512, 512, 20, False, "1"), ("swiglu", False, 1024, 512, 1, False, "1"),
     ("geglu", True, 1536, 512, 30, True, "1"), ("swiglu_oai", True, 1024, 512, 12, False, "gemm1"),

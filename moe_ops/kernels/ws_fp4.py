@@ -109,6 +109,7 @@ STAGES = {BLOCK_M: 4, PREFILL_SLOTS: 3, WIDE_SLOTS: 2}     # ring slots by the f
 # multiply (quant.mxfp4_fold_scales) three win there too, by less (results/h200_ab_fold4_*.json,
 # 2026-12-02: gpt-oss-120b T = 16 / 64 263.7 / 548.5 and 539.9 -> 259.4 / 530.0 and 526.3 us,
 # T = 1 / 4 equal). So "auto" (the default): three from THREE_CONSUMERS_MIN_PAIRS routed pairs,
+# below that three for a GEMM whose 192-row tiles take fewer rows of waves (see _row_waves),
 # else two; MOE_OPS_WS_FP4_CONSUMERS=2|3|4 forces a count for both GEMMs of a call, "a,b" one
 # for each (GEMM1 a, GEMM2 b).
 REGISTERS = {2: (232, 40, 168), 3: (160, 24, 128), 4: (112, 24, 96)}
@@ -456,7 +457,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                                                           empty, index, phase, k_steps, HALF,
                                                           DOT, MX)
 
-                    # Epilogue: acc [weight rows, slots] (nvfp4: * global scale * 512)
+                    # Epilogue: acc [weight rows, slots] * the row scale (nvfp4: * 512)
                     # (+ bias), transposed to [slots, columns] in pieces of up to 64 slots
                     # (the wide form's two: see WIDE_SLOTS); GEMM1's activation into
                     # intermediate[slot], GEMM2's routing weight into out[pair]; padding
@@ -492,8 +493,11 @@ def _epilogue_late(acc, expert, slot0, n0, ptrs, sizes, strides, mma: gl.constex
     N, KP, num_pairs, alpha, limit = sizes
     stride_ge, stride_be, stride_om = strides
     w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+    # the layout's row scale (nvfp4's global scale, * 512; mxfp4's fold)
+    scale = gl.load(gscale_ptr + expert * stride_ge + w_rows)
     if not MX:
-        acc = acc * (gl.load(gscale_ptr + expert * stride_ge + w_rows) * 512.0)[:, None]
+        scale = scale * 512.0
+    acc = acc * scale[:, None]
     if HAS_BIAS:
         acc += gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)[:, None]
     if acc.shape[1] > 64:
@@ -524,8 +528,7 @@ def _epilogue_early(acc, scale, shift, terms0, terms1, n0, ptrs, strides, alpha,
     topk_weights_ptr = ptrs[4]
     stride_om = strides[2]
     rows_l: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    if not MX:
-        acc = acc * gl.convert_layout(scale, rows_l)[:, None]
+    acc = acc * gl.convert_layout(scale, rows_l)[:, None]
     if HAS_BIAS:
         acc += gl.convert_layout(shift, rows_l)[:, None]
     if acc.shape[1] > 64:
