@@ -80,7 +80,10 @@
 # 3,2 / 2,3, two alternated passes; about 8 minutes.
 # ncu4l: Nsight Compute on the 4-bit decode layers' two GEMMs (profile_layer.py's first call,
 # T = 64) of gpt-oss-120b mxfp4 and DeepSeek-V3 nvfp4: speed of light, warp states, scheduler
-# and memory statistics, the lines that tell them apart printed; about 4 minutes.
+# and memory statistics, the lines that tell them apart printed; about 2 minutes.
+# NCU_CASES="model:quant:kernel-regex ..." and NCU_TOKENS=T profile other layers' GEMMs, e.g.
+# NCU_CASES="mixtral_8x7b:fp8:grouped_gemm qwen3_30b_a3b:none:grouped_gemm" for issue 3's
+# decode points.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
@@ -453,15 +456,17 @@ if [[ "$what" == c4ab ]]; then
   done
 fi
 if [[ "$what" == ncu4l ]]; then
-  for case in gpt_oss_120b:mxfp4 deepseek_v3:nvfp4; do
-    m=${case%%:*}; q=${case##*:}
-    timeout 160 ncu -k regex:_ws_fp4 -c 2 --section SpeedOfLight --section WarpStateStats \
+  for case in ${NCU_CASES:-gpt_oss_120b:mxfp4:_ws_fp4 deepseek_v3:nvfp4:_ws_fp4}; do
+    IFS=: read -r m q kernel <<< "$case"
+    tokens=${NCU_TOKENS:-64}
+    name="ncu_layer_$m"; [[ -n "${NCU_CASES:-}" ]] && name="ncu_layer_${m}_${q}_$tokens"
+    timeout 160 ncu -k "regex:$kernel" -c 2 --section SpeedOfLight --section WarpStateStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats --csv \
-      --page details python3 benchmarks/profile_layer.py --models "$m" --quant "$q" --tokens 64 \
-      --calls 1 > "$out/ncu_layer_$m.csv" 2> "$out/ncu_layer_$m.log" || status=1
-    echo "$m $q T = 64"
+      --page details python3 benchmarks/profile_layer.py --models "$m" --quant "$q" \
+      --tokens "$tokens" --calls 1 > "$out/$name.csv" 2> "$out/$name.log" || status=1
+    echo "$m $q T = $tokens"
     grep -E '"(Duration|DRAM Throughput|Memory Throughput|Executed Ipc Active|Issue Slots Busy|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|Grid Size|Registers Per Thread|L2 Hit Rate|Mem Busy|Max Bandwidth)"' \
-      "$out/ncu_layer_$m.csv" | awk -F'","' '{print $5 " | " $(NF-2) " | " $NF}' | cut -c1-120
+      "$out/$name.csv" | awk -F'","' '{print $5 " | " $(NF-2) " | " $NF}' | cut -c1-120
   done
 fi
 if [[ "$what" == tune4 ]]; then
