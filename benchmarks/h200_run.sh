@@ -86,9 +86,10 @@
 # decode points.
 # tall4: the 4-bit decode's tall tiles (ws_fp4.TALL: two 64-row blocks a consumer, the
 # activation re-reads halved a weight byte), written without a GPU: their GPU tests and the
-# folded-rows test, then DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 1-64 with
-# MOE_OPS_WS_FP4_TALL 0 and 1 alternated (two passes), then Nsight Compute on the T = 64 GEMMs
-# with it on (the L2 against DRAM throughput: ncu4l's lines); about 8 minutes.
+# folded-rows test on them, then DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 1-64 with
+# MOE_OPS_WS_FP4_TALL 0, auto and 1 alternated (two passes), then Nsight Compute on the T = 64
+# GEMMs with it on (the L2 against DRAM throughput: ncu4l's lines, files tagged _tall);
+# about 9 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
@@ -465,6 +466,7 @@ if [[ "$what" == ncu4l ]]; then
     IFS=: read -r m q kernel <<< "$case"
     tokens=${NCU_TOKENS:-64}
     name="ncu_layer_$m"; [[ -n "${NCU_CASES:-}" ]] && name="ncu_layer_${m}_${q}_$tokens"
+    name="$name${NCU_TAG:+_$NCU_TAG}"
     timeout 160 ncu -k "regex:$kernel" -c 2 --section SpeedOfLight --section WarpStateStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats --csv \
       --page details python3 benchmarks/profile_layer.py --models "$m" --quant "$q" \
@@ -475,10 +477,13 @@ if [[ "$what" == ncu4l ]]; then
   done
 fi
 if [[ "$what" == tall4 ]]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py \
-    -k "tall or rows_past_scale_two or consumers_rule" > "$out/pytest_tall4.log" 2>&1 || status=1
-  echo "ws_fp4 tall tiles + folded rows"; tail -n 3 "$out/pytest_tall4.log"
-  for arm in 0:a 1:a 1:b 0:b; do
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py \
+    -k "tall or consumers_rule" > "$out/pytest_tall4.log" 2>&1 || status=1
+  echo "ws_fp4 tall tiles"; tail -n 3 "$out/pytest_tall4.log"
+  MOE_OPS_WS_FP4_TALL=1 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py \
+    -k rows_past_scale_two > "$out/pytest_tall4_folded.log" 2>&1 || status=1
+  echo "ws_fp4 folded rows on tall tiles"; tail -n 3 "$out/pytest_tall4_folded.log"
+  for arm in 0:a auto:a 1:a 1:b auto:b 0:b; do
     name="ab_tall_${arm%%:*}_${arm##*:}"
     MOE_OPS_WS_FP4_TALL=${arm%%:*} timeout 70 python3 benchmarks/bench.py --no-baseline \
       --no-bf16-peer --no-plot --peers torch --deadline-s 60 --models deepseek_v3 gpt_oss_120b \
@@ -486,7 +491,7 @@ if [[ "$what" == tall4 ]]; then
       > "$out/$name.log" 2>&1 || status=1
     echo "$name"; grep -A9 '^ *model' "$out/$name.log" | cut -c1-52
   done
-  MOE_OPS_WS_FP4_TALL=1 NCU_CASES="gpt_oss_120b:mxfp4:_ws_fp4 deepseek_v3:nvfp4:_ws_fp4" \
+  MOE_OPS_WS_FP4_TALL=1 NCU_TAG=tall NCU_CASES="gpt_oss_120b:mxfp4:_ws_fp4 deepseek_v3:nvfp4:_ws_fp4" \
     MOE_OPS_RESULTS_DIR="$out" bash benchmarks/h200_run.sh ncu4l || status=1
 fi
 if [[ "$what" == tune4 ]]; then

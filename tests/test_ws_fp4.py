@@ -249,16 +249,18 @@ def test_decode_benchmark_builds():
 @needs_hopper
 @pytest.mark.parametrize("consumers,quant,early,H,I", [
     (2, "nvfp4", True, 704, 256), (3, "nvfp4", False, 704, 512), (3, "mxfp4", True, 2880, 2880),
-    (2, "mxfp4", False, 1024, 512), (3, "nvfp4", True, 1536, 1408)])
+    (2, "mxfp4", False, 832, 512), (3, "nvfp4", True, 1536, 1408)])
 def test_tall_tiles(consumers, quant, early, H, I, monkeypatch, ws_fp4_calls, poisoned_empty):
     """MOE_OPS_WS_FP4_TALL=1 (two 64-row blocks a consumer: 256- and 384-row tiles): both GEMMs
-    against the oracle, whole and partial last tiles (GEMM2's N = 704: 2 x 256 + 192, 384 +
-    320, the last consumer's second block or whole half past N; gpt-oss's 2880 = 7 x 384 + 192;
-    GEMM1's 2 x 1408 = 7 x 384 + 128), both epilogues, both formats."""
+    against the oracle, whole and partial last tiles: a consumer's second block past N
+    (GEMM2's N = 704 = 2 x 256 + 192 and 384 + 320; 832 = 3 x 256 + 64), a consumer wholly past
+    N (832's second; GEMM1's 2 x 512 = 2 x 384 + 256; gpt-oss's 2880 = 7 x 384 + 192; GEMM1's
+    2 x 1408 = 7 x 384 + 128), both epilogues (the late one on mxfp4's partial tiles too), both
+    formats."""
     monkeypatch.setattr(experts_mod, "WS_FP4", "1")
     monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
     monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)
-    monkeypatch.setattr(ws_fp4, "TALL", True)
+    monkeypatch.setattr(ws_fp4, "TALL", "1")
     monkeypatch.setattr(ws_fp4, "PIPELINE", False)
     monkeypatch.setattr(ws_fp4, "CONSUMERS", consumers)
     monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", True)
@@ -440,6 +442,19 @@ def test_consumers_rule(monkeypatch):
     assert ws_fp4.consumers_for(ws_fp4.PREFILL_SLOTS, "mxfp4", 4, 1, 5760, 128, 132) == 2
     monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", False)
     assert ws_fp4.consumers_for(decode, "mxfp4", 4, 1, 5760, 128, 132) == 2
+    # tall tiles: "auto" where they take no more rows of waves (gpt-oss T = 64's GEMM1 on
+    # three consumers: 110 experts x 30 / 15 tiles, many waves either way; T = 1's: one wave
+    # of 192 rows against one of 384)
+    monkeypatch.setattr(ws_fp4, "TALL", "auto")
+    assert ws_fp4.tall_for(decode, 3, False, 256, 5760, 128, 132)
+    assert not ws_fp4.tall_for(decode, 3, False, 4, 5760, 128, 132)
+    assert not ws_fp4.tall_for(decode, 4, False, 256, 5760, 128, 132)
+    assert not ws_fp4.tall_for(decode, 2, True, 256, 5760, 128, 132)
+    assert not ws_fp4.tall_for(ws_fp4.PREFILL_SLOTS, 2, False, 256, 5760, 128, 132)
+    monkeypatch.setattr(ws_fp4, "TALL", "1")
+    assert ws_fp4.tall_for(decode, 3, False, 4, 5760, 128, 132)
+    monkeypatch.setattr(ws_fp4, "TALL", "0")
+    assert not ws_fp4.tall_for(decode, 3, False, 256, 5760, 128, 132)
     monkeypatch.setattr(ws_fp4, "CONSUMERS", 3)   # (tests patch in a count as an int)
     assert ws_fp4.consumers_for(decode, "nvfp4", 1, gemm=2) == 3
     monkeypatch.setattr(ws_fp4, "CONSUMERS", "3,2")  # one count a GEMM

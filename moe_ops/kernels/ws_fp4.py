@@ -164,8 +164,11 @@ HALF_BLOCKS = env_choice("MOE_OPS_WS_FP4_HALF_BLOCKS", "1", ("0", "1")) == "1"
 # other as the plain consumer's steps do (registers as before, one more accumulator of 8 a
 # thread at 16 slots); the ring holds TALL_STAGES slots of the taller tiles (two consumers: 256
 # rows, 4 slots; three: 384 rows in 512-row buffers, 2 slots). Decode's 16-slot form only,
-# plain consumers (not PIPELINE), two or three of them. MOE_OPS_WS_FP4_TALL=1 turns it on.
-TALL = env_choice("MOE_OPS_WS_FP4_TALL", "0", ("0", "1")) == "1"
+# plain consumers (not PIPELINE), two or three of them. MOE_OPS_WS_FP4_TALL: 0 off (the default
+# until measured), auto: for a GEMM where the tall tiles take no more rows of waves than the
+# plain ones (tall_for; at few tiles a wave they would take twice the rows), 1: wherever they
+# apply (the tests).
+TALL = env_choice("MOE_OPS_WS_FP4_TALL", "0", ("0", "auto", "1"))
 TALL_STAGES = {2: 4, 3: 2}
 # [slots, 64 columns] layouts of the epilogue: gate/up pairs in one thread (GEMM1's
 # activation), and 8 consecutive columns a thread (16-byte stores of GEMM2's rows)
@@ -810,12 +813,28 @@ def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0,
 # (41.2 for 3,2 in the second pass); at T = 4 (equal row waves) 2,2 best (100.4 against 101.3-
 # 103.0); DeepSeek-V3 nvfp4 T = 1 2,2 best (89.7 against 90.5-106.6), T = 4-64 3,3 best (271 /
 # 716 / 1438 us against 279-289 / 725-750 / 1490-1537), as gpt-oss at T = 16 / 64 (259 / 527-543).
-def _row_waves(consumers: int, n: int, experts: int, programs: int) -> int:
+def _row_waves(consumers: int, n: int, experts: int, programs: int, tall: bool = False) -> int:
     """Weight rows an SM runs through for a GEMM of `experts` experts' n rows in tiles of
-    `consumers` warpgroups, the tiles spread over `programs` SMs in waves."""
-    rows = block_n(consumers)
+    `consumers` warpgroups (tall: two 64-row blocks each), the tiles spread over `programs`
+    SMs in waves."""
+    rows = block_n(consumers, tall)
     tiles = experts * -(-n // rows)
     return -(-tiles // programs) * rows
+
+
+def tall_for(slots: int, consumers: int, pipeline: bool, num_pairs: int, n: int, experts: int,
+             programs: int) -> bool:
+    """Whether a launch runs tall tiles (TALL): never where they do not apply (the 16-slot form,
+    plain consumers, two or three of them); with TALL "1" wherever they do; with "auto" where
+    they take no more rows of waves than the plain tiles (of at most min(experts, num_pairs)
+    experts)."""
+    if TALL == "0" or slots != BLOCK_M or pipeline or consumers not in TALL_STAGES:
+        return False
+    if TALL == "1":
+        return True
+    active = min(experts, num_pairs)
+    return (_row_waves(consumers, n, active, programs, True)
+            <= _row_waves(consumers, n, active, programs))
 
 
 def default_pipeline(slots: int) -> bool:
@@ -837,7 +856,8 @@ def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tenso
     kp = w.shape[-1] * 2
     k = a.shape[1] if k is None else k
     consumers = consumers or consumers_for(slots, quant)
-    tall = (TALL and slots == BLOCK_M and not default_pipeline(slots)
+    # (tall tiles are as tall as any: a conservative N rule without PARTIAL_N_OK)
+    tall = (TALL != "0" and slots == BLOCK_M and not default_pipeline(slots)
             and consumers in TALL_STAGES)
     return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
             and a.dtype == torch.bfloat16
@@ -859,8 +879,8 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide form's).
     early: the epilogue's operands loaded before each tile's K loop (default: EARLY_EPILOGUE).
     half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other forms never).
-    tall: two 64-row blocks a consumer (default: TALL where it applies: the 16-slot form, plain
-    consumers, two or three of them)."""
+    tall: two 64-row blocks a consumer (default: tall_for, by TALL; only the 16-slot form with
+    plain consumers, two or three of them)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if slots not in SLOTS:
@@ -880,12 +900,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     if slots != BLOCK_M and consumers != 2:
         raise ValueError(f"consumers: the {slots}-slot form runs 2, got {consumers}")
     pipelined = default_pipeline(slots) if pipeline is None else pipeline
-    tall_ok = slots == BLOCK_M and not pipelined and consumers in TALL_STAGES
-    if tall and not tall_ok:
-        raise ValueError(f"tall: the 16-slot form with plain consumers, two or three of them, "
-                         f"got slots={slots}, pipeline={pipelined}, consumers={consumers}")
-    tall = bool(TALL and tall_ok) if tall is None else bool(tall)
-    bn = block_n(consumers, tall)
+    _check_tall(tall, slots, pipelined, consumers)
     consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
     E, N, half_kp = w.shape
     kp = half_kp * 2
@@ -906,6 +921,11 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         raise ValueError(f"routing: the fp4 kernel's {slots}-slot form needs a dispatch "
                          f"aligned to {slots} rows, got "
                          f"{'direct' if routing.direct else routing.align_block_m}")
+    if programs is None:
+        programs = device_properties(a.device).multi_processor_count
+    if tall is None:
+        tall = tall_for(slots, consumers, pipelined, routing.num_pairs, N, E, programs)
+    bn = block_n(consumers, tall)
     a = a.contiguous() if a.stride(-1) != 1 else a
     w_layout, s_layout, x_layout = _layouts(slots)
     box = tma_box_rows(consumers, tall)
@@ -916,8 +936,6 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
                               s_layout)
     x_desc = TensorDescriptor(a, [a.shape[0], a.shape[1]], [a.stride(0), 1],
                               [slots, BLOCK_K], x_layout)
-    if programs is None:
-        programs = device_properties(a.device).multi_processor_count
     dummy = routing.topk_weights
     _launcher((programs, ), _ws_fp4_kernel)(
         w_desc, s_desc, x_desc, w_global_scale, bias if bias is not None else dummy, out,
@@ -936,6 +954,12 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         num_warps=4, maxnreg=maxnreg)
 
 
+def _check_tall(tall: Optional[bool], slots: int, pipelined: bool, consumers: int) -> None:
+    if tall and (slots != BLOCK_M or pipelined or consumers not in TALL_STAGES):
+        raise ValueError(f"tall: the 16-slot form with plain consumers, two or three of them, "
+                         f"got slots={slots}, pipeline={pipelined}, consumers={consumers}")
+
+
 def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = False,
                  consumers: int = 2, pipeline: Optional[bool] = None, quant: str = "nvfp4",
                  slots: int = BLOCK_M, partial_n: bool = False, early: Optional[bool] = None,
@@ -944,6 +968,8 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    _check_tall(tall, slots, default_pipeline(slots) if pipeline is None else pipeline,
+                consumers)
     w_layout, s_layout, x_layout = _layouts(slots)
     consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
     box = tma_box_rows(consumers, tall)
