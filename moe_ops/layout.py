@@ -5,8 +5,8 @@ its own scales. The kernels want gate and up rows *interleaved* in one tensor
 `w13 [E, 2I, H]` (row 2i = gate i, row 2i+1 = up i), so that one GEMM1 output tile holds gate and
 up of the same intermediate columns and the activation runs in the GEMM's epilogue with no
 second pass. Every per-row companion of w13 (its scales, nvfp4's global scale expanded per row,
-mxfp4's row scale from the fold of its block scales, its bias) follows the same row order; fp8_block's scales have one row per 128 weight rows and
-interleave at that granularity.
+mxfp4's row scale from the fold of its block scales, its bias) follows the same row order;
+fp8_block's scales have one row per 128 weight rows and interleave at that granularity.
 
 Each kernel-layout tensor (a *role*: "w13", "w13_scale", ...) is filled by one `index_copy_` per
 source along the row axis, driven by an int64 index `destination_rows` that says where each

@@ -822,13 +822,19 @@ def _row_waves(consumers: int, n: int, experts: int, programs: int, tall: bool =
     return -(-tiles // programs) * rows
 
 
+def tall_fits(slots: int, consumers: int, pipeline: bool) -> bool:
+    """Whether tall tiles (TALL) exist for a launch: the 16-slot form, plain consumers, two or
+    three of them."""
+    return slots == BLOCK_M and not pipeline and consumers in TALL_STAGES
+
+
 def tall_for(slots: int, consumers: int, pipeline: bool, num_pairs: int, n: int, experts: int,
              programs: int) -> bool:
     """Whether a launch runs tall tiles (TALL): never where they do not apply (the 16-slot form,
     plain consumers, two or three of them); with TALL "1" wherever they do; with "auto" where
     they take no more rows of waves than the plain tiles (of at most min(experts, num_pairs)
     experts)."""
-    if TALL == "0" or slots != BLOCK_M or pipeline or consumers not in TALL_STAGES:
+    if TALL == "0" or not tall_fits(slots, consumers, pipeline):
         return False
     if TALL == "1":
         return True
@@ -857,8 +863,7 @@ def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tenso
     k = a.shape[1] if k is None else k
     consumers = consumers or consumers_for(slots, quant)
     # (tall tiles are as tall as any: a conservative N rule without PARTIAL_N_OK)
-    tall = (TALL != "0" and slots == BLOCK_M and not default_pipeline(slots)
-            and consumers in TALL_STAGES)
+    tall = TALL != "0" and tall_fits(slots, consumers, default_pipeline(slots))
     return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
             and a.dtype == torch.bfloat16
             and n % (ROWS if PARTIAL_N_OK else block_n(consumers, tall)) == 0
@@ -955,7 +960,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
 
 
 def _check_tall(tall: Optional[bool], slots: int, pipelined: bool, consumers: int) -> None:
-    if tall and (slots != BLOCK_M or pipelined or consumers not in TALL_STAGES):
+    if tall and not tall_fits(slots, consumers, pipelined):
         raise ValueError(f"tall: the 16-slot form with plain consumers, two or three of them, "
                          f"got slots={slots}, pipeline={pipelined}, consumers={consumers}")
 
