@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|tall4|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|tall4|c4x|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -90,6 +90,12 @@
 # MOE_OPS_WS_FP4_TALL 0, auto and 1 alternated (two passes), then Nsight Compute on the T = 64
 # GEMMs with it on (the L2 against DRAM throughput: ncu4l's lines, files tagged _tall);
 # about 9 minutes.
+# c4x: four consumer warpgroups at 4-bit decode (MOE_OPS_WS_FP4_CONSUMERS=4: a tile of 256
+# weight rows, 20 warps at 96-112 registers a thread, no spills at sm_90) against the default
+# rule and the mixed counts 4,3 / 3,4, DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 1-64;
+# then the bf16 / fp8 / fp8_block layers kernel by kernel (profile_layer.py, decode and prefill
+# points) and Nsight Compute on gpt-oss-120b's T = 1 GEMMs (one wave of tiles: the fixed cost
+# of a tile's start); about 5 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
@@ -493,6 +499,24 @@ if [[ "$what" == tall4 ]]; then
   done
   MOE_OPS_WS_FP4_TALL=1 NCU_TAG=tall NCU_CASES="gpt_oss_120b:mxfp4:_ws_fp4 deepseek_v3:nvfp4:_ws_fp4" \
     MOE_OPS_RESULTS_DIR="$out" bash benchmarks/h200_run.sh ncu4l || status=1
+fi
+if [[ "$what" == c4x ]]; then
+  for arm in auto:a 4:a 4,3:a 3,4:a 4:b auto:b; do
+    consumers=${arm%%:*}
+    name="ab_consumers4_${consumers/,/_}_${arm##*:}"
+    MOE_OPS_WS_FP4_CONSUMERS=$consumers timeout 70 python3 benchmarks/bench.py --no-baseline \
+      --no-bf16-peer --no-plot --peers torch --deadline-s 60 --models deepseek_v3 gpt_oss_120b \
+      --quant nvfp4 mxfp4 --listed-only --tokens 1 4 16 64 --out "$out/$name.json" \
+      > "$out/$name.log" 2>&1 || status=1
+    echo "$name"; grep -A9 '^ *model' "$out/$name.log" | cut -c1-52
+  done
+  timeout 100 python3 benchmarks/profile_layer.py --models mixtral_8x7b qwen3_30b_a3b \
+    deepseek_v3 llama4_scout --quant none fp8 fp8_block --tokens 1 16 64 4096 16384 \
+    --calls 3 --deadline-s 80 --out "$out/profile_layer_issue3.json" \
+    > "$out/profile_layer_issue3.log" 2>&1 || status=1
+  grep -A40 '^model' "$out/profile_layer_issue3.log" | cut -c1-200
+  NCU_TAG=t1 NCU_TOKENS=1 NCU_CASES="gpt_oss_120b:mxfp4:_ws_fp4" MOE_OPS_RESULTS_DIR="$out" \
+    bash benchmarks/h200_run.sh ncu4l || status=1
 fi
 if [[ "$what" == tune4 ]]; then
   SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \
