@@ -49,17 +49,15 @@ def k_loop(kernel):
 def aot():
     from aot_sm90 import resource_usage
     from moe_ops.kernels import ws_fp4
-    for consumers, pipeline, quant, slots, tall in (
-            (2, False, "nvfp4", 16, False), (3, False, "nvfp4", 16, False),
-            (4, False, "nvfp4", 16, False), (2, True, "nvfp4", 16, False),
-            (4, True, "nvfp4", 16, False), (2, False, "mxfp4", 16, False),
-            (3, False, "mxfp4", 16, False), (2, True, "mxfp4", 16, False),
-            (2, False, "nvfp4", 16, True), (3, False, "mxfp4", 16, True),
-            (2, False, "nvfp4", 64, False), (2, True, "nvfp4", 64, False),
-            (2, False, "mxfp4", 64, False),
-            (2, False, "nvfp4", 128, False), (2, False, "mxfp4", 128, False)):
+    for consumers, pipeline, quant, slots in (
+            (2, False, "nvfp4", 16), (3, False, "nvfp4", 16), (4, False, "nvfp4", 16),
+            (2, True, "nvfp4", 16),
+            (4, True, "nvfp4", 16), (2, False, "mxfp4", 16), (3, False, "mxfp4", 16),
+            (2, True, "mxfp4", 16),
+            (2, False, "nvfp4", 64), (2, True, "nvfp4", 64), (2, False, "mxfp4", 64),
+            (2, False, "nvfp4", 128), (2, False, "mxfp4", 128)):
         kernel = ws_fp4.compile_sm90(gemm=2, activation="none", consumers=consumers,
-                                     pipeline=pipeline, quant=quant, slots=slots, tall=tall)
+                                     pipeline=pipeline, quant=quant, slots=slots)
         loop = k_loop(kernel)
         ops = collections.Counter(
             (i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in loop)
@@ -71,7 +69,7 @@ def aot():
         steps = ops["HGMMA"] // (ws_fp4.BLOCK_K // 16)
         values = steps * ws_fp4.BLOCK_K * ws_fp4.ROWS // 128
         print(f"{quant}, {slots} slots, {consumers} consumers"
-              f"{', pipelined' if pipeline else ''}{', tall' if tall else ''}: "
+              f"{', pipelined' if pipeline else ''}: "
               f"{resource_usage(kernel)}, shared "
               f"{kernel.metadata.shared} B; K loop {len(loop)} SASS instructions ({local} "
               f"local) for {values} "

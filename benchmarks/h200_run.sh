@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|tall4|c4x|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -84,12 +84,6 @@
 # NCU_CASES="model:quant:kernel-regex ..." and NCU_TOKENS=T profile other layers' GEMMs, e.g.
 # NCU_CASES="mixtral_8x7b:fp8:grouped_gemm qwen3_30b_a3b:none:grouped_gemm" for issue 3's
 # decode points.
-# tall4: the 4-bit decode's tall tiles (ws_fp4.TALL: two 64-row blocks a consumer, the
-# activation re-reads halved a weight byte), written without a GPU: their GPU tests and the
-# folded-rows test on them, then DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 1-64 with
-# MOE_OPS_WS_FP4_TALL 0, auto and 1 alternated (two passes), then Nsight Compute on the T = 64
-# GEMMs with it on (the L2 against DRAM throughput: ncu4l's lines, files tagged _tall);
-# about 9 minutes.
 # c4x: four consumer warpgroups at 4-bit decode (MOE_OPS_WS_FP4_CONSUMERS=4: a tile of 256
 # weight rows, 20 warps at 96-112 registers a thread, no spills at sm_90) against the default
 # rule and the mixed counts 4,3 / 3,4, DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 1-64;
@@ -481,24 +475,6 @@ if [[ "$what" == ncu4l ]]; then
     grep -E '"(Duration|DRAM Throughput|Memory Throughput|Executed Ipc Active|Issue Slots Busy|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|Grid Size|Registers Per Thread|L2 Hit Rate|Mem Busy|Max Bandwidth)"' \
       "$out/$name.csv" | awk -F'","' '{print $5 " | " $(NF-2) " | " $NF}' | cut -c1-120
   done
-fi
-if [[ "$what" == tall4 ]]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py \
-    -k "tall or consumers_rule" > "$out/pytest_tall4.log" 2>&1 || status=1
-  echo "ws_fp4 tall tiles"; tail -n 3 "$out/pytest_tall4.log"
-  MOE_OPS_WS_FP4_TALL=1 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py \
-    -k rows_past_scale_two > "$out/pytest_tall4_folded.log" 2>&1 || status=1
-  echo "ws_fp4 folded rows on tall tiles"; tail -n 3 "$out/pytest_tall4_folded.log"
-  for arm in 0:a auto:a 1:a 1:b auto:b 0:b; do
-    name="ab_tall_${arm%%:*}_${arm##*:}"
-    MOE_OPS_WS_FP4_TALL=${arm%%:*} timeout 70 python3 benchmarks/bench.py --no-baseline \
-      --no-bf16-peer --no-plot --peers torch --deadline-s 60 --models deepseek_v3 gpt_oss_120b \
-      --quant nvfp4 mxfp4 --listed-only --tokens 1 4 16 64 --out "$out/$name.json" \
-      > "$out/$name.log" 2>&1 || status=1
-    echo "$name"; grep -A9 '^ *model' "$out/$name.log" | cut -c1-52
-  done
-  MOE_OPS_WS_FP4_TALL=1 NCU_TAG=tall NCU_CASES="gpt_oss_120b:mxfp4:_ws_fp4 deepseek_v3:nvfp4:_ws_fp4" \
-    MOE_OPS_RESULTS_DIR="$out" bash benchmarks/h200_run.sh ncu4l || status=1
 fi
 if [[ "$what" == c4x ]]; then
   for arm in auto:a 4:a 4,3:a 3,4:a 4:b auto:b; do

@@ -57,28 +57,6 @@ def test_builds_for_sm90(gemm, activation, bias, consumers, pipeline, quant):
                                            ptx)} == expected
 
 
-@pytest.mark.parametrize("gemm,activation,bias,consumers,quant,early,partial", [
-    (1, "swiglu_oai", True, 3, "mxfp4", True, True), (2, "none", False, 2, "nvfp4", False, True),
-    (1, "swiglu", False, 2, "mxfp4", True, False)])
-def test_tall_builds_for_sm90(gemm, activation, bias, consumers, quant, early, partial):
-    """TALL's tiles build for sm_90: two 64-row blocks a consumer (32 wgmmas of m64n16k16 a K
-    step where the plain consumer has 16, two for each k16 of the step), the tile's rows in
-    boxes of 256 (two consumers: one box) or 64 (three: six boxes, a static branch for each
-    count before N, so 1 + ... + 6 copies of weights and of scales; the activations' 2-d box
-    4 messages), both epilogues."""
-    ptx = sm90_ptx("ws_fp4", f"gemm={gemm}, activation={activation!r}, has_bias={bias}, "
-                             f"consumers={consumers}, quant={quant!r}, early={early}, "
-                             f"partial_n={partial}, tall=True")
-    assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in ptx
-    assert f"setmaxnreg.inc.sync.aligned.u32 \t{ws_fp4.REGISTERS[consumers][0]}" in ptx
-    boxes = (ptx.count("cp.async.bulk.tensor.3d"), ptx.count("cp.async.bulk.tensor.2d"))
-    assert boxes == ((21, 25) if consumers == 3 else (1, 5)), boxes
-    if consumers == 3:
-        expected = {n * (64 * 128 + 64 * 16) + 16 * 256 * 2 for n in range(1, 7)}
-        assert {int(b) for b in re.findall(r"expect_tx\.shared\.b64 _, \[%r\d+\], (\d+);",
-                                           ptx)} == expected
-
-
 EARLY_BUILDS = """
 import collections, sys
 sys.path.insert(0, "benchmarks")
@@ -149,12 +127,6 @@ def test_bad_calls_are_refused():
     with pytest.raises(ValueError, match="consumers: 2, 3 or 4"):
         ws_fp4.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
                     consumers=5)
-    with pytest.raises(ValueError, match="tall: the 16-slot form"):
-        ws_fp4.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
-                    slots=64, consumers=2, tall=True)
-    with pytest.raises(ValueError, match="tall: the 16-slot form"):
-        ws_fp4.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
-                    consumers=4, pipeline=False, tall=True)
     with pytest.raises(ValueError, match="pipeline: the 128-slot form has serial consumers"):
         ws_fp4.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
                     slots=128, pipeline=True)
@@ -223,53 +195,24 @@ def test_experts_on_ws_fp4(activation, bias, I, tokens, consumers, which, monkey
 
 def test_decode_benchmark_builds():
     """benchmarks/dev_gluon_fp4_decode.py --aot (the kernel's sm_90 K loop, 2, 3 and 4
-    consumers (mxfp4: 2 and 3), serial and pipelined, tall (TALL: 2 and 3), nvfp4 and mxfp4, decode's 16-slot and prefill's 64- and
+    consumers (mxfp4: 2 and 3), serial and pipelined, nvfp4 and mxfp4, decode's 16-slot and prefill's 64- and
     128-slot forms, the default epilogue) runs without a GPU; no local-memory access in any K
     loop; no stack at all but in the pipelined four-consumer form (two decoded operands in 112
-    registers), mxfp4's 128-slot form (its tile loop spills a few values once a tile: 120
+    registers) and mxfp4's 128-slot form (its tile loop spills a few values once a tile: 120
     bytes of stack with the early epilogue and half blocks, measured faster than without them
-    all the same) and the tall three-consumer form (its tile loop's second block's epilogue
-    terms at 128 registers a thread); every build's shared memory within the 227 KB a block
-    may take."""
+    all the same); every build's shared memory within the 227 KB a block may take."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "dev_gluon_fp4_decode.py")
     done = subprocess.run([sys.executable, script, "--aot"], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     builds = [line for line in done.stdout.splitlines() if "consumers" in line]
-    assert len(builds) == 15, done.stdout
+    assert len(builds) == 13, done.stdout
     assert all("(0 local)" in line for line in builds), done.stdout
     assert all("stack 0 B" in line for line in builds
-               if "4 consumers, pipe" not in line and "mxfp4, 128 slots" not in line
-               and "3 consumers, tall" not in line), done.stdout
+               if "4 consumers, pipe" not in line and "mxfp4, 128 slots" not in line), done.stdout
     shared = [int(line.split("shared ")[1].split()[0]) for line in builds]
     assert max(shared) <= 227 * 1024, shared
-
-
-@needs_hopper
-@pytest.mark.parametrize("consumers,quant,early,H,I", [
-    (2, "nvfp4", True, 704, 256), (3, "nvfp4", False, 704, 512), (3, "mxfp4", True, 2880, 2880),
-    (2, "mxfp4", False, 832, 512), (3, "nvfp4", True, 1536, 1408)])
-def test_tall_tiles(consumers, quant, early, H, I, monkeypatch, ws_fp4_calls, poisoned_empty):
-    """MOE_OPS_WS_FP4_TALL=1 (two 64-row blocks a consumer: 256- and 384-row tiles): both GEMMs
-    against the oracle, whole and partial last tiles: a consumer's second block past N
-    (GEMM2's N = 704 = 2 x 256 + 192 and 384 + 320; 832 = 3 x 256 + 64), a consumer wholly past
-    N (832's second; GEMM1's 2 x 512 = 2 x 384 + 256; gpt-oss's 2880 = 7 x 384 + 192; GEMM1's
-    2 x 1408 = 7 x 384 + 128), both epilogues (the late one on mxfp4's partial tiles too), both
-    formats."""
-    monkeypatch.setattr(experts_mod, "WS_FP4", "1")
-    monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
-    monkeypatch.setattr(experts_mod, "WS_FP4_MAX_ROWS", 16)
-    monkeypatch.setattr(ws_fp4, "TALL", "1")
-    monkeypatch.setattr(ws_fp4, "PIPELINE", False)
-    monkeypatch.setattr(ws_fp4, "CONSUMERS", consumers)
-    monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", True)
-    monkeypatch.setattr(ws_fp4, "EARLY_EPILOGUE", early)
-    ckpt, kernel, x, ids, weights = make_case(quant, 20, H, I, 8, 2, activation="swiglu_oai",
-                                              bias=True, seed=47, offset=1, num_global=10,
-                                              invalid_ids=True)
-    run_and_check(quant, ckpt, kernel, x, ids, weights, activation="swiglu_oai", offset=1)
-    assert ws_fp4_calls == [1, 2]
 
 
 @needs_hopper
@@ -411,14 +354,20 @@ def test_fp4_defaults():
 
 def test_consumers_rule(monkeypatch):
     """ws_fp4.consumers_for: "auto" runs three consumer warpgroups for 4-bit decode from
-    THREE_CONSUMERS_MIN_PAIRS routed pairs where partial last tiles are allowed, two otherwise
-    (fewer pairs, the prefill forms); a forced count applies to decode only."""
+    THREE_CONSUMERS_MIN_PAIRS routed pairs where partial last tiles are allowed (four for nvfp4
+    from FOUR_CONSUMERS_MIN_PAIRS), two otherwise (fewer pairs, the prefill forms); a forced
+    count applies to decode only."""
     monkeypatch.setattr(ws_fp4, "CONSUMERS", "auto")
     monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", True)
     least = ws_fp4.THREE_CONSUMERS_MIN_PAIRS
     decode = ws_fp4.BLOCK_M
     assert ws_fp4.consumers_for(decode, "nvfp4", least) == 3
     assert ws_fp4.consumers_for(decode, "nvfp4", least - 1) == 2
+    four = ws_fp4.FOUR_CONSUMERS_MIN_PAIRS["nvfp4"]
+    assert ws_fp4.consumers_for(decode, "nvfp4", four) == 4
+    assert ws_fp4.consumers_for(decode, "nvfp4", four - 1) == 3
+    assert ws_fp4.consumers_for(decode, "mxfp4", 10 * four) == 3
+    assert ws_fp4.consumers_for(ws_fp4.PREFILL_SLOTS, "nvfp4", 10 * four) == 2
     assert ws_fp4.consumers_for(decode, "mxfp4", least) == 3
     assert ws_fp4.consumers_for(decode, "mxfp4", least - 1) == 2
     assert ws_fp4.consumers_for(ws_fp4.PREFILL_SLOTS, "nvfp4", 10 * least) == 2
@@ -442,19 +391,6 @@ def test_consumers_rule(monkeypatch):
     assert ws_fp4.consumers_for(ws_fp4.PREFILL_SLOTS, "mxfp4", 4, 1, 5760, 128, 132) == 2
     monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", False)
     assert ws_fp4.consumers_for(decode, "mxfp4", 4, 1, 5760, 128, 132) == 2
-    # tall tiles: "auto" where they take no more rows of waves (gpt-oss T = 64's GEMM1 on
-    # three consumers: 110 experts x 30 / 15 tiles, many waves either way; T = 1's: one wave
-    # of 192 rows against one of 384)
-    monkeypatch.setattr(ws_fp4, "TALL", "auto")
-    assert ws_fp4.tall_for(decode, 3, False, 256, 5760, 128, 132)
-    assert not ws_fp4.tall_for(decode, 3, False, 4, 5760, 128, 132)
-    assert not ws_fp4.tall_for(decode, 4, False, 256, 5760, 128, 132)
-    assert not ws_fp4.tall_for(decode, 2, True, 256, 5760, 128, 132)
-    assert not ws_fp4.tall_for(ws_fp4.PREFILL_SLOTS, 2, False, 256, 5760, 128, 132)
-    monkeypatch.setattr(ws_fp4, "TALL", "1")
-    assert ws_fp4.tall_for(decode, 3, False, 4, 5760, 128, 132)
-    monkeypatch.setattr(ws_fp4, "TALL", "0")
-    assert not ws_fp4.tall_for(decode, 3, False, 256, 5760, 128, 132)
     monkeypatch.setattr(ws_fp4, "CONSUMERS", 3)   # (tests patch in a count as an int)
     assert ws_fp4.consumers_for(decode, "nvfp4", 1, gemm=2) == 3
     monkeypatch.setattr(ws_fp4, "CONSUMERS", "3,2")  # one count a GEMM

@@ -110,12 +110,18 @@ STAGES = {BLOCK_M: 4, PREFILL_SLOTS: 3, WIDE_SLOTS: 2}     # ring slots by the f
 # 2026-12-02: gpt-oss-120b T = 16 / 64 263.7 / 548.5 and 539.9 -> 259.4 / 530.0 and 526.3 us,
 # T = 1 / 4 equal). So "auto" (the default): three from THREE_CONSUMERS_MIN_PAIRS routed pairs,
 # below that three for a GEMM whose 192-row tiles take fewer rows of waves (see _row_waves),
-# else two; MOE_OPS_WS_FP4_CONSUMERS=2|3|4 forces a count for both GEMMs of a call, "a,b" one
-# for each (GEMM1 a, GEMM2 b).
+# else two. Four for nvfp4 from FOUR_CONSUMERS_MIN_PAIRS (256-row tiles, 20 warps at 96-112
+# registers a thread, no spills at sm_90): measured on an H200 (results/h200_ab_consumers4_*.json,
+# 2026-12-02, graph replays, two alternated passes, the rule then against four): DeepSeek-V3
+# nvfp4 T = 16 (128 pairs) 708.7, 708.8 -> 690.8, 693.1 us, T = 64 1420.0, 1422.6 -> 1407.1,
+# 1383.2, but T = 4 (32 pairs) 269.3 -> 274.5 and T = 1 equal; gpt-oss-120b mxfp4 slower at
+# every T (T = 16 258.8 -> 302.0: its decode keeps more values live). MOE_OPS_WS_FP4_CONSUMERS=
+# 2|3|4 forces a count for both GEMMs of a call, "a,b" one for each (GEMM1 a, GEMM2 b).
 REGISTERS = {2: (232, 40, 168), 3: (160, 24, 128), 4: (112, 24, 96)}
 CONSUMERS = env_choice("MOE_OPS_WS_FP4_CONSUMERS", "auto", ("auto", "2", "3", "4") + tuple(
     f"{a},{b}" for a in REGISTERS for b in REGISTERS))
 THREE_CONSUMERS_MIN_PAIRS = 32
+FOUR_CONSUMERS_MIN_PAIRS = {"nvfp4": 128}
 # A consumer's decode of K step k + 1 while its wgmma of step k runs (a second register operand)
 # instead of decode, MMA, wait in turn. Measured on an H200 (results/h200_ab_fp4_rows_16_*.json,
 # h200_gluon_fp4_decode_pipelined.json, 2026-12-01): DeepSeek-V3 nvfp4 decode T = 16-512 6-7%
@@ -155,21 +161,6 @@ EARLY_EPILOGUE = env_choice("MOE_OPS_WS_FP4_EARLY_EPILOGUE", "1", ("0", "1")) ==
 # 4033 / 7568. So on, and the form taken from 64 rows (experts.WS_FP4_WIDE_MIN_ROWS;
 # MOE_OPS_WS_FP4_HALF_BLOCKS=0: whole blocks always).
 HALF_BLOCKS = env_choice("MOE_OPS_WS_FP4_HALF_BLOCKS", "1", ("0", "1")) == "1"
-# Tall decode tiles (written without a GPU, off until measured): each consumer runs two 64-row
-# blocks of weights a K step against the same activation buffer, so a tile of two or three
-# consumers is 256 or 384 rows and the activation rows every tile re-reads for every K step
-# cost the L2 half the bytes a weight byte they did (results/h200_ncu_layer_*.csv: at T = 64
-# the decode GEMMs run the L2 at 1.32-1.40x DRAM's traffic, 74-84% of its throughput, DRAM at
-# 54-64%: the L2 bounds them before HBM does). The blocks decode and multiply one after the
-# other as the plain consumer's steps do (registers as before, one more accumulator of 8 a
-# thread at 16 slots); the ring holds TALL_STAGES slots of the taller tiles (two consumers: 256
-# rows, 4 slots; three: 384 rows in 512-row buffers, 2 slots). Decode's 16-slot form only,
-# plain consumers (not PIPELINE), two or three of them. MOE_OPS_WS_FP4_TALL: 0 off (the default
-# until measured), auto: for a GEMM where the tall tiles take no more rows of waves than the
-# plain ones (tall_for; at few tiles a wave they would take twice the rows), 1: wherever they
-# apply (the tests).
-TALL = env_choice("MOE_OPS_WS_FP4_TALL", "0", ("0", "auto", "1"))
-TALL_STAGES = {2: 4, 3: 2}
 # [slots, 64 columns] layouts of the epilogue: gate/up pairs in one thread (GEMM1's
 # activation), and 8 consecutive columns a thread (16-byte stores of GEMM2's rows)
 PAIRS_LAYOUT = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
@@ -367,43 +358,6 @@ def _plain_k_loop(acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, k_ste
 
 
 @gluon.jit
-def _tall_mma_step(acc0, acc1, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
-                   HALF: gl.constexpr, DOT: gl.constexpr, MX: gl.constexpr, ODD: gl.constexpr):
-    """One K step of a tall consumer (TALL): its two 64-row blocks (2 HALF and 2 HALF + 1 of the
-    slot's) decoded and multiplied one after the other against the slot's activations, the
-    slot released once. Returns both accumulators and the next slot."""
-    STAGES: gl.constexpr = w_bufs.type.shape[0]
-    x = x_bufs.index(index).permute((1, 0))
-    weights = _decoded(w_bufs, s_bufs, ready, index, phase, 2 * HALF, DOT, MX, ODD)
-    acc0 = warpgroup_mma(weights, x, acc0, is_async=True)
-    acc0, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, weights))
-    weights = _decoded(w_bufs, s_bufs, ready, index, phase, 2 * HALF + 1, DOT, MX, ODD)
-    acc1 = warpgroup_mma(weights, x, acc1, is_async=True)
-    acc1, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, weights))
-    mbarrier.arrive(empty.index(index), count=1)
-    index, phase = ring_next(index, phase, STAGES)
-    return acc0, acc1, index, phase
-
-
-@gluon.jit
-def _tall_k_loop(acc0, acc1, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, k_steps,
-                 HALF: gl.constexpr, DOT: gl.constexpr, MX: gl.constexpr):
-    """A tile's K steps on a tall consumer (_tall_mma_step); mxfp4: two steps an iteration, as
-    _plain_k_loop."""
-    if MX:
-        for kb in range(k_steps // 2):
-            acc0, acc1, index, phase = _tall_mma_step(acc0, acc1, w_bufs, s_bufs, x_bufs, ready,
-                                                      empty, index, phase, HALF, DOT, MX, 0)
-            acc0, acc1, index, phase = _tall_mma_step(acc0, acc1, w_bufs, s_bufs, x_bufs, ready,
-                                                      empty, index, phase, HALF, DOT, MX, 1)
-    else:
-        for kb in range(k_steps):
-            acc0, acc1, index, phase = _tall_mma_step(acc0, acc1, w_bufs, s_bufs, x_bufs, ready,
-                                                      empty, index, phase, HALF, DOT, MX, 0)
-    return acc0, acc1, index, phase
-
-
-@gluon.jit
 def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
                           HALF: gl.constexpr, DOT: gl.constexpr, MX: gl.constexpr,
                           NEXT_ODD: gl.constexpr):
@@ -424,8 +378,7 @@ def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, in
 def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr,
               PIPELINE: gl.constexpr, MX: gl.constexpr, PARTIAL_N: gl.constexpr,
-              EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr, TILE_N: gl.constexpr,
-              TALL: gl.constexpr):
+              EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr, TILE_N: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
@@ -443,7 +396,6 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                                                        instr_shape=[16, 64, 16])
     DOT_HALF: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_half, k_width=2)
     gl.static_assert(HALF_BLOCKS == 0 or (BM == 128 and PIPELINE == 0))
-    gl.static_assert(TALL == 0 or (HALF_BLOCKS == 0 and PIPELINE == 0))
     # ACTIVATION: an index into ws_gemm.ACTIVATIONS (0 none: GEMM2)
     num_m = gl.load(num_padded_ptr) // BM
     num_n = N // BN
@@ -456,29 +408,19 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
         pid_m = tile // num_n
         if live_block(sorted_pair_ids_ptr, pid_m, num_pairs, BM):
             expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
-            n0 = (tile % num_n) * BN + HALF * 64 * (1 + TALL)
+            n0 = (tile % num_n) * BN + HALF * 64
             # PARTIAL_N (N a multiple of 64, not of the tile): a half past N computes and
-            # writes nothing, its part of the ring taken all the same (TALL: a consumer whose
-            # second block lies past N computes it and writes only its first)
+            # writes nothing, its part of the ring taken all the same
             past_n = False
             if PARTIAL_N:
                 past_n = n0 >= N
             if past_n:
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
             else:
-                if TALL:
-                    n1 = n0 + 64
-                    second = True
-                    if PARTIAL_N:
-                        second = n1 < N
-                        n1 = gl.minimum(n1, N - 64)
                 if EARLY:
                     # (see EARLY_EPILOGUE: issued now, used after the K loop)
                     scale, shift = _row_terms(gscale_ptr, bias_ptr, expert, n0, stride_ge,
                                               stride_be, mma, MX, HAS_BIAS)
-                    if TALL:
-                        scale1, shift1 = _row_terms(gscale_ptr, bias_ptr, expert, n1,
-                                                    stride_ge, stride_be, mma, MX, HAS_BIAS)
                     terms0 = _slot_terms(pid_m * BM, BM, sorted_pair_ids_ptr, topk_weights_ptr,
                                          num_pairs, ACTIVATION)
                     terms1 = terms0     # (the second 64 slots' of a 128-slot tile)
@@ -490,28 +432,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                     whole = live_block(sorted_pair_ids_ptr, pid_m * 2 + 1, num_pairs, 64)
                 else:
                     whole: gl.constexpr = True    # (a static branch: no half path built)
-                if TALL:
-                    # (see TALL) blocks n0 and n1 = n0 + 64 of the consumer's 128 rows; a
-                    # second block past N (PARTIAL_N) is computed on whatever its ring rows
-                    # hold and not written, its row terms read at an in-bounds row
-                    acc0 = gl.zeros([64, BM], gl.float32, mma)
-                    acc1 = gl.zeros([64, BM], gl.float32, mma)
-                    acc0, acc1, index, phase = _tall_k_loop(acc0, acc1, w_bufs, s_bufs, x_bufs,
-                                                            ready, empty, index, phase,
-                                                            k_steps, HALF, DOT, MX)
-                    if EARLY:
-                        _epilogue_early(acc0, scale, shift, terms0, terms1, n0, ptrs, strides,
-                                        alpha, limit, ACTIVATION, HAS_BIAS, MX)
-                        if second:
-                            _epilogue_early(acc1, scale1, shift1, terms0, terms1, n1, ptrs,
-                                            strides, alpha, limit, ACTIVATION, HAS_BIAS, MX)
-                    else:
-                        _epilogue_late(acc0, expert, pid_m * BM, n0, ptrs, sizes, strides, mma,
-                                       ACTIVATION, HAS_BIAS, MX)
-                        if second:
-                            _epilogue_late(acc1, expert, pid_m * BM, n1, ptrs, sizes, strides,
-                                           mma, ACTIVATION, HAS_BIAS, MX)
-                elif whole:
+                if whole:
                     acc = gl.zeros([64, BM], gl.float32, mma)
                     if PIPELINE:
                         # Step k + 1's decode runs while step k's wgmma does, into a second
@@ -699,14 +620,12 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                    ALIGN_M: gl.constexpr, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                    HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, MX: gl.constexpr,
-                   PARTIAL_N: gl.constexpr, EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr,
-                   TALL: gl.constexpr = 0):
-    # a ring slot holds the tile's TILE_N = CONSUMERS x 64 weight rows (TALL: twice that) in a
-    # buffer of the next power of two (three consumers' 192 rows take 256, their tall 384 take
-    # 512), loaded in boxes of the descriptors' rows (the whole tile's but for three
-    # consumers: a TMA box is a power of two)
-    TILE_N: gl.constexpr = CONSUMERS * 64 * (1 + TALL)
-    BUF_N: gl.constexpr = (256 * (1 + TALL)) if CONSUMERS == 3 else TILE_N
+                   PARTIAL_N: gl.constexpr, EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr):
+    # a ring slot holds the tile's TILE_N = CONSUMERS x 64 weight rows (in a buffer of the next
+    # power of two: three consumers' 192 rows take 256), loaded in boxes of the descriptors'
+    # rows (the whole tile's but for three consumers: a TMA box is a power of two)
+    TILE_N: gl.constexpr = CONSUMERS * 64
+    BUF_N: gl.constexpr = 256 if CONSUMERS == 3 else TILE_N
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BUF_N] + w_desc.block_type.shape[1:],
                                        w_desc.layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES, BUF_N] + s_desc.block_type.shape[1:],
@@ -726,33 +645,33 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, TALL)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, TALL)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
                          MX, PARTIAL_N, TILE_N)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, TALL)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, TALL)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, TALL)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
                          MX, PARTIAL_N, TILE_N)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, TALL)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, TALL)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, TALL)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, TALL)),
+                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
                          MX, PARTIAL_N, TILE_N)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -765,16 +684,16 @@ def _layouts(slots: int = BLOCK_M):
     return w_layout, s_layout, x_layout
 
 
-def block_n(consumers: int, tall: bool = False) -> int:
-    """Weight rows a tile (tall: two 64-row blocks a consumer, see TALL)."""
-    return consumers * ROWS * (2 if tall else 1)
+def block_n(consumers: int) -> int:
+    """Weight rows a tile."""
+    return consumers * ROWS
 
 
-def tma_box_rows(consumers: int, tall: bool = False) -> int:
+def tma_box_rows(consumers: int) -> int:
     """Weight rows a TMA box: the tile's, or one warpgroup's 64 where the tile's are no power
-    of two (three consumers: the producer loads three boxes a ring slot; six when tall)."""
-    rows = block_n(consumers, tall)
-    return rows if rows & (rows - 1) == 0 and rows <= 256 else ROWS
+    of two (three consumers: the producer loads three boxes a ring slot)."""
+    rows = block_n(consumers)
+    return rows if rows & (rows - 1) == 0 else ROWS
 
 
 def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0,
@@ -782,8 +701,8 @@ def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0,
                   experts: Optional[int] = None, programs: Optional[int] = None) -> int:
     """Consumer warpgroups of a launch: the prefill forms' 2; decode's CONSUMERS when forced
     (for GEMM `gemm`, 1 or 2, where it names one a GEMM), else, where partial last tiles are
-    allowed, three for calls of THREE_CONSUMERS_MIN_PAIRS routed pairs or more (see CONSUMERS)
-    and, below that, three where the GEMM's tiles (n weight rows of each of at most
+    allowed, four for nvfp4 calls of FOUR_CONSUMERS_MIN_PAIRS routed pairs or more, three for
+    calls of THREE_CONSUMERS_MIN_PAIRS or more (see CONSUMERS) and, below that, three where the GEMM's tiles (n weight rows of each of at most
     min(experts, num_pairs) experts, on `programs` SMs) then take fewer rows of waves
     (_row_waves), else two. (gemm() counts the routing's pairs; applies() without `consumers`
     knows none: experts.py passes the same counts to both.)"""
@@ -795,6 +714,8 @@ def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0,
     # (192-row tiles leave DeepSeek's N = 4096 and 7168 a partial last tile: PARTIAL_N_OK)
     if not PARTIAL_N_OK:
         return 2
+    if num_pairs >= FOUR_CONSUMERS_MIN_PAIRS.get(quant, num_pairs + 1):
+        return 4
     if num_pairs >= THREE_CONSUMERS_MIN_PAIRS:
         return 3
     if n is None or experts is None or programs is None:
@@ -813,34 +734,12 @@ def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0,
 # (41.2 for 3,2 in the second pass); at T = 4 (equal row waves) 2,2 best (100.4 against 101.3-
 # 103.0); DeepSeek-V3 nvfp4 T = 1 2,2 best (89.7 against 90.5-106.6), T = 4-64 3,3 best (271 /
 # 716 / 1438 us against 279-289 / 725-750 / 1490-1537), as gpt-oss at T = 16 / 64 (259 / 527-543).
-def _row_waves(consumers: int, n: int, experts: int, programs: int, tall: bool = False) -> int:
+def _row_waves(consumers: int, n: int, experts: int, programs: int) -> int:
     """Weight rows an SM runs through for a GEMM of `experts` experts' n rows in tiles of
-    `consumers` warpgroups (tall: two 64-row blocks each), the tiles spread over `programs`
-    SMs in waves."""
-    rows = block_n(consumers, tall)
+    `consumers` warpgroups, the tiles spread over `programs` SMs in waves."""
+    rows = block_n(consumers)
     tiles = experts * -(-n // rows)
     return -(-tiles // programs) * rows
-
-
-def tall_fits(slots: int, consumers: int, pipeline: bool) -> bool:
-    """Whether tall tiles (TALL) exist for a launch: the 16-slot form, plain consumers, two or
-    three of them."""
-    return slots == BLOCK_M and not pipeline and consumers in TALL_STAGES
-
-
-def tall_for(slots: int, consumers: int, pipeline: bool, num_pairs: int, n: int, experts: int,
-             programs: int) -> bool:
-    """Whether a launch runs tall tiles (TALL): never where they do not apply (the 16-slot form,
-    plain consumers, two or three of them); with TALL "1" wherever they do; with "auto" where
-    they take no more rows of waves than the plain tiles (of at most min(experts, num_pairs)
-    experts)."""
-    if TALL == "0" or not tall_fits(slots, consumers, pipeline):
-        return False
-    if TALL == "1":
-        return True
-    active = min(experts, num_pairs)
-    return (_row_waves(consumers, n, active, programs, True)
-            <= _row_waves(consumers, n, active, programs))
 
 
 def default_pipeline(slots: int) -> bool:
@@ -861,12 +760,10 @@ def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tenso
     by default: GEMM2 reads the intermediate's I) 16-byte aligned."""
     kp = w.shape[-1] * 2
     k = a.shape[1] if k is None else k
-    consumers = consumers or consumers_for(slots, quant)
-    # (tall tiles are as tall as any: a conservative N rule without PARTIAL_N_OK)
-    tall = TALL != "0" and tall_fits(slots, consumers, default_pipeline(slots))
     return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
             and a.dtype == torch.bfloat16
-            and n % (ROWS if PARTIAL_N_OK else block_n(consumers, tall)) == 0
+            and n % (ROWS if PARTIAL_N_OK
+                     else block_n(consumers or consumers_for(slots, quant))) == 0
             and kp > 0 and kp % BLOCK_K == 0 and (kp // GROUP[quant]) % 16 == 0
             and w.is_contiguous() and w.data_ptr() % 16 == 0
             and w_scale.is_contiguous() and w_scale.data_ptr() % 16 == 0
@@ -877,15 +774,13 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
          alpha: float = 0.0, limit: float = 0.0, programs: Optional[int] = None,
          consumers: Optional[int] = None, quant: str = "nvfp4", slots: int = BLOCK_M,
          pipeline: Optional[bool] = None, early: Optional[bool] = None,
-         half_blocks: Optional[bool] = None, tall: Optional[bool] = None) -> None:
+         half_blocks: Optional[bool] = None) -> None:
     """One nvfp4 / mxfp4 GEMM over the dispatch's live blocks of `slots` rows (16: decode's
     form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers; see the module docstring);
     w_global_scale: the layout's row scale [E, N] (nvfp4's global scale, mxfp4's fold). pipeline: the pipelined consumers
     (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide form's).
     early: the epilogue's operands loaded before each tile's K loop (default: EARLY_EPILOGUE).
-    half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other forms never).
-    tall: two 64-row blocks a consumer (default: tall_for, by TALL; only the 16-slot form with
-    plain consumers, two or three of them)."""
+    half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other forms never)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if slots not in SLOTS:
@@ -904,8 +799,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
                          f"{max(REGISTERS)} warpgroups, got {consumers}")
     if slots != BLOCK_M and consumers != 2:
         raise ValueError(f"consumers: the {slots}-slot form runs 2, got {consumers}")
-    pipelined = default_pipeline(slots) if pipeline is None else pipeline
-    _check_tall(tall, slots, pipelined, consumers)
+    bn = block_n(consumers)
     consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
     E, N, half_kp = w.shape
     kp = half_kp * 2
@@ -926,14 +820,9 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         raise ValueError(f"routing: the fp4 kernel's {slots}-slot form needs a dispatch "
                          f"aligned to {slots} rows, got "
                          f"{'direct' if routing.direct else routing.align_block_m}")
-    if programs is None:
-        programs = device_properties(a.device).multi_processor_count
-    if tall is None:
-        tall = tall_for(slots, consumers, pipelined, routing.num_pairs, N, E, programs)
-    bn = block_n(consumers, tall)
     a = a.contiguous() if a.stride(-1) != 1 else a
     w_layout, s_layout, x_layout = _layouts(slots)
-    box = tma_box_rows(consumers, tall)
+    box = tma_box_rows(consumers)
     w_desc = TensorDescriptor(w.view(E * N, 4, kp // 8), [E * N, 4, kp // 8],
                               [4 * (kp // 8), kp // 8, 1], [box, 4, 32], w_layout)
     scales = w_scale.view(torch.uint8).view(E * N, kp // group)
@@ -941,43 +830,38 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
                               s_layout)
     x_desc = TensorDescriptor(a, [a.shape[0], a.shape[1]], [a.stride(0), 1],
                               [slots, BLOCK_K], x_layout)
+    if programs is None:
+        programs = device_properties(a.device).multi_processor_count
     dummy = routing.topk_weights
     _launcher((programs, ), _ws_fp4_kernel)(
         w_desc, s_desc, x_desc, w_global_scale, bias if bias is not None else dummy, out,
         routing.sorted_pair_ids, routing.topk_weights, routing.block_expert_ids,
         routing.num_padded, N, kp, routing.num_pairs,
         w_global_scale.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
-        ALIGN_M=routing.align_block_m, STAGES=TALL_STAGES[consumers] if tall else STAGES[slots],
+        ALIGN_M=routing.align_block_m, STAGES=STAGES[slots],
         ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs,
-        PIPELINE=int(pipelined),
+        PIPELINE=int(default_pipeline(slots) if pipeline is None else pipeline),
         MX=int(quant == "mxfp4"), PARTIAL_N=int(N % bn != 0),
         EARLY=int(EARLY_EPILOGUE if early is None else early),
         HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
-                        and slots == WIDE_SLOTS), TALL=int(tall),
+                        and slots == WIDE_SLOTS),
         num_warps=4, maxnreg=maxnreg)
-
-
-def _check_tall(tall: Optional[bool], slots: int, pipelined: bool, consumers: int) -> None:
-    if tall and not tall_fits(slots, consumers, pipelined):
-        raise ValueError(f"tall: the 16-slot form with plain consumers, two or three of them, "
-                         f"got slots={slots}, pipeline={pipelined}, consumers={consumers}")
 
 
 def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = False,
                  consumers: int = 2, pipeline: Optional[bool] = None, quant: str = "nvfp4",
                  slots: int = BLOCK_M, partial_n: bool = False, early: Optional[bool] = None,
-                 half_blocks: Optional[bool] = None, tall: bool = False):
+                 half_blocks: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    _check_tall(tall, slots, default_pipeline(slots) if pipeline is None else pipeline,
-                consumers)
     w_layout, s_layout, x_layout = _layouts(slots)
+    bn = block_n(consumers)
     consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
-    box = tma_box_rows(consumers, tall)
+    box = tma_box_rows(consumers)
     signature = {
         "w_desc": f"tensordesc<u8[{box}, 4, 32],{w_layout!r}>",
         "s_desc": f"tensordesc<u8[{box}, 16],{s_layout!r}>",
@@ -987,7 +871,7 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
         "num_padded_ptr": "*i32", "N": "i32", "KP": "i32", "num_pairs": "i32",
         "stride_ge": "i32", "stride_be": "i32", "stride_om": "i32", "alpha": "fp32",
         "limit": "fp32"}
-    consts = dict(ALIGN_M=slots, STAGES=TALL_STAGES[consumers] if tall else STAGES[slots],
+    consts = dict(ALIGN_M=slots, STAGES=STAGES[slots],
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
                   PRODUCER_REGS=producer_regs,
@@ -995,7 +879,7 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                   MX=int(quant == "mxfp4"), PARTIAL_N=int(partial_n),
                   EARLY=int(EARLY_EPILOGUE if early is None else early),
                   HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
-                                  and slots == WIDE_SLOTS), TALL=int(tall))
+                                  and slots == WIDE_SLOTS))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "KP")}
