@@ -55,7 +55,8 @@ def aot():
             (4, True, "nvfp4", 16), (2, False, "mxfp4", 16), (3, False, "mxfp4", 16),
             (2, True, "mxfp4", 16),
             (2, False, "nvfp4", 64), (2, True, "nvfp4", 64), (2, False, "mxfp4", 64),
-            (2, False, "nvfp4", 128), (2, False, "mxfp4", 128)):
+            (2, False, "nvfp4", 128), (2, False, "mxfp4", 128),
+            (2, False, "fp8", 16), (3, False, "fp8", 16)):
         kernel = ws_fp4.compile_sm90(gemm=2, activation="none", consumers=consumers,
                                      pipeline=pipeline, quant=quant, slots=slots)
         loop = k_loop(kernel)
@@ -66,8 +67,9 @@ def aot():
         # local-memory (spill) traffic inside the K loop itself; a tile loop's spills run once
         # a tile
         local = sum(i.split()[0].startswith(("LDL", "STL")) for i in loop)
-        steps = ops["HGMMA"] // (ws_fp4.BLOCK_K // 16)
-        values = steps * ws_fp4.BLOCK_K * ws_fp4.ROWS // 128
+        step = ws_fp4.FP8_BLOCK_K if quant == "fp8" else ws_fp4.BLOCK_K
+        steps = ops["HGMMA"] // (step // 16)
+        values = steps * step * ws_fp4.ROWS // 128
         print(f"{quant}, {slots} slots, {consumers} consumers"
               f"{', pipelined' if pipeline else ''}: "
               f"{resource_usage(kernel)}, shared "

@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -90,6 +90,10 @@
 # then the bf16 / fp8 / fp8_block layers kernel by kernel (profile_layer.py, decode and prefill
 # points) and Nsight Compute on gpt-oss-120b's T = 1 GEMMs (one wave of tiles: the fixed cost
 # of a tile's start); about 5 minutes.
+# fp8d: fp8 decode on ws_fp4's fp8 form (experts.WS_FP8_DECODE, written without a GPU): its
+# GPU tests, then the fp8 layers at T = 1-64 with MOE_OPS_WS_FP8_DECODE 0 and 1 alternated (two
+# passes; each arm's check against the reference), then the Mixtral and Qwen3 fp8 decode layers
+# kernel by kernel with it on; about 7 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
@@ -493,6 +497,24 @@ if [[ "$what" == c4x ]]; then
   grep -A40 '^model' "$out/profile_layer_issue3.log" | cut -c1-200
   NCU_TAG=t1 NCU_TOKENS=1 NCU_CASES="gpt_oss_120b:mxfp4:_ws_fp4" MOE_OPS_RESULTS_DIR="$out" \
     bash benchmarks/h200_run.sh ncu4l || status=1
+fi
+if [[ "$what" == fp8d ]]; then
+  timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp8_decode.py \
+    > "$out/pytest_fp8d.log" 2>&1 || status=1
+  echo "fp8 decode form tests"; tail -n 3 "$out/pytest_fp8d.log" | cut -c1-300
+  for arm in 1:a 0:a 0:b 1:b; do
+    name="ab_fp8_decode_${arm%%:*}_${arm##*:}"
+    MOE_OPS_WS_FP8_DECODE=${arm%%:*} timeout 60 python3 benchmarks/bench.py --no-baseline \
+      --no-bf16-peer --no-plot --peers torch --deadline-s 50 \
+      --models mixtral_8x7b qwen3_30b_a3b llama4_scout --quant fp8 --listed-only \
+      --tokens 1 4 16 64 --out "$out/$name.json" > "$out/$name.log" 2>&1 || status=1
+    echo "$name"; grep -A13 '^ *model' "$out/$name.log" | cut -c1-60
+    grep -i "fail\|error" "$out/$name.log" | head -n 3
+  done
+  MOE_OPS_WS_FP8_DECODE=1 timeout 60 python3 benchmarks/profile_layer.py --models \
+    mixtral_8x7b qwen3_30b_a3b --quant fp8 --tokens 1 16 64 --calls 3 --deadline-s 40 \
+    --out "$out/profile_fp8_decode.json" > "$out/profile_fp8_decode.log" 2>&1 || status=1
+  grep -A7 '^model' "$out/profile_fp8_decode.log" | cut -c1-240
 fi
 if [[ "$what" == tune4 ]]; then
   SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \

@@ -136,7 +136,7 @@ def test_bad_calls_are_refused():
                     consumers=2)
     with pytest.raises(ValueError, match="quant"):
         ws_fp4.gemm(None, w, None, None, None, None, None, gemm=2, activation="none",
-                    quant="fp8")
+                    quant="fp8_block")
     # mxfp4 with Kp = 256: 8 scale bytes a row, under the 16 its loads need
     w = torch.zeros(2, 128, 128, dtype=torch.uint8)
     with pytest.raises(ValueError, match="whole 16 bytes"):
@@ -195,8 +195,9 @@ def test_experts_on_ws_fp4(activation, bias, I, tokens, consumers, which, monkey
 
 def test_decode_benchmark_builds():
     """benchmarks/dev_gluon_fp4_decode.py --aot (the kernel's sm_90 K loop, 2, 3 and 4
-    consumers (mxfp4: 2 and 3), serial and pipelined, nvfp4 and mxfp4, decode's 16-slot and prefill's 64- and
-    128-slot forms, the default epilogue) runs without a GPU; no local-memory access in any K
+    consumers (mxfp4: 2 and 3), serial and pipelined, nvfp4 and mxfp4, decode's 16-slot and
+    prefill's 64- and 128-slot forms, the default epilogue; fp8's decode form, 2 and 3
+    consumers) runs without a GPU; no local-memory access in any K
     loop; no stack at all but in the pipelined four-consumer form (two decoded operands in 112
     registers) and mxfp4's 128-slot form (its tile loop spills a few values once a tile: 120
     bytes of stack with the early epilogue and half blocks, measured faster than without them
@@ -207,7 +208,7 @@ def test_decode_benchmark_builds():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     builds = [line for line in done.stdout.splitlines() if "consumers" in line]
-    assert len(builds) == 13, done.stdout
+    assert len(builds) == 15, done.stdout
     assert all("(0 local)" in line for line in builds), done.stdout
     assert all("stack 0 B" in line for line in builds
                if "4 consumers, pipe" not in line and "mxfp4, 128 slots" not in line), done.stdout

@@ -129,6 +129,7 @@ def act_quant(
     sorted_pair_ids: Optional[torch.Tensor] = None,
     num_pairs: int = 0,
     split_k: Optional[bool] = None,
+    out_dtype: torch.dtype = torch.float8_e4m3fn,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize the rows of x [M, K] to (q float8_e4m3fn [M, K], scales float32).
 
@@ -136,10 +137,13 @@ def act_quant(
     rows whose pair id is the sentinel (>= num_pairs) are skipped and left unwritten. split_k:
     the kernel's form (None: SPLIT_K for at most SPLIT_K_MAX_ROWS[quant] live rows: num_pairs
     with sorted_pair_ids, whose padded buffer is mostly sentinels at decode sizes, else M); the
-    same bytes either way.
+    same bytes either way. out_dtype float16: q holds the same e4m3 values as f16 (exact; the
+    fp8 decode kernel multiplies them as f16, ws_fp4's fp8 form).
     """
+    if out_dtype not in (torch.float8_e4m3fn, torch.float16):
+        raise ValueError(f"out_dtype: float8_e4m3fn or float16, got {out_dtype}")
     M, K = x.shape
-    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    q = torch.empty((M, K), dtype=out_dtype, device=x.device)
     if split_k is None:
         live_rows = min(M, num_pairs) if sorted_pair_ids is not None else M
         split_k = live_rows <= SPLIT_K_MAX_ROWS[quant]

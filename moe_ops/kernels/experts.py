@@ -172,6 +172,17 @@ WS_FP4_WIDE_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 64)
 # / 16 (8 / 128 pairs) 106.3, 106.4 -> 103.9, 104.2 us / 868 -> 861; T = 4 and gpt-oss within
 # 1 us; T = 64 (512 pairs) 1721 -> 1727. So up to 128 pairs; MOE_OPS_ALIGN_GATHER_MAX_PAIRS=0:
 # never (at most align.SMALL_PATH_MAX_PAIRS).
+# fp8 (per tensor) decode on ws_fp4's fp8 form (up to WS_FP8_DECODE_MAX_ROWS routed rows an
+# expert on average): the e4m3 weights streamed by TMA and converted to f16 in registers (one
+# cvt a pair), the activations quantized by act_quant as SPEC says and multiplied as f16 (the
+# W8A8 products exact, fp32 accumulation), instead of grouped_gemm's mma.sync tiles, which
+# issue-bind the decode GEMMs at 0.73-0.86 of the byte floor (results/h200_profile_layer_issue3
+# .json, h200_ncu_layer_mixtral_8x7b_fp8_16.csv: DRAM at 77% of peak). Its K loop is 1.7
+# SASS instructions a weight value (python benchmarks/dev_gluon_fp4_decode.py --aot). Written
+# without a GPU: off until measured (MOE_OPS_WS_FP8_DECODE=1 turns it on; bash
+# benchmarks/h200_run.sh fp8d measures it).
+WS_FP8_DECODE = ws_gemm.env_choice("MOE_OPS_WS_FP8_DECODE", "0", ("0", "1")) == "1"
+WS_FP8_DECODE_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP8_DECODE_MAX_ROWS", 16)
 ALIGN_GATHER_MAX_PAIRS = min(ws_gemm.env_int("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", 128),
                              SMALL_PATH_MAX_PAIRS)
 
@@ -323,10 +334,16 @@ def triton_experts(
     ws_fp4_2 = fp4_ws and WS_FP4 == "1" and ws_fp4.applies(quant, "none", H, x, w2, w2_scale,
                                                            fp4_slots, k=I,
                                                            consumers=fp4_consumers[1])
-    if ws_fp4_1 or ws_fp4_2:
+    # fp8 decode on ws_fp4's fp8 form: both GEMMs or neither (WS_FP8_DECODE)
+    fp8_ws = (WS_FP8_DECODE and quant == "fp8" and T * top_k <= WS_FP8_DECODE_MAX_ROWS * E
+              and gemm1_config is None and gemm2_config is None
+              and ws_fp4.applies("fp8", activation, w13.shape[1], x, w13, w13_scale)
+              and ws_fp4.applies("fp8", "none", H, x, w2, w2_scale, k=I))
+    if ws_fp4_1 or ws_fp4_2 or fp8_ws:
         direct = False
-    tile1 = ws_tile(quant, T * top_k, E, direct, activation, b13 is not None, w13.shape[1])
-    tile2 = ws_tile(quant, T * top_k, E, direct, "none", b2 is not None, H)
+    tile1 = ws_tile(quant, T * top_k, E, direct or fp8_ws, activation, b13 is not None,
+                    w13.shape[1])
+    tile2 = ws_tile(quant, T * top_k, E, direct or fp8_ws, "none", b2 is not None, H)
     # x quantized is [T, H] e4m3 like the intermediate's [slots, I]: the same checks hold
     rows_ok = (WS_MIN_ROWS > 0 and T * top_k >= WS_MIN_ROWS * E
                and gemm1_config is None and gemm2_config is None)
@@ -345,10 +362,10 @@ def triton_experts(
         # run, the other's divides it (powers of two), so no GEMM block straddles two experts.
         # (A config's block_m counts only where its Triton kernel runs: a larger one would pad
         # every expert's rows further, decode's 16-row blocks to 32 or 64.)
-        align_block_m = max(
+        align_block_m = ws_fp4.BLOCK_M if fp8_ws else max(
             ws_gemm.block_m(tile1) if ws1 else fp4_slots if ws_fp4_1 else config1.block_m,
             ws_gemm.block_m(tile2) if ws2 else fp4_slots if ws_fp4_2 else config2.block_m)
-        if ws_fp4_1 and T * top_k <= ALIGN_GATHER_MAX_PAIRS:
+        if (ws_fp4_1 or fp8_ws) and T * top_k <= ALIGN_GATHER_MAX_PAIRS:
             # GEMM1's token rows gathered in the dispatch's own launch (align.moe_align_gather)
             aligned, gathered = moe_align_gather(topk_ids, E, align_block_m,
                                                  local_expert_offset, x)
@@ -361,12 +378,23 @@ def triton_experts(
 
     # The 4-bit modes dot x.dtype operands (the dequantized weight) like quant="none".
     upcast = upcast_dots(x.dtype) and (quant == "none" or fp4)
-    if quant == "none" or fp4:
+    if quant == "none" or fp4 or fp8_ws:
         a1, a1_scale = x, None
     else:
         a1, a1_scale = act_quant(x, quant)
     intermediate = torch.empty((routing.num_slots, I), dtype=x.dtype, device=x.device)
-    if ws_fp4_1:
+    if fp8_ws:
+        # the token rows in dispatch order, quantized there (padding slots skipped) as f16
+        # e4m3 values, one scale a slot
+        rows = gathered if gathered is not None else gather_rows(x, None, routing)[0]
+        del gathered
+        a1, a1_scale = act_quant(rows, quant, routing.sorted_pair_ids, routing.num_pairs,
+                                 out_dtype=torch.float16)
+        del rows
+        ws_fp4.gemm(a1, w13, w13_scale, None, b13, intermediate, routing, gemm=1,
+                    activation=activation, alpha=alpha, limit=limit, quant=quant,
+                    a_scale=a1_scale)
+    elif ws_fp4_1:
         rows = gathered if gathered is not None else gather_rows(x, None, routing)[0]
         del gathered
         ws_fp4.gemm(rows, w13, w13_scale, w13_global_scale, b13, intermediate, routing, gemm=1,
@@ -386,10 +414,11 @@ def triton_experts(
     if quant == "none" or fp4:
         a2, a2_scale = intermediate, None
     else:
-        a2, a2_scale = act_quant(intermediate, quant, routing.sorted_pair_ids, routing.num_pairs)
+        a2, a2_scale = act_quant(intermediate, quant, routing.sorted_pair_ids, routing.num_pairs,
+                                 out_dtype=torch.float16 if fp8_ws else torch.float8_e4m3fn)
 
     combine = COMBINE
-    if ws2 or ws_fp4_2:
+    if ws2 or ws_fp4_2 or fp8_ws:
         combine = "rows"    # the warp-specialized kernels write one row per pair
     elif config2.split_k > 1:
         combine = "atomic"  # split-K partial products meet in the fp32 output
@@ -405,7 +434,10 @@ def triton_experts(
               atomic_out=True, interpret_upcast=upcast, w2_global_scale=w2_global_scale)
         return out32 if x.dtype == torch.float32 else out32.to(x.dtype)
     pair_out = torch.empty((routing.num_pairs, H), dtype=x.dtype, device=x.device)
-    if ws_fp4_2:
+    if fp8_ws:
+        ws_fp4.gemm(a2, w2, w2_scale, None, b2, pair_out, routing, gemm=2, activation="none",
+                    quant=quant, a_scale=a2_scale)
+    elif ws_fp4_2:
         ws_fp4.gemm(a2, w2, w2_scale, w2_global_scale, b2, pair_out, routing, gemm=2,
                     activation="none", quant=quant, slots=fp4_slots,
                     consumers=fp4_consumers[1])

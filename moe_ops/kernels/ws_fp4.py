@@ -66,7 +66,8 @@ from moe_ops.kernels.grouped_gemm import _launcher
 from moe_ops.kernels.ws_gemm import (
     ACTIVATIONS, release_steps, available, env_choice, ring_barriers, ring_next, write_rows)
 
-QUANTS = ("nvfp4", "mxfp4")
+QUANTS = ("nvfp4", "mxfp4", "fp8")
+FMT = {"nvfp4": 0, "mxfp4": 1, "fp8": 2}    # the kernel's weight format switch
 GROUP = {"nvfp4": 16, "mxfp4": 32}      # columns a block scale
 ROWS = 64                  # weight rows a consumer warpgroup (the MMA's M)
 BLOCK_M = 16               # dispatch slots a tile (the MMA's N) at decode
@@ -89,6 +90,18 @@ WIDE_SLOTS = 128
 SLOTS = (BLOCK_M, PREFILL_SLOTS, WIDE_SLOTS)
 BLOCK_K = 256              # columns a K step: 4 runs of 32 bytes a row
 STAGES = {BLOCK_M: 4, PREFILL_SLOTS: 3, WIDE_SLOTS: 2}     # ring slots by the form's slots a tile
+# fp8 (per tensor, decode's 16-slot form only): e4m3 weights [E, N, K] as they are in the kernel
+# layout, a K step of 128 columns (one 128-byte swizzled TMA box a row), each consumer reading
+# its [64, 128] bytes in wgmma's A-operand layout and converting them to f16 two at a time
+# (one cvt a pair: no integer decode, so the K loop is loads, converts and wgmmas); the
+# activations f16 holding act_quant's e4m3 values (exact in f16, so f16 x f16 products into
+# fp32 give the W8A8 result without fp8 wgmma's truncated accumulation, see
+# experts.FP8_SWAP_AB), one scale a slot, applied to the accumulator's columns with the row
+# scale (the layout's per-row weight scale) and bias after the loop. Ring slots: a step is
+# 16 KB of weights a 128-row tile and 4 KB of activations.
+FP8_BLOCK_K = 128
+FP8_STAGES = {2: 8, 3: 5, 4: 5}
+FP8_CONSUMERS = env_choice("MOE_OPS_WS_FP8_DECODE_CONSUMERS", "2", ("2", "3", "4"))
 # consumer warpgroups -> registers a worker consumer thread, a producer thread, the launch's
 # maxnreg (the default partition, consumer 0, gets what is left). The launch holds maxnreg a
 # thread for all its warps, the producer's padded to a warpgroup: 12 warps x 168 = 64512 and
@@ -194,13 +207,13 @@ MX_SCALES_LAYOUT = gl.DistributedLinearLayout(
 
 @gluon.jit
 def decode_step(packed, scales, P2: gl.constexpr, P4: gl.constexpr, DOT: gl.constexpr,
-                MX: gl.constexpr):
+                FMT: gl.constexpr):
     """Packed bytes [64, 128] (P2) and the step's scale bytes -> the weight tile [64, 256] in
-    wgmma's A-operand layout (DOT), bf16. nvfp4 (MX 0): e4m3 scales [64, 16] (SCALES_LAYOUT),
-    one per 16-column slice c, the tile's values / 512 (NVFP4_FAST_EPILOGUE). mxfp4 (MX 1):
+    wgmma's A-operand layout (DOT), bf16. nvfp4 (FMT 0): e4m3 scales [64, 16] (SCALES_LAYOUT),
+    one per 16-column slice c, the tile's values / 512 (NVFP4_FAST_EPILOGUE). mxfp4 (FMT 1):
     e8m0 scales [64, 8] (MX_SCALES_LAYOUT), one per 32 columns (slices 2g and 2g + 1), the
     tile's values / their row's scale (the layout's fold)."""
-    if MX:
+    if FMT == 1:
         # 2^(s - 1) (the code's 2^-126 and 2^(s - 127), s <= 128): s + 126 is bf16's exponent
         # field; slice c takes group c // 2
         g = ((scales.to(gl.int16) + MXFP4_FAST_BIAS) << 7).to(gl.bfloat16, bitcast=True)
@@ -237,7 +250,7 @@ def live_block(sorted_pair_ids_ptr, pid_m, num_pairs, BM: gl.constexpr):
 
 @gluon.jit
 def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
-              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MX: gl.constexpr,
+              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, FMT: gl.constexpr,
               PARTIAL_N: gl.constexpr, TILE_N: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
@@ -250,11 +263,12 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     BM: gl.constexpr = x_bufs.type.shape[1]
     BOX: gl.constexpr = w_desc.block_type.shape[0]
     BOXES: gl.constexpr = BN // BOX
+    STEP: gl.constexpr = x_desc.block_type.shape[1]     # K columns a step (fp8 128, 4-bit 256)
     num_m = gl.load(num_padded_ptr) // BM
     num_n = N // BN
     if PARTIAL_N:
         num_n = gl.cdiv(N, BN)
-    k_steps = KP // 256
+    k_steps = KP // STEP
     index = 0
     phase = 1  # a fresh mbarrier counts as having completed the phase before its first
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
@@ -268,7 +282,17 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
             for kb in range(k_steps):
                 mbarrier.wait(empty.index(index), phase)
                 bar = ready.index(index)
-                if BOXES == 1:
+                if FMT == 2:
+                    # fp8: the weights' [rows, 128] boxes only (no block scales)
+                    for live in gl.static_range(1, BOXES + 1):
+                        if boxes_live == live:
+                            mbarrier.expect(bar, live * w_desc.block_type.nbytes
+                                            + x_desc.block_type.nbytes)
+                            for b in gl.static_range(live):
+                                tma.async_copy_global_to_shared(
+                                    w_desc, [row0 + b * BOX, kb * STEP], bar,
+                                    w_bufs.index(index).slice(b * BOX, BOX, dim=0))
+                elif BOXES == 1:
                     mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes
                                     + x_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(w_desc, [row0, 0, kb * 32], bar,
@@ -277,7 +301,7 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                     # TMA box is 16 bytes or more and its innermost coordinate 16-byte
                     # aligned, so steps 2j and 2j + 1 both load those of both, each consumer
                     # reading its half)
-                    tma.async_copy_global_to_shared(s_desc, [row0, (kb >> MX) * 16], bar,
+                    tma.async_copy_global_to_shared(s_desc, [row0, (kb >> FMT) * 16], bar,
                                                     s_bufs.index(index))
                 else:
                     # the boxes of rows before N only (a partial last tile's others belong to
@@ -293,16 +317,16 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                                     w_desc, [row0 + b * BOX, 0, kb * 32], bar,
                                     w_bufs.index(index).slice(b * BOX, BOX, dim=0))
                                 tma.async_copy_global_to_shared(
-                                    s_desc, [row0 + b * BOX, (kb >> MX) * 16], bar,
+                                    s_desc, [row0 + b * BOX, (kb >> FMT) * 16], bar,
                                     s_bufs.index(index).slice(b * BOX, BOX, dim=0))
-                tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kb * 256], bar,
+                tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kb * STEP], bar,
                                                 x_bufs.index(index))
                 index, phase = ring_next(index, phase, STAGES)
 
 
 @gluon.jit
 def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.constexpr,
-             MX: gl.constexpr, ODD: gl.constexpr):
+             FMT: gl.constexpr, ODD: gl.constexpr):
     """Ring slot `index`'s weight tile for consumer HALF, decoded into wgmma's A operand, once
     its loads have landed (mxfp4: ODD, whether the slot holds an odd K step)."""
     BN: gl.constexpr = w_bufs.type.shape[1]
@@ -310,25 +334,31 @@ def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.co
     P4: gl.constexpr = PACKED_LAYOUT_4D
     SCALES: gl.constexpr = SCALES_LAYOUT
     mbarrier.wait(ready.index(index), phase)
-    packed = w_bufs.index(index).reshape([BN, 128]).slice(HALF * 64, 64, dim=0).load(P2)
-    if MX:
-        # the row's 16 loaded bytes are two K steps' scales: this step's half
-        scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).slice(8 * ODD, 8, dim=1).load(
-            MX_SCALES_LAYOUT)
+    if FMT == 2:
+        # fp8: the step's [64, 128] e4m3 bytes read in the operand's layout (2 consecutive
+        # columns a register pair), converted two at a time (cvt.rn.f16x2.e4m3x2)
+        weights = w_bufs.index(index).slice(HALF * 64, 64, dim=0).load(DOT).to(gl.float16)
     else:
-        scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).load(SCALES)
-    return decode_step(packed, scales, P2, P4, DOT, MX)
+        packed = w_bufs.index(index).reshape([BN, 128]).slice(HALF * 64, 64, dim=0).load(P2)
+        if FMT == 1:
+            # the row's 16 loaded bytes are two K steps' scales: this step's half
+            scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).slice(
+                8 * ODD, 8, dim=1).load(MX_SCALES_LAYOUT)
+        else:
+            scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).load(SCALES)
+        weights = decode_step(packed, scales, P2, P4, DOT, FMT)
+    return weights
 
 
 @gluon.jit
 def _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF: gl.constexpr,
-              DOT: gl.constexpr, MX: gl.constexpr, ODD: gl.constexpr):
+              DOT: gl.constexpr, FMT: gl.constexpr, ODD: gl.constexpr):
     """One K step of the plain consumer: decode, wgmma, wait (the register operand stays live
     until the MMA has read it), the slot released; the wgmma takes the slot's first
     acc.shape[1] slots (HALF_BLOCKS: 64 of 128). Returns the accumulator and next slot."""
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     USED: gl.constexpr = acc.shape[1]
-    weights = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, MX, ODD)
+    weights = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, FMT, ODD)
     x = x_bufs.index(index)
     if USED < x_bufs.type.shape[1]:
         x = x.slice(0, USED, dim=0)
@@ -341,25 +371,25 @@ def _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF: gl.
 
 @gluon.jit
 def _plain_k_loop(acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, k_steps,
-                  HALF: gl.constexpr, DOT: gl.constexpr, MX: gl.constexpr):
+                  HALF: gl.constexpr, DOT: gl.constexpr, FMT: gl.constexpr):
     """A tile's K steps on the plain consumer (_mma_step); mxfp4: two steps an iteration (its
     count is even), each its half of the scale bytes loaded for both."""
-    if MX:
+    if FMT == 1:
         for kb in range(k_steps // 2):
             acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
-                                          phase, HALF, DOT, MX, 0)
+                                          phase, HALF, DOT, FMT, 0)
             acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
-                                          phase, HALF, DOT, MX, 1)
+                                          phase, HALF, DOT, FMT, 1)
     else:
         for kb in range(k_steps):
             acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
-                                          phase, HALF, DOT, MX, 0)
+                                          phase, HALF, DOT, FMT, 0)
     return acc, index, phase
 
 
 @gluon.jit
 def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
-                          HALF: gl.constexpr, DOT: gl.constexpr, MX: gl.constexpr,
+                          HALF: gl.constexpr, DOT: gl.constexpr, FMT: gl.constexpr,
                           NEXT_ODD: gl.constexpr):
     """One K step of the pipelined consumer: its wgmma issued on `weights`, the next slot's
     tile decoded meanwhile (NEXT_ODD: whether that is an odd K step), then the wait (the
@@ -368,7 +398,7 @@ def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, in
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc, is_async=True)
     nxt, nxt_phase = ring_next(index, phase, STAGES)
-    upcoming = _decoded(w_bufs, s_bufs, ready, nxt, nxt_phase, HALF, DOT, MX, NEXT_ODD)
+    upcoming = _decoded(w_bufs, s_bufs, ready, nxt, nxt_phase, HALF, DOT, FMT, NEXT_ODD)
     acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
     mbarrier.arrive(empty.index(index), count=1)
     return acc, upcoming, nxt, nxt_phase
@@ -377,12 +407,12 @@ def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, in
 @gluon.jit
 def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr,
-              PIPELINE: gl.constexpr, MX: gl.constexpr, PARTIAL_N: gl.constexpr,
+              PIPELINE: gl.constexpr, FMT: gl.constexpr, PARTIAL_N: gl.constexpr,
               EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr, TILE_N: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
-     num_padded_ptr) = ptrs
+     num_padded_ptr, a_scale_ptr) = ptrs
     N, KP, num_pairs, alpha, limit = sizes
     stride_ge, stride_be, stride_om = strides
     STAGES: gl.constexpr = w_bufs.type.shape[0]
@@ -396,12 +426,13 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                                                        instr_shape=[16, 64, 16])
     DOT_HALF: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_half, k_width=2)
     gl.static_assert(HALF_BLOCKS == 0 or (BM == 128 and PIPELINE == 0))
+    gl.static_assert(FMT != 2 or (BM == 16 and PIPELINE == 0))    # fp8: decode's serial form
     # ACTIVATION: an index into ws_gemm.ACTIVATIONS (0 none: GEMM2)
     num_m = gl.load(num_padded_ptr) // BM
     num_n = N // BN
     if PARTIAL_N:
         num_n = gl.cdiv(N, BN)
-    k_steps = KP // 256
+    k_steps = KP // x_bufs.type.shape[2]
     index = 0
     phase = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
@@ -417,10 +448,16 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
             if past_n:
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
             else:
+                if FMT == 2:
+                    # fp8: the activation rows' scales (act_quant's, one a slot; a padding
+                    # slot's is never written: its column is dropped), applied to the
+                    # accumulator before the row scale and bias
+                    slot_scale = gl.load(a_scale_ptr + pid_m * BM
+                                         + gl.arange(0, BM, layout=gl.SliceLayout(0, mma)))
                 if EARLY:
                     # (see EARLY_EPILOGUE: issued now, used after the K loop)
                     scale, shift = _row_terms(gscale_ptr, bias_ptr, expert, n0, stride_ge,
-                                              stride_be, mma, MX, HAS_BIAS)
+                                              stride_be, mma, FMT, HAS_BIAS)
                     terms0 = _slot_terms(pid_m * BM, BM, sorted_pair_ids_ptr, topk_weights_ptr,
                                          num_pairs, ACTIVATION)
                     terms1 = terms0     # (the second 64 slots' of a 128-slot tile)
@@ -441,18 +478,18 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                         # registers (one step an iteration would copy the decoded tile back
                         # every step). (steps decoded here: 0, then 2j + 1 and 2j + 2, then
                         # the odd last of an even count, as mxfp4's always is)
-                        w0 = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, MX, 0)
+                        w0 = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, FMT, 0)
                         for kb in range((k_steps - 1) // 2):
                             acc, w1, index, phase = _mma_then_decode_next(
                                 acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
-                                HALF, DOT, MX, 1)
+                                HALF, DOT, FMT, 1)
                             acc, w0, index, phase = _mma_then_decode_next(
                                 acc, w1, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
-                                HALF, DOT, MX, 0)
+                                HALF, DOT, FMT, 0)
                         if (k_steps - 1) % 2 == 1:
                             acc, w0, index, phase = _mma_then_decode_next(
                                 acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
-                                HALF, DOT, MX, 1)
+                                HALF, DOT, FMT, 1)
                         acc = warpgroup_mma(w0, x_bufs.index(index).permute((1, 0)), acc,
                                             is_async=True)
                         acc, w0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w0))
@@ -461,7 +498,9 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                     else:
                         acc, index, phase = _plain_k_loop(acc, w_bufs, s_bufs, x_bufs, ready,
                                                           empty, index, phase, k_steps, HALF,
-                                                          DOT, MX)
+                                                          DOT, FMT)
+                    if FMT == 2:
+                        acc = acc * slot_scale[None, :]
 
                     # Epilogue: acc [weight rows, slots] * the row scale (nvfp4: * 512)
                     # (+ bias), transposed to [slots, columns] in pieces of up to 64 slots
@@ -470,38 +509,38 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                     # slots (pair id >= num_pairs) are not written.
                     if EARLY:
                         _epilogue_early(acc, scale, shift, terms0, terms1, n0, ptrs, strides,
-                                        alpha, limit, ACTIVATION, HAS_BIAS, MX)
+                                        alpha, limit, ACTIVATION, HAS_BIAS, FMT)
                     else:
                         _epilogue_late(acc, expert, pid_m * BM, n0, ptrs, sizes, strides, mma,
-                                       ACTIVATION, HAS_BIAS, MX)
+                                       ACTIVATION, HAS_BIAS, FMT)
                 else:
                     # a half block: the first 64 slots' wgmmas only, their piece written (its
                     # own names: a variable both branches assign must keep its type)
                     half_acc = gl.zeros([64, 64], gl.float32, mma_half)
                     half_acc, index, phase = _plain_k_loop(
                         half_acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, k_steps,
-                        HALF, DOT_HALF, MX)
+                        HALF, DOT_HALF, FMT)
                     if EARLY:
                         _epilogue_early(half_acc, scale, shift, terms0, terms1, n0, ptrs,
-                                        strides, alpha, limit, ACTIVATION, HAS_BIAS, MX)
+                                        strides, alpha, limit, ACTIVATION, HAS_BIAS, FMT)
                     else:
                         _epilogue_late(half_acc, expert, pid_m * BM, n0, ptrs, sizes,
-                                       strides, mma_half, ACTIVATION, HAS_BIAS, MX)
+                                       strides, mma_half, ACTIVATION, HAS_BIAS, FMT)
 
 
 @gluon.jit
 def _epilogue_late(acc, expert, slot0, n0, ptrs, sizes, strides, mma: gl.constexpr,
-                   ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MX: gl.constexpr):
+                   ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, FMT: gl.constexpr):
     """The epilogue with its operands loaded after the K loop (EARLY_EPILOGUE off): acc
     [64 weight rows, slots slot0...] (128 slots: two pieces of 64)."""
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
-     num_padded_ptr) = ptrs
+     num_padded_ptr, a_scale_ptr) = ptrs
     N, KP, num_pairs, alpha, limit = sizes
     stride_ge, stride_be, stride_om = strides
     w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
     # the layout's row scale (nvfp4's global scale, * 512; mxfp4's fold)
     scale = gl.load(gscale_ptr + expert * stride_ge + w_rows)
-    if not MX:
+    if FMT == 0:
         scale = scale * 512.0
     acc = acc * scale[:, None]
     if HAS_BIAS:
@@ -526,7 +565,7 @@ def _slot_halves(acc):
 
 @gluon.jit
 def _epilogue_early(acc, scale, shift, terms0, terms1, n0, ptrs, strides, alpha, limit,
-                    ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, MX: gl.constexpr):
+                    ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, FMT: gl.constexpr):
     """The epilogue with its operands loaded before the K loop (EARLY_EPILOGUE): the rows'
     factor and bias (_row_terms) on acc [64 weight rows, 64 or 128 slots], then each 64-slot
     piece written with its slots' terms (_slot_terms; terms1 for a 128-slot tile's second)."""
@@ -550,12 +589,12 @@ def _epilogue_early(acc, scale, shift, terms0, terms1, n0, ptrs, strides, alpha,
 
 @gluon.jit
 def _row_terms(gscale_ptr, bias_ptr, expert, n0, stride_ge, stride_be, mma: gl.constexpr,
-               MX: gl.constexpr, HAS_BIAS: gl.constexpr):
+               FMT: gl.constexpr, HAS_BIAS: gl.constexpr):
     """The tile's 64 weight rows' factor (the layout's row scale; nvfp4's * 512) and bias
     (zeros without), along the MMA layout's rows."""
     w_rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
     scale = gl.load(gscale_ptr + expert * stride_ge + w_rows)
-    if not MX:
+    if FMT == 0:
         scale = scale * 512.0
     shift = gl.zeros([64], gl.float32, gl.SliceLayout(1, mma))
     if HAS_BIAS:
@@ -615,11 +654,11 @@ def _store_slots(acc, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
 
 @gluon.jit
 def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr,
-                   topk_weights_ptr, block_expert_ptr, num_padded_ptr,
+                   topk_weights_ptr, block_expert_ptr, num_padded_ptr, a_scale_ptr,
                    N, KP, num_pairs, stride_ge, stride_be, stride_om, alpha, limit,
                    ALIGN_M: gl.constexpr, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                    HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, MX: gl.constexpr,
+                   PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, FMT: gl.constexpr,
                    PARTIAL_N: gl.constexpr, EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr):
     # a ring slot holds the tile's TILE_N = CONSUMERS x 64 weight rows (in a buffer of the next
     # power of two: three consumers' 192 rows take 256), loaded in boxes of the descriptors'
@@ -628,15 +667,19 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
     BUF_N: gl.constexpr = 256 if CONSUMERS == 3 else TILE_N
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BUF_N] + w_desc.block_type.shape[1:],
                                        w_desc.layout)
-    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES, BUF_N] + s_desc.block_type.shape[1:],
-                                       s_desc.layout)
+    if FMT == 2:
+        s_bufs = w_bufs     # (fp8 has no block scales: never read)
+    else:
+        s_bufs = gl.allocate_shared_memory(s_desc.dtype,
+                                           [STAGES, BUF_N] + s_desc.block_type.shape[1:],
+                                           s_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
                                        x_desc.layout)
     ready, empty = ring_barriers(STAGES, CONSUMERS)
     descs = (w_desc, s_desc, x_desc)
     smem = (w_bufs, s_bufs, x_bufs, ready, empty)
     ptrs = (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr,
-            block_expert_ptr, num_padded_ptr)
+            block_expert_ptr, num_padded_ptr, a_scale_ptr)
     sizes = (N, KP, num_pairs, alpha, limit)
     strides = (stride_ge, stride_be, stride_om)
     # (the constexprs spelled out in each tuple: a tuple held in a variable would turn them into
@@ -645,43 +688,51 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
-                         MX, PARTIAL_N, TILE_N)),
+                         FMT, PARTIAL_N, TILE_N)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
-                         MX, PARTIAL_N, TILE_N)),
+                         FMT, PARTIAL_N, TILE_N)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3,
-                           PIPELINE, MX, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
-                         MX, PARTIAL_N, TILE_N)),
+                         FMT, PARTIAL_N, TILE_N)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _layouts(slots: int = BLOCK_M):
+def _layouts(slots: int = BLOCK_M, quant: str = "nvfp4", box: int = ROWS):
+    if quant == "fp8":
+        w_layout = gl.NVMMASharedLayout.get_default_for([box, FP8_BLOCK_K], gl.float8e4nv)
+        x_layout = gl.NVMMASharedLayout.get_default_for([slots, FP8_BLOCK_K], gl.float16)
+        return w_layout, w_layout, x_layout
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
     s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
     x_layout = gl.NVMMASharedLayout.get_default_for([slots, BLOCK_K], gl.bfloat16)
     return w_layout, s_layout, x_layout
+
+
+def _stages(quant: str, slots: int, consumers: int) -> int:
+    return FP8_STAGES[consumers] if quant == "fp8" else STAGES[slots]
 
 
 def block_n(consumers: int) -> int:
@@ -708,6 +759,8 @@ def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0,
     knows none: experts.py passes the same counts to both.)"""
     if slots != BLOCK_M:
         return 2
+    if quant == "fp8":
+        return int(FP8_CONSUMERS)
     if CONSUMERS != "auto":
         forced = str(CONSUMERS).split(",")   # (a count, or one a GEMM)
         return int(forced[min(len(forced), gemm or 1) - 1])
@@ -758,8 +811,19 @@ def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tenso
     (TMA over [E * N, 4, Kp/8] and the scales' [E * N, Kp/16 or Kp/32], whose rows must be whole
     16 bytes: mxfp4 needs Kp a multiple of 512); the activation rows (`k` values each, a's
     by default: GEMM2 reads the intermediate's I) 16-byte aligned."""
-    kp = w.shape[-1] * 2
     k = a.shape[1] if k is None else k
+    if quant == "fp8":
+        # (decode's form; the activations arrive bf16 and are quantized to f16 e4m3 values)
+        K = w.shape[-1]
+        return (slots == BLOCK_M and activation in ACTIVATIONS and available(a.device)
+                and a.dtype == torch.bfloat16 and w.dtype == torch.float8_e4m3fn
+                and n % ROWS == 0 and (PARTIAL_N_OK or n % block_n(
+                    consumers or consumers_for(slots, quant)) == 0)
+                and K > 0 and K % FP8_BLOCK_K == 0
+                and w.is_contiguous() and w.data_ptr() % 16 == 0
+                and w_scale.is_contiguous() and w_scale.shape == w.shape[:2]
+                and (k * 2) % 16 == 0)
+    kp = w.shape[-1] * 2
     return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
             and a.dtype == torch.bfloat16
             and n % (ROWS if PARTIAL_N_OK
@@ -774,13 +838,17 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
          alpha: float = 0.0, limit: float = 0.0, programs: Optional[int] = None,
          consumers: Optional[int] = None, quant: str = "nvfp4", slots: int = BLOCK_M,
          pipeline: Optional[bool] = None, early: Optional[bool] = None,
-         half_blocks: Optional[bool] = None) -> None:
-    """One nvfp4 / mxfp4 GEMM over the dispatch's live blocks of `slots` rows (16: decode's
-    form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers; see the module docstring);
-    w_global_scale: the layout's row scale [E, N] (nvfp4's global scale, mxfp4's fold). pipeline: the pipelined consumers
-    (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide form's).
-    early: the epilogue's operands loaded before each tile's K loop (default: EARLY_EPILOGUE).
-    half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other forms never)."""
+         half_blocks: Optional[bool] = None, a_scale: Optional[torch.Tensor] = None) -> None:
+    """One nvfp4 / mxfp4 / fp8 GEMM over the dispatch's live blocks of `slots` rows (16:
+    decode's form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers, 4-bit only; see the
+    module docstring). 4-bit: a bf16 rows; w_global_scale the layout's row scale [E, N]
+    (nvfp4's global scale, mxfp4's fold). fp8: a [slots, K] f16 holding e4m3 values
+    (act_quant's, out_dtype=float16) with a_scale [slots] fp32, w [E, N, K] e4m3 with w_scale
+    the layout's per-row scale [E, N] (w_global_scale unused). pipeline: the pipelined
+    consumers (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide
+    form's). early: the epilogue's operands loaded before each tile's K loop (default:
+    EARLY_EPILOGUE). half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other
+    forms never)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if slots not in SLOTS:
@@ -789,6 +857,10 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         raise ValueError("gemm=1 needs an activation (GEMM1's epilogue applies it)")
     if slots == WIDE_SLOTS and pipeline:
         raise ValueError(f"pipeline: the {slots}-slot form has serial consumers only")
+    fp8 = quant == "fp8"
+    if fp8 and (slots != BLOCK_M or pipeline):
+        raise ValueError(f"slots / pipeline: fp8 runs decode's {BLOCK_M}-slot form with serial "
+                         f"consumers, got slots={slots}, pipeline={pipeline}")
     if consumers is None:
         if programs is None:
             programs = device_properties(a.device).multi_processor_count
@@ -801,49 +873,74 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         raise ValueError(f"consumers: the {slots}-slot form runs 2, got {consumers}")
     bn = block_n(consumers)
     consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
-    E, N, half_kp = w.shape
-    kp = half_kp * 2
-    if N % ROWS or kp % BLOCK_K or kp == 0:
-        raise ValueError(f"w: the kernel needs N a multiple of {ROWS} and packed rows of a "
-                         f"multiple of {BLOCK_K} columns, got N={N}, {kp} columns")
-    group = GROUP[quant]
-    if w_scale.shape != (E, N, kp // group):
-        raise ValueError(f"w_scale: expected [E, N, Kp/{group}] = {(E, N, kp // group)}, got "
-                         f"{tuple(w_scale.shape)}")
-    if (kp // group) % 16:
-        raise ValueError(f"w_scale: rows of {kp // group} bytes, the kernel's scale loads need "
-                         f"whole 16 bytes (Kp a multiple of {16 * group})")
-    if w_global_scale is None or w_global_scale.shape != (E, N):
-        raise ValueError(f"w_global_scale: the layout's row scale [E, N] = {(E, N)}, got "
-                         f"{None if w_global_scale is None else tuple(w_global_scale.shape)}")
+    if fp8:
+        E, N, K = w.shape
+        if w.dtype != torch.float8_e4m3fn or N % ROWS or K % FP8_BLOCK_K or K == 0:
+            raise ValueError(f"w: fp8 needs e4m3 weights [E, N, K] with N a multiple of {ROWS} "
+                             f"and K of {FP8_BLOCK_K}, got {w.dtype} {tuple(w.shape)}")
+        if w_scale is None or w_scale.shape != (E, N) or w_scale.dtype != torch.float32:
+            raise ValueError(f"w_scale: fp8's per-row weight scale [E, N] = {(E, N)} float32, "
+                             f"got {None if w_scale is None else (w_scale.dtype, tuple(w_scale.shape))}")
+        if a.dtype != torch.float16 or a.shape[1] != K:
+            raise ValueError(f"a: fp8 needs f16 rows of act_quant's e4m3 values [slots, {K}], "
+                             f"got {a.dtype} {tuple(a.shape)}")
+        if a_scale is None or a_scale.shape != (a.shape[0], ) or a_scale.dtype != torch.float32:
+            raise ValueError(f"a_scale: one float32 scale a row of a, [{a.shape[0]}], got "
+                             f"{None if a_scale is None else (a_scale.dtype, tuple(a_scale.shape))}")
+        kp, row_scale = K, w_scale
+    else:
+        E, N, half_kp = w.shape
+        kp = half_kp * 2
+        if N % ROWS or kp % BLOCK_K or kp == 0:
+            raise ValueError(f"w: the kernel needs N a multiple of {ROWS} and packed rows of a "
+                             f"multiple of {BLOCK_K} columns, got N={N}, {kp} columns")
+        group = GROUP[quant]
+        if w_scale.shape != (E, N, kp // group):
+            raise ValueError(f"w_scale: expected [E, N, Kp/{group}] = {(E, N, kp // group)}, "
+                             f"got {tuple(w_scale.shape)}")
+        if (kp // group) % 16:
+            raise ValueError(f"w_scale: rows of {kp // group} bytes, the kernel's scale loads "
+                             f"need whole 16 bytes (Kp a multiple of {16 * group})")
+        if w_global_scale is None or w_global_scale.shape != (E, N):
+            raise ValueError(f"w_global_scale: the layout's row scale [E, N] = {(E, N)}, got "
+                             f"{None if w_global_scale is None else tuple(w_global_scale.shape)}")
+        row_scale = w_global_scale
     if routing.direct or routing.align_block_m % slots:
-        raise ValueError(f"routing: the fp4 kernel's {slots}-slot form needs a dispatch "
+        raise ValueError(f"routing: the {quant} kernel's {slots}-slot form needs a dispatch "
                          f"aligned to {slots} rows, got "
                          f"{'direct' if routing.direct else routing.align_block_m}")
     a = a.contiguous() if a.stride(-1) != 1 else a
-    w_layout, s_layout, x_layout = _layouts(slots)
     box = tma_box_rows(consumers)
-    w_desc = TensorDescriptor(w.view(E * N, 4, kp // 8), [E * N, 4, kp // 8],
-                              [4 * (kp // 8), kp // 8, 1], [box, 4, 32], w_layout)
-    scales = w_scale.view(torch.uint8).view(E * N, kp // group)
-    s_desc = TensorDescriptor(scales, [E * N, kp // group], [kp // group, 1], [box, 16],
-                              s_layout)
-    x_desc = TensorDescriptor(a, [a.shape[0], a.shape[1]], [a.stride(0), 1],
-                              [slots, BLOCK_K], x_layout)
+    w_layout, s_layout, x_layout = _layouts(slots, quant, box)
+    if fp8:
+        w_desc = TensorDescriptor(w.view(E * N, K), [E * N, K], [K, 1], [box, FP8_BLOCK_K],
+                                  w_layout)
+        s_desc = w_desc     # (no block scales)
+        x_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [slots, FP8_BLOCK_K],
+                                  x_layout)
+    else:
+        w_desc = TensorDescriptor(w.view(E * N, 4, kp // 8), [E * N, 4, kp // 8],
+                                  [4 * (kp // 8), kp // 8, 1], [box, 4, 32], w_layout)
+        scales = w_scale.view(torch.uint8).view(E * N, kp // group)
+        s_desc = TensorDescriptor(scales, [E * N, kp // group], [kp // group, 1], [box, 16],
+                                  s_layout)
+        x_desc = TensorDescriptor(a, [a.shape[0], a.shape[1]], [a.stride(0), 1],
+                                  [slots, BLOCK_K], x_layout)
     if programs is None:
         programs = device_properties(a.device).multi_processor_count
     dummy = routing.topk_weights
     _launcher((programs, ), _ws_fp4_kernel)(
-        w_desc, s_desc, x_desc, w_global_scale, bias if bias is not None else dummy, out,
+        w_desc, s_desc, x_desc, row_scale, bias if bias is not None else dummy, out,
         routing.sorted_pair_ids, routing.topk_weights, routing.block_expert_ids,
-        routing.num_padded, N, kp, routing.num_pairs,
-        w_global_scale.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
-        ALIGN_M=routing.align_block_m, STAGES=STAGES[slots],
+        routing.num_padded, a_scale if fp8 else dummy, N, kp, routing.num_pairs,
+        row_scale.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0), alpha,
+        limit,
+        ALIGN_M=routing.align_block_m, STAGES=_stages(quant, slots, consumers),
         ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs,
         PIPELINE=int(default_pipeline(slots) if pipeline is None else pipeline),
-        MX=int(quant == "mxfp4"), PARTIAL_N=int(N % bn != 0),
+        FMT=FMT[quant], PARTIAL_N=int(N % bn != 0),
         EARLY=int(EARLY_EPILOGUE if early is None else early),
         HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
                         and slots == WIDE_SLOTS),
@@ -858,25 +955,30 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    w_layout, s_layout, x_layout = _layouts(slots)
-    bn = block_n(consumers)
     consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
     box = tma_box_rows(consumers)
+    w_layout, s_layout, x_layout = _layouts(slots, quant, box)
+    if quant == "fp8":
+        w_type = s_type = f"tensordesc<fp8e4nv[{box}, {FP8_BLOCK_K}],{w_layout!r}>"
+        x_type = f"tensordesc<fp16[{slots}, {FP8_BLOCK_K}],{x_layout!r}>"
+    else:
+        w_type = f"tensordesc<u8[{box}, 4, 32],{w_layout!r}>"
+        s_type = f"tensordesc<u8[{box}, 16],{s_layout!r}>"
+        x_type = f"tensordesc<bf16[{slots}, {BLOCK_K}],{x_layout!r}>"
     signature = {
-        "w_desc": f"tensordesc<u8[{box}, 4, 32],{w_layout!r}>",
-        "s_desc": f"tensordesc<u8[{box}, 16],{s_layout!r}>",
-        "x_desc": f"tensordesc<bf16[{slots}, {BLOCK_K}],{x_layout!r}>",
+        "w_desc": w_type, "s_desc": s_type, "x_desc": x_type,
         "gscale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
         "sorted_pair_ids_ptr": "*i32", "topk_weights_ptr": "*fp32", "block_expert_ptr": "*i32",
-        "num_padded_ptr": "*i32", "N": "i32", "KP": "i32", "num_pairs": "i32",
+        "num_padded_ptr": "*i32", "a_scale_ptr": "*fp32", "N": "i32", "KP": "i32",
+        "num_pairs": "i32",
         "stride_ge": "i32", "stride_be": "i32", "stride_om": "i32", "alpha": "fp32",
         "limit": "fp32"}
-    consts = dict(ALIGN_M=slots, STAGES=STAGES[slots],
+    consts = dict(ALIGN_M=slots, STAGES=_stages(quant, slots, consumers),
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
                   PRODUCER_REGS=producer_regs,
                   PIPELINE=int(default_pipeline(slots) if pipeline is None else pipeline),
-                  MX=int(quant == "mxfp4"), PARTIAL_N=int(partial_n),
+                  FMT=FMT[quant], PARTIAL_N=int(partial_n),
                   EARLY=int(EARLY_EPILOGUE if early is None else early),
                   HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
                                   and slots == WIDE_SLOTS))
