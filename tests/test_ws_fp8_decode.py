@@ -14,7 +14,7 @@ from moe_ops.kernels import experts as experts_mod
 from moe_ops.kernels import ws_fp4
 from moe_ops.kernels.act_quant import act_quant
 
-from test_kernels_experts import DEVICE, check_experts, make_problem
+from test_kernels_experts import DEVICE, FP8_TOL, check_experts, make_problem
 from test_ws_gemm import sm90_ptx
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[:2] == (9, 0)
@@ -132,10 +132,11 @@ def test_rows_an_expert_threshold(monkeypatch, gemm_calls, poisoned_empty):
     monkeypatch.setattr(experts_mod, "WS_FP8_DECODE", True)
     calls = gemm_calls(ws_fp4, "gemm", record="quant")
     most = experts_mod.WS_FP8_DECODE_MAX_ROWS * 8 // 2
-    for T, expected in ((most, ["fp8", "fp8"]), (most + 1, [])):
+    # (past it grouped_gemm's mma.sync tiles: fp8's usual bound; 7.7e-3 on the H200)
+    for T, expected, tol in ((most, ["fp8", "fp8"], TOL), (most + 1, [], FP8_TOL)):
         calls.clear()
         tensors, kwargs = make_problem(T, 512, 384, 8, 2, quant="fp8", seed=5)
-        check_experts(tensors, kwargs, TOL)
+        check_experts(tensors, kwargs, tol)
         assert calls == expected, (T, calls)
     calls.clear()
     tensors, kwargs = make_problem(most, 512, 384, 8, 2, quant="fp8", seed=6,

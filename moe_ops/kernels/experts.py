@@ -175,12 +175,20 @@ WS_FP4_WIDE_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 64)
 # fp8 (per tensor) decode on ws_fp4's fp8 form (up to WS_FP8_DECODE_MAX_ROWS routed rows an
 # expert on average): the e4m3 weights streamed by TMA and converted to f16 in registers (one
 # cvt a pair), the activations quantized by act_quant as SPEC says and multiplied as f16 (the
-# W8A8 products exact, fp32 accumulation), instead of grouped_gemm's mma.sync tiles, which
-# issue-bind the decode GEMMs at 0.73-0.86 of the byte floor (results/h200_profile_layer_issue3
-# .json, h200_ncu_layer_mixtral_8x7b_fp8_16.csv: DRAM at 77% of peak). Its K loop is 1.7
-# SASS instructions a weight value (python benchmarks/dev_gluon_fp4_decode.py --aot). Written
-# without a GPU: off until measured (MOE_OPS_WS_FP8_DECODE=1 turns it on; bash
-# benchmarks/h200_run.sh fp8d measures it).
+# W8A8 products exact, fp32 accumulation: 2.7-2.9e-3 against the reference), instead of
+# grouped_gemm's mma.sync tiles. Its K loop is 1.7 SASS instructions a weight value (python
+# benchmarks/dev_gluon_fp4_decode.py --aot). Measured on an H200 (results/
+# h200_ab_fp8_decode_*.json, h200_profile_fp8_decode.json, 2026-12-02, graph replays, two
+# alternated passes, off / on): Mixtral-8x7B T = 1 / 4 / 16 / 64 103.9 / 238.3 / 348.1 /
+# 396-418 -> 118.1 / 266.4 / 351.7 / 484.8 us, Qwen3-30B-A3B 24.3 / 54.8 / 118.0 / 166.4 ->
+# 30.9 / 60.6 / 123.4 / 183.4, Llama 4 Scout 49.7 / 132.3 / 316.6 / 480.6 -> 63.4 / 135.7 /
+# 324.8 / 487.7: slower at every point. An SM streams as fast as on the Triton tiles (Mixtral
+# T = 1 GEMM1: 448 tiles of 128 rows, 28 GB/s an SM against 26.5), but its whole 128-row tiles
+# quantize into waves (3.4 tiles an SM run as 4), a few experts' GEMM2 leaves SMs idle (Mixtral
+# T = 1: 64 tiles for 132 SMs, 41.5 against 31.4 us) and past 16 rows an expert the 16-slot
+# blocks read an expert's weights once a block (Mixtral T = 64). So off (MOE_OPS_WS_FP8_DECODE=1
+# turns it on); what it lacks is a split of K over the combine's pair rows (which would serve
+# the 4-bit forms' small grids too) and a 32- or 64-slot block past 16 rows.
 WS_FP8_DECODE = ws_gemm.env_choice("MOE_OPS_WS_FP8_DECODE", "0", ("0", "1")) == "1"
 WS_FP8_DECODE_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP8_DECODE_MAX_ROWS", 16)
 ALIGN_GATHER_MAX_PAIRS = min(ws_gemm.env_int("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", 128),

@@ -1,4 +1,6 @@
-"""nvfp4 and mxfp4 (W4A16) GEMMs on Hopper, warp-specialized (Gluon). Run for both GEMMs of
+"""nvfp4 and mxfp4 (W4A16) GEMMs on Hopper, warp-specialized (Gluon), and an fp8 decode form of the
+same schedule (FMT 2: e4m3 weights converted to f16 in registers; off by default, measured
+slower than grouped_gemm's tiles: experts.WS_FP8_DECODE). Run for both GEMMs of
 4-bit decode calls up to 8 routed rows an expert (experts.WS_FP4, WS_FP4_MAX_ROWS) and of
 prefill calls, in a 64-slot form from 8 rows an expert (experts.WS_FP4_PREFILL_MIN_ROWS) and a
 128-slot form from 64 (WS_FP4_WIDE_MIN_ROWS, with HALF_BLOCKS): measured on an H200,
