@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -94,6 +94,11 @@
 # GPU tests, then the fp8 layers at T = 1-64 with MOE_OPS_WS_FP8_DECODE 0 and 1 alternated (two
 # passes; each arm's check against the reference), then the Mixtral and Qwen3 fp8 decode layers
 # kernel by kernel with it on; about 7 minutes.
+# splitk: GEMM2's K split over the combine's pair rows at decode (ws_fp4.SPLIT_K, written
+# without a GPU): its GPU tests (4-bit and the fp8 form), then DeepSeek-V3 nvfp4 and
+# gpt-oss-120b mxfp4 at T = 1 / 4 / 16 with MOE_OPS_WS_FP4_SPLIT_K 0 and auto alternated (two
+# passes), and the fp8 form (MOE_OPS_WS_FP8_DECODE=1) on Mixtral / Llama 4 fp8 at T = 1 / 4 with
+# 0 and auto; about 6 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
@@ -515,6 +520,27 @@ if [[ "$what" == fp8d ]]; then
     mixtral_8x7b qwen3_30b_a3b --quant fp8 --tokens 1 16 64 --calls 3 --deadline-s 40 \
     --out "$out/profile_fp8_decode.json" > "$out/profile_fp8_decode.log" 2>&1 || status=1
   grep -A7 '^model' "$out/profile_fp8_decode.log" | cut -c1-240
+fi
+if [[ "$what" == splitk ]]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py \
+    tests/test_ws_fp8_decode.py -k "split or combine" > "$out/pytest_splitk.log" 2>&1 || status=1
+  echo "split-K tests"; tail -n 3 "$out/pytest_splitk.log" | cut -c1-300
+  for arm in 0:a auto:a auto:b 0:b; do
+    name="ab_splitk_${arm%%:*}_${arm##*:}"
+    MOE_OPS_WS_FP4_SPLIT_K=${arm%%:*} timeout 50 python3 benchmarks/bench.py --no-baseline \
+      --no-bf16-peer --no-plot --peers torch --deadline-s 40 --models deepseek_v3 gpt_oss_120b \
+      --quant nvfp4 mxfp4 --listed-only --tokens 1 4 16 --out "$out/$name.json" \
+      > "$out/$name.log" 2>&1 || status=1
+    echo "$name"; grep -A7 '^ *model' "$out/$name.log" | cut -c1-52
+  done
+  for arm in 0:a auto:a; do
+    name="ab_splitk_fp8_${arm%%:*}_${arm##*:}"
+    MOE_OPS_WS_FP8_DECODE=1 MOE_OPS_WS_FP4_SPLIT_K=${arm%%:*} timeout 45 python3 \
+      benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch --deadline-s 35 \
+      --models mixtral_8x7b llama4_scout --quant fp8 --listed-only --tokens 1 4 \
+      --out "$out/$name.json" > "$out/$name.log" 2>&1 || status=1
+    echo "$name"; grep -A5 '^ *model' "$out/$name.log" | cut -c1-52
+  done
 fi
 if [[ "$what" == tune4 ]]; then
   SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \

@@ -680,3 +680,92 @@ def test_three_consumers(quant, H, I, tokens, monkeypatch, ws_fp4_calls, poisone
                                               bias=True, seed=43, invalid_ids=True)
     run_and_check(quant, ckpt, kernel, x, ids, weights, activation="swiglu_oai")
     assert ws_fp4_calls == [1, 2]
+
+
+# ---------------------------------------------------------------- GEMM2's split of K (SPLIT_K)
+
+def test_combine_sums_split_parts():
+    """combine_pair_rows(splits=S): each token's k x S rows (part p from row p * num_pairs), in
+    fp32, rows of pairs routed to no local expert never read (NaN there stays out)."""
+    from moe_ops.kernels.combine import combine_pair_rows
+    from moe_ops.kernels.grouped_gemm import Routing
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(7)
+    T, k, H, S, E = 5, 3, 96, 3, 6
+    ids = torch.randint(0, E, (T, k), generator=g)
+    ids[1, 2] = E + 4     # no local expert: its rows stay NaN and are never read
+    rows = torch.randn(S * T * k, H, generator=g).to(torch.bfloat16)
+    for p in range(S):
+        rows[p * T * k + 1 * k + 2] = float("nan")
+    routing = Routing(ids.reshape(-1).to(device), torch.ones(T * k, device=device), k, E, 0)
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=device)
+    combine_pair_rows(rows.to(device), routing, out, splits=S)
+    parts = rows.float().view(S, T, k, H)
+    parts[:, 1, 2] = 0
+    expected = parts.sum(dim=0).sum(dim=1)
+    assert torch.allclose(out.float().cpu(), expected, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="pair_out"):
+        combine_pair_rows(rows[:T * k].to(device), routing, out, splits=2)
+
+
+def test_split_rule(monkeypatch):
+    """ws_fp4.split_for: off ("0") the given consumers unsplit; a forced count where the K
+    units allow it; "auto" the fewest weight rows x K units an SM runs through: gpt-oss-120b
+    T = 1's GEMM2 (4 experts, N = 2880, Kp = 3072: 6 mxfp4 units) three consumers, two parts;
+    DeepSeek-V3 T = 1's (8 experts, N = 7168, K = 2048: 8 nvfp4 units, 448 tiles of 128 rows)
+    two parts; a GEMM of many tiles stays whole."""
+    monkeypatch.setattr(ws_fp4, "SPLIT_K", "0")
+    assert ws_fp4.split_for("mxfp4", 4, 2880, 3072, 128, 132, 2) == (2, 1)
+    monkeypatch.setattr(ws_fp4, "SPLIT_K", "4")
+    assert ws_fp4.split_for("mxfp4", 4, 2880, 3072, 128, 132, 2) == (2, 4)
+    assert ws_fp4.split_for("mxfp4", 4, 2880, 512, 128, 132, 2) == (2, 1)   # one unit
+    assert ws_fp4.split_for("nvfp4", 4, 2880, 768, 128, 132, 2) == (2, 3)   # three units
+    assert ws_fp4.k_units("fp8", 14336) == 112 and ws_fp4.k_units("mxfp4", 3072) == 6
+    monkeypatch.setattr(ws_fp4, "SPLIT_K", "auto")
+    assert ws_fp4.split_for("mxfp4", 4, 2880, 3072, 128, 132, 2) == (3, 2)
+    assert ws_fp4.split_for("nvfp4", 8, 7168, 2048, 256, 132, 2) == (2, 2)
+    assert ws_fp4.split_for("nvfp4", 512, 7168, 2048, 256, 132, 4)[1] == 1
+    assert ws_fp4.split_for("fp8", 2, 4096, 14336, 8, 132, 2) == (2, 2)
+
+
+@pytest.mark.parametrize("quant,consumers,partial", [
+    ("nvfp4", 2, False), ("mxfp4", 3, True), ("fp8", 2, False)])
+def test_split_builds_for_sm90(quant, consumers, partial):
+    """GEMM2 with its K split in two builds for sm_90: the part's rows offset into the pair
+    rows (a 64-bit multiply), no local memory; other forms refuse a split."""
+    ptx = sm90_ptx("ws_fp4", f"gemm=2, activation='none', has_bias=True, consumers={consumers}, "
+                             f"quant={quant!r}, partial_n={partial}, split=2")
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert "mul.wide" in ptx or "mul.lo.s64" in ptx
+
+
+def test_bad_splits_are_refused():
+    w = torch.zeros(2, 128, 256, dtype=torch.uint8)
+    for kwargs, match in ((dict(gemm=2, split=5), "split: one of"),
+                          (dict(gemm=1, activation="swiglu", split=2), "split: GEMM2's"),
+                          (dict(gemm=2, slots=64, split=2), "split: GEMM2's"),
+                          (dict(gemm=2, pipeline=True, split=2), "split: GEMM2's"),
+                          (dict(gemm=2, early=False, split=2), "split: GEMM2's")):
+        kwargs = {"activation": "none", **kwargs}
+        with pytest.raises(ValueError, match=match):
+            ws_fp4.gemm(None, w, None, None, None, None, None, consumers=2, **kwargs)
+
+
+@needs_hopper
+@pytest.mark.parametrize("quant,split,T,bias,activation", [
+    ("nvfp4", "2", 3, True, "swiglu"), ("nvfp4", "3", 20, False, "swiglu"),
+    ("mxfp4", "2", 1, True, "swiglu_oai"), ("mxfp4", "auto", 4, True, "swiglu_oai"),
+    ("nvfp4", "4", 40, True, "relu2"), ("nvfp4", "auto", 1, False, "swiglu")])
+def test_experts_with_split_gemm2(quant, split, T, bias, activation, monkeypatch, gemm_calls,
+                                  poisoned_empty):
+    """MOE_OPS_WS_FP4_SPLIT_K: GEMM2's K steps in parts summed by the combine, against the
+    oracle: the bias added once, expert-parallel ids, ids of no local expert, mxfp4's K in
+    whole pairs of steps (I = 1536: 6 steps, 3 units)."""
+    monkeypatch.setattr(ws_fp4, "SPLIT_K", split)
+    calls = gemm_calls(ws_fp4, "gemm", record="split")
+    H, I = 512, 1536
+    ckpt, kernel, x, ids, weights = make_case(quant, T, H, I, 8, 2, activation=activation,
+                                              bias=bias, seed=31 + T, offset=2, num_global=12,
+                                              invalid_ids=T > 1)
+    run_and_check(quant, ckpt, kernel, x, ids, weights, activation=activation, offset=2)
+    assert calls[0] == 1 and (calls[1] > 1 if split != "auto" else len(calls) == 2), calls

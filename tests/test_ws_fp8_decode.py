@@ -143,3 +143,17 @@ def test_rows_an_expert_threshold(monkeypatch, gemm_calls, poisoned_empty):
                                    all_to_one=True)
     check_experts(tensors, kwargs, TOL)
     assert calls == ["fp8", "fp8"]
+
+
+@needs_hopper
+@pytest.mark.parametrize("split,T,bias", [("2", 1, True), ("auto", 2, False), ("4", 20, True)])
+def test_fp8_form_with_split_gemm2(split, T, bias, monkeypatch, gemm_calls, poisoned_empty):
+    """The fp8 form's GEMM2 with its K split (ws_fp4.SPLIT_K; I = 640: 5 steps of 128), the
+    parts summed by the combine, the bias once, against the float64 oracle."""
+    monkeypatch.setattr(experts_mod, "WS_FP8_DECODE", True)
+    monkeypatch.setattr(ws_fp4, "SPLIT_K", split)
+    calls = gemm_calls(ws_fp4, "gemm", record="split")
+    tensors, kwargs = make_problem(T, 512, 640, 8, 2, quant="fp8", bias=bias,
+                                   local_expert_offset=2, num_global_experts=12, seed=23 + T)
+    check_experts(tensors, kwargs, TOL)
+    assert calls[0] == 1 and (calls[1] > 1 if split != "auto" else len(calls) == 2), calls

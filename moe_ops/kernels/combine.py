@@ -27,11 +27,13 @@ _BLOCK_H = 1024
 def _combine_pair_rows_kernel(
     pair_out_ptr, topk_ids_ptr, out_ptr,
     H, num_experts, local_expert_offset,
-    stride_pm, stride_om,
+    stride_pm, stride_om, stride_split,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLITS: tl.constexpr = 1,
 ):
-    """out[token, cols] = sum over slots j < TOP_K of pair_out[token * TOP_K + j, cols] (rows of
-    pairs routed to no local expert are never written, so never read: they count as 0)."""
+    """out[token, cols] = sum over slots j < TOP_K (and parts p < SPLITS, rows
+    p * stride_split apart) of pair_out[token * TOP_K + j, cols] (rows of pairs routed to no
+    local expert are never written, so never read: they count as 0)."""
     pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -41,23 +43,32 @@ def _combine_pair_rows_kernel(
         pair = token * TOP_K + j
         local = tl.load(topk_ids_ptr + pair) - local_expert_offset
         valid = (local >= 0) & (local < num_experts)
-        row = tl.load(pair_out_ptr + pair * stride_pm + offs_h, mask=h_ok & valid, other=0.0)
-        acc += row.to(tl.float32)
+        for p in tl.static_range(SPLITS):
+            row = tl.load(pair_out_ptr + p * stride_split + pair * stride_pm + offs_h,
+                          mask=h_ok & valid, other=0.0)
+            acc += row.to(tl.float32)
     tl.store(out_ptr + token * stride_om + offs_h,
              round_to_dtype(acc, out_ptr.dtype.element_ty), mask=h_ok)
 
 
-def combine_pair_rows(pair_out: torch.Tensor, routing, out: torch.Tensor) -> None:
+def combine_pair_rows(pair_out: torch.Tensor, routing, out: torch.Tensor,
+                      splits: int = 1) -> None:
     """out[t] = sum over valid slots j of pair_out[t*k + j] (already routing-weighted), in fp32
-    and slot order. routing: grouped_gemm.Routing (its topk_ids, top_k and local experts)."""
+    and slot order. routing: grouped_gemm.Routing (its topk_ids, top_k and local experts).
+    splits: pair_out holds that many parts of each pair row (a split GEMM2's K, ws_fp4.SPLIT_K),
+    part p's rows from row p * num_pairs, summed in part order within each slot."""
     T, H = out.shape
     if T == 0 or H == 0:
         return
+    num_pairs = T * routing.top_k
+    if pair_out.shape[0] < splits * num_pairs:
+        raise ValueError(f"pair_out: {splits} parts of {num_pairs} pair rows, got "
+                         f"{pair_out.shape[0]} rows")
     block_h = min(_BLOCK_H, max(16, next_power_of_2(H)))
     _combine_pair_rows_kernel[(T, cdiv(H, block_h))](
         pair_out, routing.topk_ids, out,
         H, routing.num_experts, routing.local_expert_offset,
-        pair_out.stride(0), out.stride(0),
-        TOP_K=routing.top_k, BLOCK_H=block_h, num_warps=max(1, min(4, block_h // 256)),
+        pair_out.stride(0), out.stride(0), num_pairs * pair_out.stride(0),
+        TOP_K=routing.top_k, BLOCK_H=block_h, SPLITS=splits, num_warps=max(1, min(4, block_h // 256)),
         USE_PDL=use_pdl(out.device), **pdl_launch_options(out.device),
     )

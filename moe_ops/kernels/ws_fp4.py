@@ -137,6 +137,18 @@ CONSUMERS = env_choice("MOE_OPS_WS_FP4_CONSUMERS", "auto", ("auto", "2", "3", "4
     f"{a},{b}" for a in REGISTERS for b in REGISTERS))
 THREE_CONSUMERS_MIN_PAIRS = 32
 FOUR_CONSUMERS_MIN_PAIRS = {"nvfp4": 128}
+# GEMM2's K steps split over SPLIT work items a tile at decode (the 16-slot form, serial
+# consumers, the early epilogue), part p writing its partial rows into out[p * num_pairs +
+# pair] (the bias with part 0's) and combine_pair_rows summing a token's k x SPLIT rows in
+# fp32: few experts' GEMM2 is a wave of tiles or less (gpt-oss-120b T = 1: 92 tiles of 128 rows
+# or 60 of 192 on 132 SMs; the fp8 form's Mixtral T = 1: 64), and a tile's time is its K
+# steps. "auto" picks the consumers and SPLIT (1-4) that give an SM the fewest weight rows x K
+# steps (split_for: gpt-oss T = 1's GEMM2 three consumers, two parts: 96 row-steps a K step's
+# worth against 128); 2 / 3 / 4 force a count where the steps allow it. Written without a GPU:
+# off ("0") until measured (bash benchmarks/h200_run.sh splitk).
+SPLIT_K = env_choice("MOE_OPS_WS_FP4_SPLIT_K", "0", ("0", "auto", "2", "3", "4"))
+SPLITS = (1, 2, 3, 4)
+SPLIT_ITEM_UNITS = 1
 # A consumer's decode of K step k + 1 while its wgmma of step k runs (a second register operand)
 # instead of decode, MMA, wait in turn. Measured on an H200 (results/h200_ab_fp4_rows_16_*.json,
 # h200_gluon_fp4_decode_pipelined.json, 2026-12-01): DeepSeek-V3 nvfp4 decode T = 16-512 6-7%
@@ -251,9 +263,29 @@ def live_block(sorted_pair_ids_ptr, pid_m, num_pairs, BM: gl.constexpr):
 
 
 @gluon.jit
+def split_range(item, k_steps, SPLIT: gl.constexpr, FMT: gl.constexpr):
+    """A work item of the persistent loop -> (tile, part, first K step, end K step): with
+    SPLIT > 1 (GEMM2's split of K, see SPLIT_K) each tile's K steps in SPLIT parts as equal as
+    whole units divide them (mxfp4: units of 2 steps, its scale loads' pairs)."""
+    if SPLIT == 1:
+        tile = item
+        part = 0
+        kb0 = 0
+        kb1 = k_steps
+    else:
+        UNIT: gl.constexpr = 2 if FMT == 1 else 1
+        tile = item // SPLIT
+        part = item % SPLIT
+        units = k_steps // UNIT
+        kb0 = (part * units // SPLIT) * UNIT
+        kb1 = ((part + 1) * units // SPLIT) * UNIT
+    return tile, part, kb0, kb1
+
+
+@gluon.jit
 def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, FMT: gl.constexpr,
-              PARTIAL_N: gl.constexpr, TILE_N: gl.constexpr):
+              PARTIAL_N: gl.constexpr, TILE_N: gl.constexpr, SPLIT: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     sorted_pair_ids_ptr = ptrs[3]
@@ -273,7 +305,8 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     k_steps = KP // STEP
     index = 0
     phase = 1  # a fresh mbarrier counts as having completed the phase before its first
-    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+    for item in range(gl.program_id(0), num_m * num_n * SPLIT, gl.num_programs(0)):
+        tile, part, kb0, kb1 = split_range(item, k_steps, SPLIT, FMT)
         pid_m = tile // num_n
         # blocks of padding only are skipped by every partition alike (see live_block)
         if live_block(sorted_pair_ids_ptr, pid_m, num_pairs, BM):
@@ -281,7 +314,7 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
             row0 = expert * N + (tile % num_n) * BN
             # (BOXES > 1: the tile's boxes holding rows before N; N is a multiple of BOX)
             boxes_live = gl.minimum((N - (tile % num_n) * BN) // BOX, BOXES)
-            for kb in range(k_steps):
+            for kb in range(kb0, kb1):
                 mbarrier.wait(empty.index(index), phase)
                 bar = ready.index(index)
                 if FMT == 2:
@@ -410,7 +443,8 @@ def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, in
 def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr,
               PIPELINE: gl.constexpr, FMT: gl.constexpr, PARTIAL_N: gl.constexpr,
-              EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr, TILE_N: gl.constexpr):
+              EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr, TILE_N: gl.constexpr,
+              SPLIT: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
@@ -429,6 +463,8 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     DOT_HALF: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_half, k_width=2)
     gl.static_assert(HALF_BLOCKS == 0 or (BM == 128 and PIPELINE == 0))
     gl.static_assert(FMT != 2 or (BM == 16 and PIPELINE == 0))    # fp8: decode's serial form
+    # SPLIT_K: GEMM2's decode form, serial consumers, the early epilogue
+    gl.static_assert(SPLIT == 1 or (ACTIVATION == 0 and BM == 16 and PIPELINE == 0 and EARLY == 1))
     # ACTIVATION: an index into ws_gemm.ACTIVATIONS (0 none: GEMM2)
     num_m = gl.load(num_padded_ptr) // BM
     num_n = N // BN
@@ -437,7 +473,9 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     k_steps = KP // x_bufs.type.shape[2]
     index = 0
     phase = 0
-    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+    for item in range(gl.program_id(0), num_m * num_n * SPLIT, gl.num_programs(0)):
+        tile, part, kb0, kb1 = split_range(item, k_steps, SPLIT, FMT)
+        steps = kb1 - kb0
         pid_m = tile // num_n
         if live_block(sorted_pair_ids_ptr, pid_m, num_pairs, BM):
             expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
@@ -448,7 +486,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
             if PARTIAL_N:
                 past_n = n0 >= N
             if past_n:
-                index, phase = release_steps(ready, empty, index, phase, k_steps)
+                index, phase = release_steps(ready, empty, index, phase, steps)
             else:
                 if FMT == 2:
                     # fp8: the activation rows' scales (act_quant's, one a slot; a padding
@@ -481,14 +519,14 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                         # every step). (steps decoded here: 0, then 2j + 1 and 2j + 2, then
                         # the odd last of an even count, as mxfp4's always is)
                         w0 = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, FMT, 0)
-                        for kb in range((k_steps - 1) // 2):
+                        for kb in range((steps - 1) // 2):
                             acc, w1, index, phase = _mma_then_decode_next(
                                 acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
                                 HALF, DOT, FMT, 1)
                             acc, w0, index, phase = _mma_then_decode_next(
                                 acc, w1, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
                                 HALF, DOT, FMT, 0)
-                        if (k_steps - 1) % 2 == 1:
+                        if (steps - 1) % 2 == 1:
                             acc, w0, index, phase = _mma_then_decode_next(
                                 acc, w0, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
                                 HALF, DOT, FMT, 1)
@@ -499,7 +537,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                         index, phase = ring_next(index, phase, STAGES)
                     else:
                         acc, index, phase = _plain_k_loop(acc, w_bufs, s_bufs, x_bufs, ready,
-                                                          empty, index, phase, k_steps, HALF,
+                                                          empty, index, phase, steps, HALF,
                                                           DOT, FMT)
                     if FMT == 2:
                         acc = acc * slot_scale[None, :]
@@ -509,7 +547,17 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                     # (the wide form's two: see WIDE_SLOTS); GEMM1's activation into
                     # intermediate[slot], GEMM2's routing weight into out[pair]; padding
                     # slots (pair id >= num_pairs) are not written.
-                    if EARLY:
+                    if SPLIT > 1:
+                        # (see SPLIT_K) part p's rows into out[p * num_pairs + pair]; the bias
+                        # once, with part 0's
+                        part_ptrs = (gscale_ptr, bias_ptr,
+                                     out_ptr + part.to(gl.int64) * num_pairs * stride_om,
+                                     sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
+                                     num_padded_ptr, a_scale_ptr)
+                        _epilogue_early(acc, scale, shift * (part == 0).to(gl.float32), terms0,
+                                        terms1, n0, part_ptrs, strides, alpha, limit,
+                                        ACTIVATION, HAS_BIAS, FMT)
+                    elif EARLY:
                         _epilogue_early(acc, scale, shift, terms0, terms1, n0, ptrs, strides,
                                         alpha, limit, ACTIVATION, HAS_BIAS, FMT)
                     else:
@@ -520,7 +568,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                     # own names: a variable both branches assign must keep its type)
                     half_acc = gl.zeros([64, 64], gl.float32, mma_half)
                     half_acc, index, phase = _plain_k_loop(
-                        half_acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, k_steps,
+                        half_acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, steps,
                         HALF, DOT_HALF, FMT)
                     if EARLY:
                         _epilogue_early(half_acc, scale, shift, terms0, terms1, n0, ptrs,
@@ -661,7 +709,8 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                    ALIGN_M: gl.constexpr, STAGES: gl.constexpr, ACTIVATION: gl.constexpr,
                    HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, FMT: gl.constexpr,
-                   PARTIAL_N: gl.constexpr, EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr):
+                   PARTIAL_N: gl.constexpr, EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr,
+                   SPLIT: gl.constexpr = 1):
     # a ring slot holds the tile's TILE_N = CONSUMERS x 64 weight rows (in a buffer of the next
     # power of two: three consumers' 192 rows take 256), loaded in boxes of the descriptors'
     # rows (the whole tile's but for three consumers: a TMA box is a power of two)
@@ -690,35 +739,35 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
-                         FMT, PARTIAL_N, TILE_N)),
+                         FMT, PARTIAL_N, TILE_N, SPLIT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
-                         FMT, PARTIAL_N, TILE_N)),
+                         FMT, PARTIAL_N, TILE_N, SPLIT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
-                         FMT, PARTIAL_N, TILE_N)),
+                         FMT, PARTIAL_N, TILE_N, SPLIT)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -797,6 +846,39 @@ def _row_waves(consumers: int, n: int, experts: int, programs: int) -> int:
     return -(-tiles // programs) * rows
 
 
+def k_units(quant: str, k: int) -> int:
+    """Units a tile's K steps split in (split_range): mxfp4's pairs of 256-column steps, fp8's
+    128-column steps, nvfp4's 256-column steps; k: the activation's columns (packed 4-bit rows
+    padded to whole steps)."""
+    step = FP8_BLOCK_K if quant == "fp8" else BLOCK_K
+    steps = -(-k // step)
+    return steps // 2 if quant == "mxfp4" else steps
+
+
+def split_for(quant: str, num_pairs: int, n: int, k: int, experts: int, programs: int,
+              consumers: int) -> tuple:
+    """(consumers, SPLIT) of a decode GEMM2 launch by SPLIT_K: "0" the given consumers and no
+    split; a count: that split where the K units allow it; "auto": among 2 or 3 consumers
+    (4 for nvfp4 where its rule gives 4) and splits 1-4, the fewest weight rows x K units an
+    SM runs through (tiles of at most min(experts, num_pairs) experts in waves over
+    `programs` SMs), each work item charged SPLIT_ITEM_UNITS more for its start and epilogue,
+    ties to the given consumers, then the smaller split."""
+    units = k_units(quant, k)
+    if SPLIT_K == "0" or units < 2:
+        return consumers, 1
+    if SPLIT_K != "auto":
+        return consumers, min(int(SPLIT_K), units)
+    active = min(experts, num_pairs)
+
+    def cost(c, split):
+        tiles = active * -(-n // block_n(c))
+        return (-(-(tiles * split) // programs) * block_n(c)
+                * (-(-units // split) + SPLIT_ITEM_UNITS))
+    choices = [(c, split) for c in sorted({consumers, 2, 3}) for split in SPLITS
+               if split <= units]
+    return min(choices, key=lambda cs: (cost(*cs), cs[0] != consumers, cs[1]))
+
+
 def default_pipeline(slots: int) -> bool:
     """Whether a form's consumers are pipelined by default (PIPELINE, PREFILL_PIPELINE; the
     wide form's never)."""
@@ -840,7 +922,8 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
          alpha: float = 0.0, limit: float = 0.0, programs: Optional[int] = None,
          consumers: Optional[int] = None, quant: str = "nvfp4", slots: int = BLOCK_M,
          pipeline: Optional[bool] = None, early: Optional[bool] = None,
-         half_blocks: Optional[bool] = None, a_scale: Optional[torch.Tensor] = None) -> None:
+         half_blocks: Optional[bool] = None, a_scale: Optional[torch.Tensor] = None,
+         split: int = 1) -> None:
     """One nvfp4 / mxfp4 / fp8 GEMM over the dispatch's live blocks of `slots` rows (16:
     decode's form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers, 4-bit only; see the
     module docstring). 4-bit: a bf16 rows; w_global_scale the layout's row scale [E, N]
@@ -850,7 +933,9 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     consumers (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide
     form's). early: the epilogue's operands loaded before each tile's K loop (default:
     EARLY_EPILOGUE). half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other
-    forms never)."""
+    forms never). split: GEMM2's K steps in `split` parts (SPLIT_K; decode's form, serial
+    consumers, the early epilogue), out [split * num_pairs, N] then holds part p's rows from
+    row p * num_pairs (combine_pair_rows(..., splits=split) sums them)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if slots not in SLOTS:
@@ -875,6 +960,14 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         raise ValueError(f"consumers: the {slots}-slot form runs 2, got {consumers}")
     bn = block_n(consumers)
     consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
+    pipelined = default_pipeline(slots) if pipeline is None else pipeline
+    early = EARLY_EPILOGUE if early is None else early
+    if split not in SPLITS:
+        raise ValueError(f"split: one of {SPLITS}, got {split}")
+    if split > 1 and (gemm != 2 or slots != BLOCK_M or pipelined or not early):
+        raise ValueError(f"split: GEMM2's decode form with serial consumers and the early "
+                         f"epilogue only, got gemm={gemm}, slots={slots}, pipeline={pipelined}, "
+                         f"early={early}")
     if fp8:
         E, N, K = w.shape
         if w.dtype != torch.float8_e4m3fn or N % ROWS or K % FP8_BLOCK_K or K == 0:
@@ -907,6 +1000,11 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
             raise ValueError(f"w_global_scale: the layout's row scale [E, N] = {(E, N)}, got "
                              f"{None if w_global_scale is None else tuple(w_global_scale.shape)}")
         row_scale = w_global_scale
+    if split > 1 and k_units(quant, kp) < split:
+        raise ValueError(f"split: {split} parts of {k_units(quant, kp)} K units")
+    if split > 1 and out.shape[0] < split * routing.num_pairs:
+        raise ValueError(f"out: {split} parts need {split} x {routing.num_pairs} pair rows, got "
+                         f"{out.shape[0]}")
     if routing.direct or routing.align_block_m % slots:
         raise ValueError(f"routing: the {quant} kernel's {slots}-slot form needs a dispatch "
                          f"aligned to {slots} rows, got "
@@ -941,18 +1039,16 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs,
-        PIPELINE=int(default_pipeline(slots) if pipeline is None else pipeline),
-        FMT=FMT[quant], PARTIAL_N=int(N % bn != 0),
-        EARLY=int(EARLY_EPILOGUE if early is None else early),
+        PIPELINE=int(pipelined), FMT=FMT[quant], PARTIAL_N=int(N % bn != 0), EARLY=int(early),
         HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
-                        and slots == WIDE_SLOTS),
+                        and slots == WIDE_SLOTS), SPLIT=split,
         num_warps=4, maxnreg=maxnreg)
 
 
 def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = False,
                  consumers: int = 2, pipeline: Optional[bool] = None, quant: str = "nvfp4",
                  slots: int = BLOCK_M, partial_n: bool = False, early: Optional[bool] = None,
-                 half_blocks: Optional[bool] = None):
+                 half_blocks: Optional[bool] = None, split: int = 1):
     """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -983,7 +1079,7 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                   FMT=FMT[quant], PARTIAL_N=int(partial_n),
                   EARLY=int(EARLY_EPILOGUE if early is None else early),
                   HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
-                                  and slots == WIDE_SLOTS))
+                                  and slots == WIDE_SLOTS), SPLIT=split)
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "KP")}
