@@ -55,13 +55,14 @@ def poisoned_empty(monkeypatch):
 def gemm_calls(monkeypatch):
     """gemm_calls(module, name) replaces module.name (a launcher taking a `gemm=` keyword) by
     a wrapper that records each call's `gemm` (1 or 2) and returns the list, in call order;
-    record="tile" (another keyword of the launcher) records that instead."""
-    def count(module, name, record="gemm"):
+    record="tile" (another keyword of the launcher) records that instead (default: the value
+    recorded for calls that do not pass it)."""
+    def count(module, name, record="gemm", default=None):
         calls = []
         launch = getattr(module, name)
 
         def counting(*args, **kwargs):
-            calls.append(kwargs[record])
+            calls.append(kwargs[record] if default is None else kwargs.get(record, default))
             return launch(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counting)

@@ -731,12 +731,16 @@ def test_split_rule(monkeypatch):
 @pytest.mark.parametrize("quant,consumers,partial", [
     ("nvfp4", 2, False), ("mxfp4", 3, True), ("fp8", 2, False)])
 def test_split_builds_for_sm90(quant, consumers, partial):
-    """GEMM2 with its K split in two builds for sm_90: the part's rows offset into the pair
-    rows (a 64-bit multiply), no local memory; other forms refuse a split."""
-    ptx = sm90_ptx("ws_fp4", f"gemm=2, activation='none', has_bias=True, consumers={consumers}, "
-                             f"quant={quant!r}, partial_n={partial}, split=2")
+    """GEMM2 with its K split in three builds for sm_90 (the work items' division by 3 only
+    there), no local memory."""
+    args = (f"gemm=2, activation='none', has_bias=True, consumers={consumers}, "
+            f"quant={quant!r}, partial_n={partial}")
+    ptx = sm90_ptx("ws_fp4", args + ", split=3")
+    whole = sm90_ptx("ws_fp4", args)
     assert "ld.local" not in ptx and "st.local" not in ptx
-    assert "mul.wide" in ptx or "mul.lo.s64" in ptx
+    # item // 3 and item % 3 (a multiply by the reciprocal), in the producer and each consumer
+    assert ptx.count("mul.hi") > whole.count("mul.hi"), (ptx.count("mul.hi"),
+                                                        whole.count("mul.hi"))
 
 
 def test_bad_splits_are_refused():
@@ -749,23 +753,28 @@ def test_bad_splits_are_refused():
         kwargs = {"activation": "none", **kwargs}
         with pytest.raises(ValueError, match=match):
             ws_fp4.gemm(None, w, None, None, None, None, None, consumers=2, **kwargs)
+    # Kp = 512: two nvfp4 steps, so at most two parts
+    with pytest.raises(ValueError, match="split: 4 parts, more than the 2 units"):
+        ws_fp4.gemm(None, w, torch.zeros(2, 128, 32, dtype=torch.uint8), torch.ones(2, 128),
+                    None, None, None, gemm=2, activation="none", consumers=2, split=4)
 
 
 @needs_hopper
 @pytest.mark.parametrize("quant,split,T,bias,activation", [
     ("nvfp4", "2", 3, True, "swiglu"), ("nvfp4", "3", 20, False, "swiglu"),
     ("mxfp4", "2", 1, True, "swiglu_oai"), ("mxfp4", "auto", 4, True, "swiglu_oai"),
-    ("nvfp4", "4", 40, True, "relu2"), ("nvfp4", "auto", 1, False, "swiglu")])
+    ("nvfp4", "4", 30, True, "relu2"), ("nvfp4", "auto", 1, False, "swiglu")])
 def test_experts_with_split_gemm2(quant, split, T, bias, activation, monkeypatch, gemm_calls,
                                   poisoned_empty):
     """MOE_OPS_WS_FP4_SPLIT_K: GEMM2's K steps in parts summed by the combine, against the
     oracle: the bias added once, expert-parallel ids, ids of no local expert, mxfp4's K in
-    whole pairs of steps (I = 1536: 6 steps, 3 units)."""
+    whole pairs of steps (I = 1536: 6 steps, 3 units); T = 30 (7.5 rows an expert) still
+    decode's form; "auto" splits these small grids (a few dozen tiles on the SMs)."""
     monkeypatch.setattr(ws_fp4, "SPLIT_K", split)
-    calls = gemm_calls(ws_fp4, "gemm", record="split")
+    calls = gemm_calls(ws_fp4, "gemm", record="split", default=1)
     H, I = 512, 1536
     ckpt, kernel, x, ids, weights = make_case(quant, T, H, I, 8, 2, activation=activation,
                                               bias=bias, seed=31 + T, offset=2, num_global=12,
                                               invalid_ids=T > 1)
     run_and_check(quant, ckpt, kernel, x, ids, weights, activation=activation, offset=2)
-    assert calls[0] == 1 and (calls[1] > 1 if split != "auto" else len(calls) == 2), calls
+    assert len(calls) == 2 and calls[0] == 1 and calls[1] > 1, calls

@@ -27,12 +27,13 @@ TOL = 6e-3
 
 @pytest.mark.parametrize("gemm,activation,bias,consumers,partial", [
     (1, "swiglu", False, 2, False), (2, "none", True, 2, False),
-    (1, "swiglu_oai", True, 3, True), (2, "none", False, 3, True)])
+    (1, "swiglu_oai", True, 3, True), (2, "none", False, 3, True), (2, "none", True, 4, True)])
 def test_builds_for_sm90(gemm, activation, bias, consumers, partial):
     """The fp8 form builds for sm_90: f16 wgmmas with the register operand, the weights
     converted by cvt e4m3x2 -> f16x2, weights and activations in 2-d TMA boxes of 128 columns
-    (three consumers: 64-row boxes, one static branch for each count before N), no local
-    memory."""
+    (three consumers: 64-row boxes, one static branch for each count before N; two or four:
+    the tile's one box, loaded whole even for a partial last tile, whose expected bytes are
+    then still the box's), no local memory."""
     ptx = sm90_ptx("ws_fp4", f"gemm={gemm}, activation={activation!r}, has_bias={bias}, "
                              f"consumers={consumers}, quant='fp8', partial_n={partial}")
     assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16" in ptx
@@ -66,7 +67,7 @@ def test_act_quant_f16_holds_the_e4m3_values(split):
         act_quant(x, "fp8", out_dtype=torch.bfloat16)
 
 
-def test_bad_calls_are_refused():
+def test_bad_calls_are_refused(monkeypatch):
     w = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn)
     a = torch.zeros(32, 256, dtype=torch.float16)
 
@@ -75,6 +76,11 @@ def test_bad_calls_are_refused():
     with pytest.raises(ValueError, match="slots / pipeline"):
         ws_fp4.gemm(a, w, None, None, None, None, Dispatch, gemm=2, activation="none",
                     quant="fp8", slots=64, consumers=2)
+    with pytest.raises(ValueError, match="slots / pipeline"):
+        ws_fp4.gemm(a, w, None, None, None, None, Dispatch, gemm=2, activation="none",
+                    quant="fp8", pipeline=True, consumers=2)
+    # MOE_OPS_WS_FP4_PIPELINE=1 is the 4-bit decode's: fp8 stays serial (the next check fails)
+    monkeypatch.setattr(ws_fp4, "PIPELINE", True)
     with pytest.raises(ValueError, match="w: fp8 needs e4m3"):
         ws_fp4.gemm(a, w.view(torch.uint8), None, None, None, None, Dispatch, gemm=2,
                     activation="none", quant="fp8", consumers=2)
@@ -106,14 +112,16 @@ def test_off_by_default_and_off_hopper(monkeypatch, gemm_calls, poisoned_empty):
 @pytest.mark.parametrize("T,H,I,activation,bias,consumers", [
     (1, 512, 384, "swiglu", False, 2), (7, 512, 384, "geglu", True, 2),
     (40, 512, 384, "swiglu_oai", True, 2), (20, 768, 256, "relu2", False, 2),
-    (60, 512, 384, "swiglu", False, 3), (9, 1024, 640, "swiglu", True, 3)])
+    (60, 512, 384, "swiglu", False, 3), (9, 1024, 640, "swiglu", True, 3),
+    (5, 640, 384, "swiglu", True, 4)])
 def test_experts_on_the_fp8_form(T, H, I, activation, bias, consumers, monkeypatch, gemm_calls,
                                  poisoned_empty):
     """Decode-sized fp8 calls (up to 16 routed rows an expert; T = 1 taken off direct mode)
     run both GEMMs on the fp8 form: several K steps of 128 (H = 512: 4, I = 384: 3),
     expert-parallel ids, ids of no local expert, partial last tiles with three consumers
-    (GEMM1's N = 768 = 4 x 192, GEMM2's 512 = 2 x 192 + 128; 1280 = 6 x 192 + 128), against
-    the float64 oracle within TOL (tighter than fp8's 1.5e-2: the products are exact)."""
+    (GEMM1's N = 768 = 4 x 192, GEMM2's 512 = 2 x 192 + 128; 1280 = 6 x 192 + 128) and with
+    four (GEMM2's N = 640 = 2 x 256 + 128: its one box a tile loaded whole), against the
+    float64 oracle within TOL (tighter than fp8's 1.5e-2: the products are exact)."""
     monkeypatch.setattr(experts_mod, "WS_FP8_DECODE", True)
     monkeypatch.setattr(ws_fp4, "FP8_CONSUMERS", str(consumers))
     calls = gemm_calls(ws_fp4, "gemm", record="quant")
@@ -152,8 +160,8 @@ def test_fp8_form_with_split_gemm2(split, T, bias, monkeypatch, gemm_calls, pois
     parts summed by the combine, the bias once, against the float64 oracle."""
     monkeypatch.setattr(experts_mod, "WS_FP8_DECODE", True)
     monkeypatch.setattr(ws_fp4, "SPLIT_K", split)
-    calls = gemm_calls(ws_fp4, "gemm", record="split")
+    calls = gemm_calls(ws_fp4, "gemm", record="split", default=1)
     tensors, kwargs = make_problem(T, 512, 640, 8, 2, quant="fp8", bias=bias,
                                    local_expert_offset=2, num_global_experts=12, seed=23 + T)
     check_experts(tensors, kwargs, TOL)
-    assert calls[0] == 1 and (calls[1] > 1 if split != "auto" else len(calls) == 2), calls
+    assert len(calls) == 2 and calls[0] == 1 and calls[1] > 1, calls

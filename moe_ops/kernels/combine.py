@@ -44,7 +44,7 @@ def _combine_pair_rows_kernel(
         local = tl.load(topk_ids_ptr + pair) - local_expert_offset
         valid = (local >= 0) & (local < num_experts)
         for p in tl.static_range(SPLITS):
-            row = tl.load(pair_out_ptr + p * stride_split + pair * stride_pm + offs_h,
+            row = tl.load(pair_out_ptr + p * stride_split.to(tl.int64) + pair * stride_pm + offs_h,
                           mask=h_ok & valid, other=0.0)
             acc += row.to(tl.float32)
     tl.store(out_ptr + token * stride_om + offs_h,

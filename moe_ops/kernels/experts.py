@@ -187,8 +187,8 @@ WS_FP4_WIDE_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 64)
 # quantize into waves (3.4 tiles an SM run as 4), a few experts' GEMM2 leaves SMs idle (Mixtral
 # T = 1: 64 tiles for 132 SMs, 41.5 against 31.4 us) and past 16 rows an expert the 16-slot
 # blocks read an expert's weights once a block (Mixtral T = 64). So off (MOE_OPS_WS_FP8_DECODE=1
-# turns it on); what it lacks is a split of K over the combine's pair rows (which would serve
-# the 4-bit forms' small grids too) and a 32- or 64-slot block past 16 rows.
+# turns it on); GEMM2's split of K over the combine's pair rows (ws_fp4.SPLIT_K, written after
+# these runs) addresses its small grids, a 32- or 64-slot block past 16 rows is still missing.
 WS_FP8_DECODE = ws_gemm.env_choice("MOE_OPS_WS_FP8_DECODE", "0", ("0", "1")) == "1"
 WS_FP8_DECODE_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP8_DECODE_MAX_ROWS", 16)
 ALIGN_GATHER_MAX_PAIRS = min(ws_gemm.env_int("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", 128),
@@ -459,8 +459,9 @@ def triton_experts(
         gemm2(a2, a2_scale, w2, w2_scale, b2, out32, routing, config2, quant=quant,
               atomic_out=True, interpret_upcast=upcast, w2_global_scale=w2_global_scale)
         return out32 if x.dtype == torch.float32 else out32.to(x.dtype)
-    # (a split GEMM2: split2 parts of every pair row, summed by the combine)
-    pair_out = torch.empty((split2 * routing.num_pairs, H), dtype=x.dtype, device=x.device)
+    # (a split GEMM2: split2 parts of every pair row, fp32 so that only the combine rounds)
+    pair_out = torch.empty((split2 * routing.num_pairs, H),
+                           dtype=torch.float32 if split2 > 1 else x.dtype, device=x.device)
     if fp8_ws:
         ws_fp4.gemm(a2, w2, w2_scale, None, b2, pair_out, routing, gemm=2, activation="none",
                     quant=quant, a_scale=a2_scale, consumers=fp8_consumers2, split=split2)

@@ -48,8 +48,9 @@ column of the MMA, its results dropped), bf16; weights [E, N, Kp/2] kernel-order
 with e4m3 scales [E, N, Kp/16] (nvfp4) or e8m0 scales [E, N, Kp/32] at most 128 (mxfp4, Kp a
 multiple of 512), and the layout's scale per row [E, N] (nvfp4's global scale, mxfp4's fold);
 bias [E, N] or None. GEMM1 writes act(.) into
-intermediate[slot] (gate/up rows interleaved), GEMM2 writes topk_weight * (.) into out[pair];
-padding slots are never written.
+intermediate[slot] (gate/up rows interleaved), GEMM2 writes topk_weight * (.) into out[pair]
+(split into parts of K, SPLIT_K: part p's partial rows into out[p * num_pairs + pair], the bias
+with part 0's, summed by combine_pair_rows); padding slots are never written.
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ STAGES = {BLOCK_M: 4, PREFILL_SLOTS: 3, WIDE_SLOTS: 2}     # ring slots by the f
 # 16 KB of weights a 128-row tile and 4 KB of activations.
 FP8_BLOCK_K = 128
 FP8_STAGES = {2: 8, 3: 5, 4: 5}
-FP8_CONSUMERS = env_choice("MOE_OPS_WS_FP8_DECODE_CONSUMERS", "2", ("2", "3", "4"))
+FP8_CONSUMERS = env_choice("MOE_OPS_WS_FP8_DECODE_CONSUMERS", "auto", ("auto", "2", "3", "4"))
 # consumer warpgroups -> registers a worker consumer thread, a producer thread, the launch's
 # maxnreg (the default partition, consumer 0, gets what is left). The launch holds maxnreg a
 # thread for all its warps, the producer's padded to a warpgroup: 12 warps x 168 = 64512 and
@@ -143,12 +144,12 @@ FOUR_CONSUMERS_MIN_PAIRS = {"nvfp4": 128}
 # fp32: few experts' GEMM2 is a wave of tiles or less (gpt-oss-120b T = 1: 92 tiles of 128 rows
 # or 60 of 192 on 132 SMs; the fp8 form's Mixtral T = 1: 64), and a tile's time is its K
 # steps. "auto" picks the consumers and SPLIT (1-4) that give an SM the fewest weight rows x K
-# steps (split_for: gpt-oss T = 1's GEMM2 three consumers, two parts: 96 row-steps a K step's
-# worth against 128); 2 / 3 / 4 force a count where the steps allow it. Written without a GPU:
+# steps (split_for: gpt-oss T = 1's GEMM2 three consumers, two parts); 2 / 3 / 4 force a count
+# where the steps allow it. The parts' rows are fp32 (one rounding, in the combine). Written without a GPU:
 # off ("0") until measured (bash benchmarks/h200_run.sh splitk).
 SPLIT_K = env_choice("MOE_OPS_WS_FP4_SPLIT_K", "0", ("0", "auto", "2", "3", "4"))
 SPLITS = (1, 2, 3, 4)
-SPLIT_ITEM_UNITS = 1
+SPLIT_ITEM_STEPS = 1
 # A consumer's decode of K step k + 1 while its wgmma of step k runs (a second register operand)
 # instead of decode, MMA, wait in turn. Measured on an H200 (results/h200_ab_fp4_rows_16_*.json,
 # h200_gluon_fp4_decode_pipelined.json, 2026-12-01): DeepSeek-V3 nvfp4 decode T = 16-512 6-7%
@@ -317,8 +318,16 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
             for kb in range(kb0, kb1):
                 mbarrier.wait(empty.index(index), phase)
                 bar = ready.index(index)
-                if FMT == 2:
-                    # fp8: the weights' [rows, 128] boxes only (no block scales)
+                if FMT == 2 and BOXES == 1:
+                    # fp8: the weights' [rows, 128] box only (no block scales), whole (a
+                    # partial last tile's rows past N belong to the next expert or lie past
+                    # the end, where TMA fills zeros and still counts the box's bytes; their
+                    # consumers never read them)
+                    mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(w_desc, [row0, kb * STEP], bar,
+                                                    w_bufs.index(index))
+                elif FMT == 2:
+                    # (several boxes a tile: those of rows before N only, as below)
                     for live in gl.static_range(1, BOXES + 1):
                         if boxes_live == live:
                             mbarrier.expect(bar, live * w_desc.block_type.nbytes
@@ -811,7 +820,7 @@ def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0,
     if slots != BLOCK_M:
         return 2
     if quant == "fp8":
-        return int(FP8_CONSUMERS)
+        return 2 if FP8_CONSUMERS == "auto" else int(FP8_CONSUMERS)
     if CONSUMERS != "auto":
         forced = str(CONSUMERS).split(",")   # (a count, or one a GEMM)
         return int(forced[min(len(forced), gemm or 1) - 1])
@@ -858,24 +867,29 @@ def k_units(quant: str, k: int) -> int:
 def split_for(quant: str, num_pairs: int, n: int, k: int, experts: int, programs: int,
               consumers: int) -> tuple:
     """(consumers, SPLIT) of a decode GEMM2 launch by SPLIT_K: "0" the given consumers and no
-    split; a count: that split where the K units allow it; "auto": among 2 or 3 consumers
-    (4 for nvfp4 where its rule gives 4) and splits 1-4, the fewest weight rows x K units an
-    SM runs through (tiles of at most min(experts, num_pairs) experts in waves over
-    `programs` SMs), each work item charged SPLIT_ITEM_UNITS more for its start and epilogue,
-    ties to the given consumers, then the smaller split."""
+    split; a count: that split where the K units allow it; "auto": among splits 1-4 and, where
+    the consumer count is not forced (MOE_OPS_WS_FP4_CONSUMERS / _FP8_DECODE_CONSUMERS "auto"),
+    2 or 3 consumers beside the given ones (those whose tiles N allows: PARTIAL_N_OK or whole
+    tiles), the fewest weight rows x K steps an SM runs through (tiles of at most
+    min(experts, num_pairs) experts in waves over `programs` SMs), each work item charged
+    SPLIT_ITEM_STEPS more for its start and epilogue; ties to the given consumers, then the
+    smaller split."""
     units = k_units(quant, k)
     if SPLIT_K == "0" or units < 2:
         return consumers, 1
     if SPLIT_K != "auto":
         return consumers, min(int(SPLIT_K), units)
     active = min(experts, num_pairs)
+    unit_steps = 2 if quant == "mxfp4" else 1
+    vary = (FP8_CONSUMERS if quant == "fp8" else CONSUMERS) == "auto"
+    counts = {consumers} | ({c for c in (2, 3) if PARTIAL_N_OK or n % block_n(c) == 0}
+                            if vary else set())
 
     def cost(c, split):
         tiles = active * -(-n // block_n(c))
         return (-(-(tiles * split) // programs) * block_n(c)
-                * (-(-units // split) + SPLIT_ITEM_UNITS))
-    choices = [(c, split) for c in sorted({consumers, 2, 3}) for split in SPLITS
-               if split <= units]
+                * (-(-units // split) * unit_steps + SPLIT_ITEM_STEPS))
+    choices = [(c, split) for c in sorted(counts) for split in SPLITS if split <= units]
     return min(choices, key=lambda cs: (cost(*cs), cs[0] != consumers, cs[1]))
 
 
@@ -945,9 +959,12 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     if slots == WIDE_SLOTS and pipeline:
         raise ValueError(f"pipeline: the {slots}-slot form has serial consumers only")
     fp8 = quant == "fp8"
-    if fp8 and (slots != BLOCK_M or pipeline):
+    # (fp8: serial consumers whatever PIPELINE says)
+    pipelined = ((False if fp8 else default_pipeline(slots)) if pipeline is None
+                 else pipeline)
+    if fp8 and (slots != BLOCK_M or pipelined):
         raise ValueError(f"slots / pipeline: fp8 runs decode's {BLOCK_M}-slot form with serial "
-                         f"consumers, got slots={slots}, pipeline={pipeline}")
+                         f"consumers, got slots={slots}, pipeline={pipelined}")
     if consumers is None:
         if programs is None:
             programs = device_properties(a.device).multi_processor_count
@@ -960,7 +977,6 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         raise ValueError(f"consumers: the {slots}-slot form runs 2, got {consumers}")
     bn = block_n(consumers)
     consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
-    pipelined = default_pipeline(slots) if pipeline is None else pipeline
     early = EARLY_EPILOGUE if early is None else early
     if split not in SPLITS:
         raise ValueError(f"split: one of {SPLITS}, got {split}")
@@ -1001,7 +1017,9 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
                              f"{None if w_global_scale is None else tuple(w_global_scale.shape)}")
         row_scale = w_global_scale
     if split > 1 and k_units(quant, kp) < split:
-        raise ValueError(f"split: {split} parts of {k_units(quant, kp)} K units")
+        raise ValueError(f"split: {split} parts, more than the {k_units(quant, kp)} units of K "
+                         f"steps a part takes whole ({'pairs of ' if quant == 'mxfp4' else ''}"
+                         f"{FP8_BLOCK_K if fp8 else BLOCK_K}-column steps)")
     if split > 1 and out.shape[0] < split * routing.num_pairs:
         raise ValueError(f"out: {split} parts need {split} x {routing.num_pairs} pair rows, got "
                          f"{out.shape[0]}")
@@ -1075,7 +1093,8 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
                   PRODUCER_REGS=producer_regs,
-                  PIPELINE=int(default_pipeline(slots) if pipeline is None else pipeline),
+                  PIPELINE=int(((quant != "fp8") and default_pipeline(slots)) if pipeline is None
+                               else pipeline),
                   FMT=FMT[quant], PARTIAL_N=int(partial_n),
                   EARLY=int(EARLY_EPILOGUE if early is None else early),
                   HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
