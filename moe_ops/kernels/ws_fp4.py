@@ -104,6 +104,7 @@ STAGES = {BLOCK_M: 4, PREFILL_SLOTS: 3, WIDE_SLOTS: 2}     # ring slots by the f
 # 16 KB of weights a 128-row tile and 4 KB of activations.
 FP8_BLOCK_K = 128
 FP8_STAGES = {2: 8, 3: 5, 4: 5}
+# (consumers: "auto" two, 128-row tiles, or what split_for picks for a split GEMM2)
 FP8_CONSUMERS = env_choice("MOE_OPS_WS_FP8_DECODE_CONSUMERS", "auto", ("auto", "2", "3", "4"))
 # consumer warpgroups -> registers a worker consumer thread, a producer thread, the launch's
 # maxnreg (the default partition, consumer 0, gets what is left). The launch holds maxnreg a
