@@ -40,8 +40,9 @@ endif
 run: setup
 	$(PY) benchmarks/run_layer.py
 
+# (--durations: the slowest tests listed last, to keep CI's run within its 15 minutes)
 test: setup
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
