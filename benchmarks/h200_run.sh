@@ -110,6 +110,20 @@ mkdir -p "$out"
 out="$(cd "$out" && pwd)"   # absolute: the A/B modes run from another tree
 what="${1:-all}"
 status=0
+# layer_arm NAME DEADLINE ROWS [VAR=value ...] -- BENCH_ARGS...: one arm of an A/B on this tree,
+# our layer alone (graph replays and eager, no baseline) with the given environment, into
+# $out/NAME.json / .log; its table's first ROWS rows printed
+layer_arm() {
+  local name=$1 deadline=$2 rows=$3 vars=()
+  shift 3
+  while [[ $# -gt 0 && $1 != -- ]]; do vars+=("$1"); shift; done
+  shift
+  env "${vars[@]}" timeout $((deadline + 10)) python3 benchmarks/bench.py --no-baseline \
+    --no-bf16-peer --no-plot --peers torch --deadline-s "$deadline" --listed-only "$@" \
+    --out "$out/$name.json" > "$out/$name.log" 2>&1 || status=1
+  echo "$name ${vars[*]}"; grep -A"$rows" '^ *model' "$out/$name.log" | cut -c1-100
+}
+FP4_DECODE=(--models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4)
 if [[ "$what" == check || "$what" == all ]]; then
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   python3 benchmarks/gpu_check.py --json "$out/gpu_check.json" > "$out/gpu_check.log" 2>&1 || status=1
@@ -275,26 +289,15 @@ if [[ "$what" == ab4h ]]; then
   timeout 200 python3 -m pytest -v -p no:cacheprovider tests/test_ws_fp4.py -k "half" \
     > "$out/pytest_ws_fp4_half.log" 2>&1 || status=1
   echo "ws_fp4 tests -k half"; tail -n 1 "$out/pytest_ws_fp4_half.log"
-  # fp4_arm NAME DEADLINE TOKENS VAR=value...: DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 with
-  # the given environment, its table printed
-  fp4_arm() {
-    local name=$1 deadline=$2 tokens=$3
-    shift 3
-    env "$@" timeout $((deadline + 15)) python3 benchmarks/bench.py --no-baseline \
-      --no-bf16-peer --no-plot --peers torch --deadline-s "$deadline" --models deepseek_v3 \
-      gpt_oss_120b --quant nvfp4 mxfp4 --listed-only --tokens $tokens \
-      --out "$out/$name.json" > "$out/$name.log" 2>&1 || status=1
-    echo "$*"; grep -A9 '^ *model' "$out/$name.log" | cut -c1-100
-  }
   for arm in 128:0 128:1 64:1; do
-    fp4_arm "ab_half_${arm/:/_}" 45 "2048 4096 8192 16384" \
-      MOE_OPS_WS_FP4_WIDE_MIN_ROWS=${arm%:*} MOE_OPS_WS_FP4_HALF_BLOCKS=${arm#*:}
+    layer_arm "ab_half_${arm/:/_}" 45 9 MOE_OPS_WS_FP4_WIDE_MIN_ROWS=${arm%:*} \
+      MOE_OPS_WS_FP4_HALF_BLOCKS=${arm#*:} -- "${FP4_DECODE[@]}" --tokens 2048 4096 8192 16384
   done
   # where decode's 16-slot form hands over to the 64-slot one (between 16 and 32 rows an
   # expert the Triton kernels run by default)
   for arm in 16:32 16:16 8:8 4:4; do
-    fp4_arm "ab_fp4_handover_${arm/:/_}" 40 "128 256 512 768" \
-      MOE_OPS_WS_FP4_MAX_ROWS=${arm%:*} MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=${arm#*:}
+    layer_arm "ab_fp4_handover_${arm/:/_}" 40 9 MOE_OPS_WS_FP4_MAX_ROWS=${arm%:*} \
+      MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=${arm#*:} -- "${FP4_DECODE[@]}" --tokens 128 256 512 768
   done
 fi
 if [[ "$what" == ncu4 ]]; then
@@ -462,12 +465,8 @@ if [[ "$what" == c4ab ]]; then
   for arm in 2,2:a 3,3:a 3,2:a 2,3:a 2,3:b 3,2:b 3,3:b 2,2:b; do
     consumers=${arm%%:*}
     [[ ${arm##*:} == b && $((SECONDS - start)) -gt 290 ]] && break
-    name="ab_consumers_${consumers/,/_}_${arm##*:}"
-    MOE_OPS_WS_FP4_CONSUMERS=$consumers timeout 70 python3 benchmarks/bench.py --no-baseline \
-      --no-bf16-peer --no-plot --peers torch --deadline-s 60 --models deepseek_v3 gpt_oss_120b \
-      --quant nvfp4 mxfp4 --listed-only --tokens 1 4 16 64 --out "$out/$name.json" \
-      > "$out/$name.log" 2>&1 || status=1
-    echo "$name"; grep -A9 '^ *model' "$out/$name.log" | cut -c1-52
+    layer_arm "ab_consumers_${consumers/,/_}_${arm##*:}" 60 9 \
+      MOE_OPS_WS_FP4_CONSUMERS=$consumers -- "${FP4_DECODE[@]}" --tokens 1 4 16 64
   done
 fi
 if [[ "$what" == ncu4l ]]; then
@@ -488,12 +487,8 @@ fi
 if [[ "$what" == c4x ]]; then
   for arm in auto:a 4:a 4,3:a 3,4:a 4:b auto:b; do
     consumers=${arm%%:*}
-    name="ab_consumers4_${consumers/,/_}_${arm##*:}"
-    MOE_OPS_WS_FP4_CONSUMERS=$consumers timeout 70 python3 benchmarks/bench.py --no-baseline \
-      --no-bf16-peer --no-plot --peers torch --deadline-s 60 --models deepseek_v3 gpt_oss_120b \
-      --quant nvfp4 mxfp4 --listed-only --tokens 1 4 16 64 --out "$out/$name.json" \
-      > "$out/$name.log" 2>&1 || status=1
-    echo "$name"; grep -A9 '^ *model' "$out/$name.log" | cut -c1-52
+    layer_arm "ab_consumers4_${consumers/,/_}_${arm##*:}" 60 9 \
+      MOE_OPS_WS_FP4_CONSUMERS=$consumers -- "${FP4_DECODE[@]}" --tokens 1 4 16 64
   done
   timeout 100 python3 benchmarks/profile_layer.py --models mixtral_8x7b qwen3_30b_a3b \
     deepseek_v3 llama4_scout --quant none fp8 fp8_block --tokens 1 16 64 4096 16384 \
@@ -509,11 +504,8 @@ if [[ "$what" == fp8d ]]; then
   echo "fp8 decode form tests"; tail -n 3 "$out/pytest_fp8d.log" | cut -c1-300
   for arm in 1:a 0:a 0:b 1:b; do
     name="ab_fp8_decode_${arm%%:*}_${arm##*:}"
-    MOE_OPS_WS_FP8_DECODE=${arm%%:*} timeout 60 python3 benchmarks/bench.py --no-baseline \
-      --no-bf16-peer --no-plot --peers torch --deadline-s 50 \
-      --models mixtral_8x7b qwen3_30b_a3b llama4_scout --quant fp8 --listed-only \
-      --tokens 1 4 16 64 --out "$out/$name.json" > "$out/$name.log" 2>&1 || status=1
-    echo "$name"; grep -A13 '^ *model' "$out/$name.log" | cut -c1-60
+    layer_arm "$name" 50 13 MOE_OPS_WS_FP8_DECODE=${arm%%:*} -- \
+      --models mixtral_8x7b qwen3_30b_a3b llama4_scout --quant fp8 --tokens 1 4 16 64
     grep -i "fail\|error" "$out/$name.log" | head -n 3
   done
   MOE_OPS_WS_FP8_DECODE=1 timeout 60 python3 benchmarks/profile_layer.py --models \
@@ -527,20 +519,13 @@ if [[ "$what" == splitk ]]; then
     > "$out/pytest_splitk.log" 2>&1 || status=1
   echo "split-K tests"; tail -n 3 "$out/pytest_splitk.log" | cut -c1-300
   for arm in 0:a auto:a auto:b 0:b; do
-    name="ab_splitk_${arm%%:*}_${arm##*:}"
-    MOE_OPS_WS_FP4_SPLIT_K=${arm%%:*} timeout 45 python3 benchmarks/bench.py --no-baseline \
-      --no-bf16-peer --no-plot --peers torch --deadline-s 35 --models deepseek_v3 gpt_oss_120b \
-      --quant nvfp4 mxfp4 --listed-only --tokens 1 4 --out "$out/$name.json" \
-      > "$out/$name.log" 2>&1 || status=1
-    echo "$name"; grep -A5 '^ *model' "$out/$name.log" | cut -c1-52
+    layer_arm "ab_splitk_${arm%%:*}_${arm##*:}" 35 5 MOE_OPS_WS_FP4_SPLIT_K=${arm%%:*} -- \
+      "${FP4_DECODE[@]}" --tokens 1 4
   done
   for arm in 0:a auto:a; do
-    name="ab_splitk_fp8_${arm%%:*}_${arm##*:}"
-    MOE_OPS_WS_FP8_DECODE=1 MOE_OPS_WS_FP4_SPLIT_K=${arm%%:*} timeout 45 python3 \
-      benchmarks/bench.py --no-baseline --no-bf16-peer --no-plot --peers torch --deadline-s 35 \
-      --models mixtral_8x7b llama4_scout --quant fp8 --listed-only --tokens 1 4 \
-      --out "$out/$name.json" > "$out/$name.log" 2>&1 || status=1
-    echo "$name"; grep -A5 '^ *model' "$out/$name.log" | cut -c1-52
+    layer_arm "ab_splitk_fp8_${arm%%:*}_${arm##*:}" 35 5 MOE_OPS_WS_FP8_DECODE=1 \
+      MOE_OPS_WS_FP4_SPLIT_K=${arm%%:*} -- --models mixtral_8x7b llama4_scout --quant fp8 \
+      --tokens 1 4
   done
 fi
 if [[ "$what" == tune4 ]]; then

@@ -336,15 +336,6 @@ def triton_experts(
     fp4_consumers = ((ws_fp4.consumers_for(fp4_slots, quant, T * top_k, 1, w13.shape[1], E, sms),
                       ws_fp4.consumers_for(fp4_slots, quant, T * top_k, 2, H, E, sms))
                      if fp4_ws else (None, None))
-    # GEMM2's K split over the combine's pair rows (ws_fp4.SPLIT_K): decode's form, serial
-    # consumers, the early epilogue
-    split_ok = (ws_fp4.SPLIT_K != "0" and x.is_cuda and not ws_fp4.PIPELINE
-                and ws_fp4.EARLY_EPILOGUE)
-    split2 = 1
-    if fp4_ws and split_ok and fp4_slots == ws_fp4.BLOCK_M:
-        consumers2, split2 = ws_fp4.split_for(quant, T * top_k, H, w2.shape[-1] * 2, E, sms,
-                                              fp4_consumers[1])
-        fp4_consumers = (fp4_consumers[0], consumers2)
     ws_fp4_1 = fp4_ws and ws_fp4.applies(quant, activation, w13.shape[1], x, w13, w13_scale,
                                          fp4_slots, consumers=fp4_consumers[0])
     # (GEMM2 reads the intermediate's rows of I values)
@@ -356,15 +347,17 @@ def triton_experts(
               and gemm1_config is None and gemm2_config is None
               and ws_fp4.applies("fp8", activation, w13.shape[1], x, w13, w13_scale)
               and ws_fp4.applies("fp8", "none", H, x, w2, w2_scale, k=I))
-    fp8_consumers2 = None
-    if fp8_ws:
-        fp8_consumers2 = ws_fp4.consumers_for(ws_fp4.BLOCK_M, "fp8")
-        if split_ok:
-            fp8_consumers2, split2 = ws_fp4.split_for(
-                quant, T * top_k, H, I, E, device_properties(x.device).multi_processor_count,
-                fp8_consumers2)
-    if not (ws_fp4_2 or fp8_ws):
-        split2 = 1
+    # GEMM2 on ws_fp4's decode form (4-bit or fp8): its consumers, and its K split over the
+    # combine's pair rows (ws_fp4.SPLIT_K; serial consumers and the early epilogue only)
+    consumers2 = (fp4_consumers[1] if ws_fp4_2
+                  else ws_fp4.consumers_for(ws_fp4.BLOCK_M, "fp8") if fp8_ws else None)
+    split2 = 1
+    if ((ws_fp4_2 and fp4_slots == ws_fp4.BLOCK_M) or fp8_ws) and ws_fp4.SPLIT_K != "0" \
+            and not ws_fp4.PIPELINE and ws_fp4.EARLY_EPILOGUE:
+        kp2 = w2.shape[-1] * (1 if fp8_ws else 2)       # (4-bit: packed bytes)
+        consumers2, split2 = ws_fp4.split_for(
+            quant, T * top_k, H, kp2, E, device_properties(x.device).multi_processor_count,
+            consumers2)
     if ws_fp4_1 or ws_fp4_2 or fp8_ws:
         direct = False
     tile1 = ws_tile(quant, T * top_k, E, direct or fp8_ws, activation, b13 is not None,
@@ -464,11 +457,11 @@ def triton_experts(
                            dtype=torch.float32 if split2 > 1 else x.dtype, device=x.device)
     if fp8_ws:
         ws_fp4.gemm(a2, w2, w2_scale, None, b2, pair_out, routing, gemm=2, activation="none",
-                    quant=quant, a_scale=a2_scale, consumers=fp8_consumers2, split=split2)
+                    quant=quant, a_scale=a2_scale, consumers=consumers2, split=split2)
     elif ws_fp4_2:
         ws_fp4.gemm(a2, w2, w2_scale, w2_global_scale, b2, pair_out, routing, gemm=2,
                     activation="none", quant=quant, slots=fp4_slots,
-                    consumers=fp4_consumers[1], split=split2)
+                    consumers=consumers2, split=split2)
     elif ws2:
         ws_gemm.gemm(a2, a2_scale, w2, w2_scale, b2, pair_out, routing, gemm=2,
                      activation="none", tile=tile2, quant=quant)

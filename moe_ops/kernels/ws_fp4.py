@@ -285,6 +285,22 @@ def split_range(item, k_steps, SPLIT: gl.constexpr, FMT: gl.constexpr):
 
 
 @gluon.jit
+def _load_rows(w_desc, s_desc, row, kb, bar, w_buf, s_buf, FMT: gl.constexpr):
+    """One TMA box of weight rows (from `row`) of K step kb into w_buf, and for the 4-bit
+    formats their block scales into s_buf; completion counted on `bar`."""
+    if FMT == 2:
+        # fp8: [rows, 128] e4m3 bytes, no block scales
+        tma.async_copy_global_to_shared(w_desc, [row, kb * w_desc.block_type.shape[1]], bar,
+                                        w_buf)
+    else:
+        tma.async_copy_global_to_shared(w_desc, [row, 0, kb * 32], bar, w_buf)
+        # 16 scale bytes a row: a step's (nvfp4), two steps' (mxfp4: 8 a step; a TMA box is 16
+        # bytes or more and its innermost coordinate 16-byte aligned, so steps 2j and 2j + 1
+        # both load those of both, each consumer reading its half)
+        tma.async_copy_global_to_shared(s_desc, [row, (kb >> FMT) * 16], bar, s_buf)
+
+
+@gluon.jit
 def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, FMT: gl.constexpr,
               PARTIAL_N: gl.constexpr, TILE_N: gl.constexpr, SPLIT: gl.constexpr):
@@ -300,6 +316,9 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     BOX: gl.constexpr = w_desc.block_type.shape[0]
     BOXES: gl.constexpr = BN // BOX
     STEP: gl.constexpr = x_desc.block_type.shape[1]     # K columns a step (fp8 128, 4-bit 256)
+    # a box's bytes: its weight rows and (4-bit) their block scales
+    BOX_BYTES: gl.constexpr = (w_desc.block_type.nbytes if FMT == 2
+                               else w_desc.block_type.nbytes + s_desc.block_type.nbytes)
     num_m = gl.load(num_padded_ptr) // BM
     num_n = N // BN
     if PARTIAL_N:
@@ -319,51 +338,24 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
             for kb in range(kb0, kb1):
                 mbarrier.wait(empty.index(index), phase)
                 bar = ready.index(index)
-                if FMT == 2 and BOXES == 1:
-                    # fp8: the weights' [rows, 128] box only (no block scales), whole (a
-                    # partial last tile's rows past N belong to the next expert or lie past
-                    # the end, where TMA fills zeros and still counts the box's bytes; their
-                    # consumers never read them)
-                    mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(w_desc, [row0, kb * STEP], bar,
-                                                    w_bufs.index(index))
-                elif FMT == 2:
-                    # (several boxes a tile: those of rows before N only, as below)
-                    for live in gl.static_range(1, BOXES + 1):
-                        if boxes_live == live:
-                            mbarrier.expect(bar, live * w_desc.block_type.nbytes
-                                            + x_desc.block_type.nbytes)
-                            for b in gl.static_range(live):
-                                tma.async_copy_global_to_shared(
-                                    w_desc, [row0 + b * BOX, kb * STEP], bar,
-                                    w_bufs.index(index).slice(b * BOX, BOX, dim=0))
-                elif BOXES == 1:
-                    mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes
-                                    + x_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(w_desc, [row0, 0, kb * 32], bar,
-                                                    w_bufs.index(index))
-                    # 16 scale bytes a row: a step's (nvfp4), two steps' (mxfp4: 8 a step; a
-                    # TMA box is 16 bytes or more and its innermost coordinate 16-byte
-                    # aligned, so steps 2j and 2j + 1 both load those of both, each consumer
-                    # reading its half)
-                    tma.async_copy_global_to_shared(s_desc, [row0, (kb >> FMT) * 16], bar,
-                                                    s_bufs.index(index))
+                if BOXES == 1:
+                    # the tile's one box, whole (a partial last tile's rows past N belong to
+                    # the next expert, or lie past the end, where TMA fills zeros and still
+                    # counts the box's bytes; their consumers never read them)
+                    mbarrier.expect(bar, BOX_BYTES + x_desc.block_type.nbytes)
+                    _load_rows(w_desc, s_desc, row0, kb, bar, w_bufs.index(index),
+                               s_bufs.index(index), FMT)
                 else:
                     # the boxes of rows before N only (a partial last tile's others belong to
                     # the next expert, or lie past the end; their consumers never read them):
                     # one static branch a count, the expected bytes a compile-time constant
                     for live in gl.static_range(1, BOXES + 1):
                         if boxes_live == live:
-                            mbarrier.expect(bar, live * (w_desc.block_type.nbytes
-                                                         + s_desc.block_type.nbytes)
-                                            + x_desc.block_type.nbytes)
+                            mbarrier.expect(bar, live * BOX_BYTES + x_desc.block_type.nbytes)
                             for b in gl.static_range(live):
-                                tma.async_copy_global_to_shared(
-                                    w_desc, [row0 + b * BOX, 0, kb * 32], bar,
-                                    w_bufs.index(index).slice(b * BOX, BOX, dim=0))
-                                tma.async_copy_global_to_shared(
-                                    s_desc, [row0 + b * BOX, (kb >> FMT) * 16], bar,
-                                    s_bufs.index(index).slice(b * BOX, BOX, dim=0))
+                                _load_rows(w_desc, s_desc, row0 + b * BOX, kb, bar,
+                                           w_bufs.index(index).slice(b * BOX, BOX, dim=0),
+                                           s_bufs.index(index).slice(b * BOX, BOX, dim=0), FMT)
                 tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kb * STEP], bar,
                                                 x_bufs.index(index))
                 index, phase = ring_next(index, phase, STAGES)
@@ -904,33 +896,28 @@ def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tenso
             w_scale: torch.Tensor, slots: int = BLOCK_M, k: Optional[int] = None,
             consumers: Optional[int] = None) -> bool:
     """Whether this kernel can run a launch (what gemm() would otherwise refuse, or TMA
-    fault on): nvfp4 or mxfp4 weights with bf16 activations on a Hopper GPU, whole tiles of N
-    (with PARTIAL_N_OK a multiple of 64: the last tile's consumers past N idle),
-    packed rows of whole 256-column steps, weights and scales contiguous and 16-byte aligned
+    fault on): bf16 activations on a Hopper GPU, whole tiles of N (with PARTIAL_N_OK a multiple
+    of 64: the last tile's consumers past N idle), weights and scales contiguous and 16-byte
+    aligned, the activation rows (`k` values each, a's by default: GEMM2 reads the
+    intermediate's I) 16-byte aligned; nvfp4 / mxfp4: packed rows of whole 256-column steps
     (TMA over [E * N, 4, Kp/8] and the scales' [E * N, Kp/16 or Kp/32], whose rows must be whole
-    16 bytes: mxfp4 needs Kp a multiple of 512); the activation rows (`k` values each, a's
-    by default: GEMM2 reads the intermediate's I) 16-byte aligned."""
+    16 bytes: mxfp4 needs Kp a multiple of 512); fp8: decode's form, e4m3 weights of whole
+    128-column steps with the layout's per-row scale [E, N] (the activations are quantized to
+    f16 e4m3 values on the way)."""
     k = a.shape[1] if k is None else k
+    common = (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
+              and a.dtype == torch.bfloat16
+              and n % (ROWS if PARTIAL_N_OK
+                       else block_n(consumers or consumers_for(slots, quant))) == 0
+              and w.is_contiguous() and w.data_ptr() % 16 == 0
+              and w_scale.is_contiguous() and w_scale.data_ptr() % 16 == 0
+              and (k * 2) % 16 == 0)
     if quant == "fp8":
-        # (decode's form; the activations arrive bf16 and are quantized to f16 e4m3 values)
         K = w.shape[-1]
-        return (slots == BLOCK_M and activation in ACTIVATIONS and available(a.device)
-                and a.dtype == torch.bfloat16 and w.dtype == torch.float8_e4m3fn
-                and n % ROWS == 0 and (PARTIAL_N_OK or n % block_n(
-                    consumers or consumers_for(slots, quant)) == 0)
-                and K > 0 and K % FP8_BLOCK_K == 0
-                and w.is_contiguous() and w.data_ptr() % 16 == 0
-                and w_scale.is_contiguous() and w_scale.shape == w.shape[:2]
-                and (k * 2) % 16 == 0)
+        return (common and slots == BLOCK_M and w.dtype == torch.float8_e4m3fn
+                and K > 0 and K % FP8_BLOCK_K == 0 and w_scale.shape == w.shape[:2])
     kp = w.shape[-1] * 2
-    return (quant in QUANTS and activation in ACTIVATIONS and available(a.device)
-            and a.dtype == torch.bfloat16
-            and n % (ROWS if PARTIAL_N_OK
-                     else block_n(consumers or consumers_for(slots, quant))) == 0
-            and kp > 0 and kp % BLOCK_K == 0 and (kp // GROUP[quant]) % 16 == 0
-            and w.is_contiguous() and w.data_ptr() % 16 == 0
-            and w_scale.is_contiguous() and w_scale.data_ptr() % 16 == 0
-            and (k * 2) % 16 == 0)
+    return (common and kp > 0 and kp % BLOCK_K == 0 and (kp // GROUP[quant]) % 16 == 0)
 
 
 def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activation: str,
