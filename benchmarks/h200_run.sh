@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -99,6 +99,13 @@
 # gpt-oss-120b mxfp4 at T = 1 / 4 with MOE_OPS_WS_FP4_SPLIT_K 0 and auto alternated (two
 # passes), and the fp8 form (MOE_OPS_WS_FP8_DECODE=1) on Mixtral / Llama 4 fp8 at T = 1 / 4 with
 # 0 and auto; about 6 minutes.
+# tail4: the last K step's padding skipped (ws_fp4.TAIL, written without a GPU): its GPU tests
+# (bit for bit the whole step's result on each form; gpt-oss-120b's shape against the oracle),
+# then gpt-oss-120b mxfp4 (K = 2880: 64 real columns in the layout's last step) at T = 1-64,
+# 4096 and 16384 with MOE_OPS_WS_FP4_TAIL 0 and 1 alternated (two passes); about 6 minutes.
+# tailc: TAIL's rule (on for launches of two consumers) against off on gpt-oss-120b as in tail4
+# (two alternated passes), then the 4-bit correctness set on it: ws_fp4's mxfp4 / tail / prefill
+# GPU tests, gpu_check's 4-bit cases, compute-sanitizer; about 9 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
@@ -527,6 +534,33 @@ if [[ "$what" == splitk ]]; then
       MOE_OPS_WS_FP4_SPLIT_K=${arm%%:*} -- --models mixtral_8x7b llama4_scout --quant fp8 \
       --tokens 1 4
   done
+fi
+if [[ "$what" == tail4 ]]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py \
+    -k "tail or three_consumers" > "$out/pytest_tail4.log" 2>&1 || status=1
+  echo "tail tests"; tail -n 3 "$out/pytest_tail4.log" | cut -c1-300
+  for arm in 0:a 1:a 1:b 0:b; do
+    layer_arm "ab_tail_${arm%%:*}_${arm##*:}" 60 7 MOE_OPS_WS_FP4_TAIL=${arm%%:*} -- \
+      --models gpt_oss_120b --quant mxfp4 --tokens 1 4 16 64 4096 16384
+    grep -i "fail\|error" "$out/ab_tail_${arm%%:*}_${arm##*:}.log" | head -n 3
+  done
+fi
+if [[ "$what" == tailc ]]; then
+  for arm in auto:a 0:a 0:b auto:b; do
+    layer_arm "ab_tailc_${arm%%:*}_${arm##*:}" 60 7 MOE_OPS_WS_FP4_TAIL=${arm%%:*} -- \
+      --models gpt_oss_120b --quant mxfp4 --tokens 1 4 16 64 4096 16384
+    grep -i "fail\|error" "$out/ab_tailc_${arm%%:*}_${arm##*:}.log" | head -n 3
+  done
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py \
+    -k "mxfp4 or tail or prefill" > "$out/pytest_tailc.log" 2>&1 || status=1
+  echo "ws_fp4 tests (mxfp4, tail, prefill)"; tail -n 1 "$out/pytest_tailc.log"
+  timeout 100 python3 benchmarks/gpu_check.py --models deepseek_v3 gpt_oss_120b \
+    --quant nvfp4 mxfp4 --json "$out/gpu_check_fp4.json" > "$out/gpu_check_fp4.log" 2>&1 \
+    || status=1
+  tail -n 14 "$out/gpu_check_fp4.log"
+  timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/gpu_check.py \
+    --sanitize > "$out/sanitize.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|passed|failed" "$out/sanitize.log" | tail -n 3
 fi
 if [[ "$what" == tune4 ]]; then
   SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \

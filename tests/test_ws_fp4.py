@@ -463,16 +463,17 @@ def test_padding_blocks_are_skipped(align, pipeline, large_path, slots, monkeypa
     assert err < 2e-3, err
 
 
-def gemms_both_ways(quant, T, slots, seed, variants, gemms=(1, 2), edit_dispatch=None):
+def gemms_both_ways(quant, T, slots, seed, variants, gemms=(1, 2), edit_dispatch=None,
+                    H=512, I=512):
     """Both GEMMs of the kernel on one dispatch of `slots`-row blocks (random routing of T
-    tokens to 2 of 8 experts, H = I = 512: mxfp4's K a multiple of 512 for GEMM2 too;
-    swiglu_oai with biases, 9 programs), once per keyword set of `variants`, on the same random
-    rows; outputs NaN-poisoned first (GEMM2's with one row past the pairs). edit_dispatch(
-    sorted_pair_ids) may change the dispatch first. Returns the routed ids and [(gemm, [output
-    per variant])]."""
+    tokens to 2 of 8 experts, by default H = I = 512: mxfp4's K a multiple of 512 for GEMM2
+    too; swiglu_oai with biases, 9 programs), once per keyword set of `variants`, on the same
+    random rows; outputs NaN-poisoned first (GEMM2's with one row past the pairs).
+    edit_dispatch(sorted_pair_ids) may change the dispatch first. Returns the routed ids and
+    [(gemm, [output per variant])]."""
     from moe_ops.kernels import grouped_gemm as gg
     from moe_ops.kernels.align import moe_align
-    E, k, H, I = 8, 2, 512, 512
+    E, k = 8, 2
     _, kernel, _, ids, weights = make_case(quant, T, H, I, E, k, activation="swiglu_oai",
                                            bias=True, seed=seed)
     dev = ids.device
@@ -778,3 +779,94 @@ def test_experts_with_split_gemm2(quant, split, T, bias, activation, monkeypatch
                                               invalid_ids=T > 1)
     run_and_check(quant, ckpt, kernel, x, ids, weights, activation=activation, offset=2)
     assert len(calls) == 2 and calls[0] == 1 and calls[1] > 1, calls
+
+
+def test_tail_slices():
+    """TAIL's rule: the last K step's real columns in its first quarter / half -> 4 / 8 of its
+    16 slices; a fuller last step, whole steps, or whole steps of padding (mxfp4's K padded to
+    512) -> 16."""
+    assert ws_fp4.tail_slices(2880, 3072) == 4      # gpt-oss-120b: 11 steps and 64 columns
+    assert ws_fp4.tail_slices(320, 512) == 4
+    assert ws_fp4.tail_slices(384, 512) == 8
+    assert ws_fp4.tail_slices(896, 1024) == 8
+    assert ws_fp4.tail_slices(448, 512) == 16
+    assert ws_fp4.tail_slices(7168, 7168) == 16
+    assert ws_fp4.tail_slices(640, 1024) == 16      # step 3 all padding: run as it is
+
+
+def test_tail_rule(monkeypatch):
+    """TAIL "auto": the tail step for launches of two consumers only (three or four copies of
+    the peeled steps outgrow the instruction caches); "1" every plain launch, "0" none; never a
+    split or pipelined launch. The slices reach the kernel as its TAIL."""
+    from moe_ops.kernels import grouped_gemm as gg
+    seen = []
+    monkeypatch.setattr(ws_fp4, "_launcher",
+                        lambda grid, kernel: lambda *a, **kw: seen.append(kw["TAIL"]))
+    E, N, K = 2, 192, 320
+    w = torch.zeros(E, N, 256, dtype=torch.uint8)
+    scale = torch.zeros(E, N, 32, dtype=torch.uint8)
+    routing = gg.Routing(torch.zeros(2, dtype=torch.int32), torch.ones(2), 1, E, 0,
+                         torch.zeros(16, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                         16, torch.full((1, ), 16, dtype=torch.int32))
+    a = torch.zeros(16, K, dtype=torch.bfloat16)
+    out = torch.zeros(4, N, dtype=torch.bfloat16)     # (room for a split's two parts)
+    for mode, kwargs, want in (("auto", dict(consumers=2), 4), ("auto", dict(consumers=3), 16),
+                               ("1", dict(consumers=3), 4), ("0", dict(consumers=2), 16),
+                               ("1", dict(consumers=2, pipeline=True), 16),
+                               ("1", dict(consumers=2, split=2), 16)):
+        monkeypatch.setattr(ws_fp4, "TAIL", mode)
+        seen.clear()
+        ws_fp4.gemm(a, w, scale, torch.ones(E, N), None, out, routing, gemm=2,
+                    activation="none", programs=4, **kwargs)
+        assert seen == [want], (mode, kwargs, seen)
+
+
+@pytest.mark.parametrize("quant,tail", [("nvfp4", 8), ("mxfp4", 4)])
+def test_tail_builds_for_sm90(quant, tail):
+    """The tail step's build for sm_90: no local memory, and the loop's last step (mxfp4: last
+    pair of steps) peeled off, its wgmmas (one a 16-column slice) `tail` instead of 16, in each
+    of the two consumers."""
+    args = f"gemm=2, activation='none', has_bias=True, consumers=2, quant={quant!r}"
+    ptx = sm90_ptx("ws_fp4", args + f", tail={tail}")
+    whole = sm90_ptx("ws_fp4", args)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    mmas, whole_mmas = ptx.count("wgmma.mma_async"), whole.count("wgmma.mma_async")
+    peeled = tail + (16 if quant == "mxfp4" else 0)
+    assert mmas == whole_mmas + 2 * peeled, (mmas, whole_mmas)
+
+
+@needs_hopper
+@pytest.mark.parametrize("quant,slots,H,I", [
+    ("nvfp4", 16, 320, 384), ("nvfp4", 64, 320, 384), ("nvfp4", 128, 384, 320),
+    ("mxfp4", 16, 320, 896), ("mxfp4", 128, 320, 896)])
+def test_tail_step_is_bit_equal(quant, slots, H, I):
+    """MOE_OPS_WS_FP4_TAIL: a last K step decoded and multiplied over its first quarter or
+    half only (the rest is the layout's padding of K, zeros times the activations' zero fill)
+    gives both GEMMs bit for bit what the whole step does, on each form (GEMM1 with swiglu_oai
+    and its bias), every pair's row written and no padding row (NaN-poisoned outputs, one row
+    past the pairs). The shapes take the tail: K = 320 (a quarter of the last step), 384 and
+    896 (a half)."""
+    from moe_ops import quant as q
+    kp = {"nvfp4": lambda k: -(-k // 256) * 256, "mxfp4": lambda k: -(-k // 512) * 512}[quant]
+    assert {ws_fp4.tail_slices(H, kp(H)), ws_fp4.tail_slices(I, kp(I))} <= {4, 8}, (H, I)
+    T = 300 if slots > 16 else 24
+    _, runs = gemms_both_ways(quant, T, slots, 17, [dict(tail=False), dict(tail=True)], H=H, I=I)
+    for gemm, (whole, tail) in runs:
+        assert torch.equal(whole.isnan(), tail.isnan()), f"GEMM{gemm}: written rows differ"
+        assert torch.equal(whole.nan_to_num(0.0), tail.nan_to_num(0.0)), f"GEMM{gemm}"
+        if gemm == 2:
+            assert torch.isfinite(whole[:T * 2]).all() and torch.isnan(whole[T * 2]).all()
+
+
+@needs_hopper
+@pytest.mark.parametrize("T", [5, 300])
+def test_experts_with_tail_on_gpt_oss_shape(T, monkeypatch, ws_fp4_calls, poisoned_empty):
+    """The experts call with TAIL on, on gpt-oss-120b's H = I = 2880 (its layout's last K step
+    holds 64 real columns) against the oracle: decode's form (T = 5) and a prefill form
+    (T = 300 on 8 experts)."""
+    monkeypatch.setattr(ws_fp4, "TAIL", "1")
+    H = I = 2880
+    ckpt, kernel, x, ids, weights = make_case("mxfp4", T, H, I, 8, 2, activation="swiglu_oai",
+                                              bias=True, seed=41 + T)
+    run_and_check("mxfp4", ckpt, kernel, x, ids, weights, activation="swiglu_oai")
+    assert len(ws_fp4_calls) == 2, ws_fp4_calls

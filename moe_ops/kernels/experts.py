@@ -187,8 +187,10 @@ WS_FP4_WIDE_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 64)
 # quantize into waves (3.4 tiles an SM run as 4), a few experts' GEMM2 leaves SMs idle (Mixtral
 # T = 1: 64 tiles for 132 SMs, 41.5 against 31.4 us) and past 16 rows an expert the 16-slot
 # blocks read an expert's weights once a block (Mixtral T = 64). So off (MOE_OPS_WS_FP8_DECODE=1
-# turns it on); GEMM2's split of K over the combine's pair rows (ws_fp4.SPLIT_K, written after
-# these runs) addresses its small grids, a 32- or 64-slot block past 16 rows is still missing.
+# turns it on). GEMM2's split of K over the combine's pair rows (ws_fp4.SPLIT_K) narrows the gap
+# at T = 1 but does not close it (results/h200_ab_splitk_fp8_*.json: Mixtral 119.3 -> 108.6 us,
+# Llama 4 64.9 -> 53.9); what is left: GEMM1's 128-row tiles in waves (a split of its K with the
+# activation moved into act_quant of the intermediate), a 32- or 64-slot block past 16 rows.
 WS_FP8_DECODE = ws_gemm.env_choice("MOE_OPS_WS_FP8_DECODE", "0", ("0", "1")) == "1"
 WS_FP8_DECODE_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP8_DECODE_MAX_ROWS", 16)
 ALIGN_GATHER_MAX_PAIRS = min(ws_gemm.env_int("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", 128),

@@ -146,11 +146,31 @@ FOUR_CONSUMERS_MIN_PAIRS = {"nvfp4": 128}
 # or 60 of 192 on 132 SMs; the fp8 form's Mixtral T = 1: 64), and a tile's time is its K
 # steps. "auto" picks the consumers and SPLIT (1-4) that give an SM the fewest weight rows x K
 # steps (split_for: gpt-oss T = 1's GEMM2 three consumers, two parts); 2 / 3 / 4 force a count
-# where the steps allow it. The parts' rows are fp32 (one rounding, in the combine). Written without a GPU:
-# off ("0") until measured (bash benchmarks/h200_run.sh splitk).
+# where the steps allow it. The parts' rows are fp32 (one rounding, in the combine). Measured on
+# an H200 (results/h200_ab_splitk_*.json, 2026-12-02, graph replays, 0 / auto alternated twice):
+# no gain on the 4-bit layers (DeepSeek-V3 nvfp4 T = 1 / 4 91.7, 91.9 / 273.0, 273.6 -> 93.6,
+# 94.7 / 284.1, 283.8 us; gpt-oss-120b mxfp4 T = 1 42.3, 41.7 -> 41.6, 41.6, T = 4 equal); the
+# fp8 form gains (Mixtral T = 1 119.3 -> 108.6 us, Llama 4 64.9 -> 53.9) but stays behind
+# grouped_gemm's fp8 tiles (103.9 and 49.7 us). So off ("0").
 SPLIT_K = env_choice("MOE_OPS_WS_FP4_SPLIT_K", "0", ("0", "auto", "2", "3", "4"))
 SPLITS = (1, 2, 3, 4)
 SPLIT_ITEM_STEPS = 1
+# The last K step's padding: the kernel layout pads K to whole steps (mxfp4: pairs of steps),
+# and a step past the activations' columns multiplies zeros (TMA fills the activation box past
+# K with zeros, the layout's padding codes are zeros). With TAIL on, the plain consumers decode
+# and multiply only the first quarter or half of a last step whose real columns fit there
+# (tail_slices: 4 or 8 of its 16 slices; the result is the same, the skipped products being
+# zeros). Why: gpt-oss-120b's K = 2880 is 11 steps and 64 columns, its layout 12 steps
+# (3072), so 6.25% of each tile's decode, the 4-bit GEMMs' bound at decode, was padding.
+# Measured on an H200 (results/h200_ab_tail_*.json, 2026-12-02, graph replays, two alternated
+# passes, gpt-oss-120b mxfp4, off -> on everywhere): T = 4 (two consumers) 103.6, 103.1 ->
+# 101.9, 101.9 us and T = 16384 (the prefill forms: two) 6703, 6685 -> 6571, 6618, T = 1 and
+# 4096 equal, but T = 16 / 64 (three consumers) 264.6, 264.5 / 541.7, 540.8 -> 277.9, 277.7 /
+# 560.6, 560.8: the peeled last steps (mxfp4's last pair: a whole step and the tail) add ~40%
+# to each consumer's code, three copies of it past what the SM's instruction caches hold
+# (4896 SASS instructions against 3560). So "auto" (the default): on for launches of two
+# consumers; "1" always, "0" never.
+TAIL = env_choice("MOE_OPS_WS_FP4_TAIL", "auto", ("auto", "0", "1"))
 # A consumer's decode of K step k + 1 while its wgmma of step k runs (a second register operand)
 # instead of decode, MMA, wait in turn. Measured on an H200 (results/h200_ab_fp4_rows_16_*.json,
 # h200_gluon_fp4_decode_pipelined.json, 2026-12-01): DeepSeek-V3 nvfp4 decode T = 16-512 6-7%
@@ -198,17 +218,34 @@ STORE_LAYOUT = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 # One K step's packed bytes of a warpgroup's 64 rows, [64, 128] (byte j = 32t + 2c + q of a row:
 # run t, slice c, pair q; 4 of them a kernel-order word, whose bits are permuted, so each
 # thread's 4 consecutive bytes stay a memory word): each thread holds its two rows' (r, r + 8) run t, the bytes wgmma's A
-# fragment needs (rows 16w + l/4 and + 8, columns 16c + 2t + q and + 8).
-PACKED_LAYOUT = gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
-    lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
-    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, 128])
-# the same positions as [row, t, c, q]
-PACKED_LAYOUT_4D = gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 8, 0],
-               [8, 0, 0, 0]],
-    lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-    warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[ROWS, 4, 16, 2])
+# fragment needs (rows 16w + l/4 and + 8, columns 16c + 2t + q and + 8). The same for the
+# first C slices of a step only (a tail step, see TAIL): bytes 2c + q < 2C of each run, [64, 8C]
+# with j = 2Ct + 2c + q; as [row, t, byte] (the shared memory's shape), and as [row, t, c, q].
+@gluon.constexpr_function
+def packed_layout(slices):
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1 << i] for i in range((2 * slices).bit_length() - 1)] + [[8, 0]],
+        lane_bases=[[0, 2 * slices], [0, 4 * slices], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, 8 * slices])
+
+
+@gluon.constexpr_function
+def packed_layout_3d(slices):
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1 << i] for i in range((2 * slices).bit_length() - 1)] + [[8, 0, 0]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[ROWS, 4, 2 * slices])
+
+
+@gluon.constexpr_function
+def packed_layout_4d(slices):
+    return gl.DistributedLinearLayout(
+        reg_bases=([[0, 0, 0, 1]] + [[0, 0, 1 << i, 0] for i in range(slices.bit_length() - 1)]
+                   + [[8, 0, 0, 0]]),
+        lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[ROWS, 4, slices, 2])
+
+
 # A K step's scale bytes [64 rows, 16 slices], a quarter of each row pair's per thread
 SCALES_LAYOUT = gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [8, 0]],
@@ -222,13 +259,15 @@ MX_SCALES_LAYOUT = gl.DistributedLinearLayout(
 
 
 @gluon.jit
-def decode_step(packed, scales, P2: gl.constexpr, P4: gl.constexpr, DOT: gl.constexpr,
-                FMT: gl.constexpr):
-    """Packed bytes [64, 128] (P2) and the step's scale bytes -> the weight tile [64, 256] in
-    wgmma's A-operand layout (DOT), bf16. nvfp4 (FMT 0): e4m3 scales [64, 16] (SCALES_LAYOUT),
-    one per 16-column slice c, the tile's values / 512 (NVFP4_FAST_EPILOGUE). mxfp4 (FMT 1):
-    e8m0 scales [64, 8] (MX_SCALES_LAYOUT), one per 32 columns (slices 2g and 2g + 1), the
-    tile's values / their row's scale (the layout's fold)."""
+def decode_step(packed, scales, C: gl.constexpr, DOT: gl.constexpr, FMT: gl.constexpr):
+    """Packed bytes [64, 8C] (packed_layout(C)) and the step's scale bytes -> the first 16C
+    columns of the weight tile [64, 16C] in wgmma's A-operand layout (DOT), bf16 (C = 16: the
+    whole step; 4 or 8: a tail step, see TAIL). nvfp4 (FMT 0): e4m3 scales [64, 16]
+    (SCALES_LAYOUT), one per 16-column slice c, the tile's values / 512 (NVFP4_FAST_EPILOGUE).
+    mxfp4 (FMT 1): e8m0 scales [64, 8] (MX_SCALES_LAYOUT), one per 32 columns (slices 2g and
+    2g + 1), the tile's values / their row's scale (the layout's fold)."""
+    P2: gl.constexpr = packed_layout(C)
+    P4: gl.constexpr = packed_layout_4d(C)
     if FMT == 1:
         # 2^(s - 1) (the code's 2^-126 and 2^(s - 127), s <= 128): s + 126 is bf16's exponent
         # field; slice c takes group c // 2
@@ -239,19 +278,33 @@ def decode_step(packed, scales, P2: gl.constexpr, P4: gl.constexpr, DOT: gl.cons
         factor = gl.inline_asm_elementwise(_E4M3_TO_BF16_P117, "=r,=r,r", [scales],
                                            dtype=gl.bfloat16, is_pure=True, pack=4)
     # every thread of a row pair gets all 16 (a warp-local exchange)
-    factor = gl.convert_layout(factor, gl.SliceLayout(2, gl.SliceLayout(1, P4)))
+    factor = gl.convert_layout(factor, gl.SliceLayout(2, gl.SliceLayout(1, packed_layout_4d(16))))
+    if C < 16:
+        factor = gl.convert_layout(_first_slices(factor, C), gl.SliceLayout(2, gl.SliceLayout(1, P4)))
     # each code's factor: [row, c] -> [row, t, c, q] -> the packed bytes' positions
     factor = gl.expand_dims(gl.expand_dims(factor, 2), 1)
-    factor = gl.broadcast(factor, gl.full([64, 4, 16, 2], 0.0, gl.bfloat16, P4))[0]
-    factor = gl.convert_layout(gl.reshape(factor, [64, 128]), P2, assert_trivial=True)
+    factor = gl.broadcast(factor, gl.full([64, 4, C, 2], 0.0, gl.bfloat16, P4))[0]
+    factor = gl.convert_layout(gl.reshape(factor, [64, 8 * C]), P2, assert_trivial=True)
     low, high = gl.inline_asm_elementwise(
         _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [packed, factor],
         dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-    # element j = 32t + 2c + q (its word's byte j % 4, bits permuted) decodes to columns
+    # element j = 2Ct + 2c + q (its word's byte j % 4, bits permuted) decodes to columns
     # 16c + 2t + q (low) and + 8 (high)
-    values = gl.reshape(gl.join(low, high), [64, 4, 16, 2, 2])          # [row, t, c, q, h]
-    values = gl.reshape(gl.permute(values, [0, 2, 4, 1, 3]), [64, 256])  # k = 16c+8h+2t+q
+    values = gl.reshape(gl.join(low, high), [64, 4, C, 2, 2])              # [row, t, c, q, h]
+    values = gl.reshape(gl.permute(values, [0, 2, 4, 1, 3]), [64, 16 * C])  # k = 16c+8h+2t+q
     return gl.convert_layout(values, DOT, assert_trivial=True)
+
+
+@gluon.jit
+def _first_slices(factor, C: gl.constexpr):
+    """A K step's factors [64, 16 slices], each thread holding all 16 of its rows -> those of
+    the first C slices (4 or 8) [64, C], by splits along register bits (no data moves)."""
+    if C == 8:
+        first, _ = gl.split(gl.permute(gl.reshape(factor, [64, 2, 8]), [0, 2, 1]))
+    else:
+        first, _ = gl.split(gl.permute(gl.reshape(factor, [64, 2, 2, 4]), [0, 3, 2, 1]))
+        first, _ = gl.split(first)
+    return first
 
 
 @gluon.jit
@@ -363,12 +416,11 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
 
 @gluon.jit
 def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.constexpr,
-             FMT: gl.constexpr, ODD: gl.constexpr):
+             FMT: gl.constexpr, ODD: gl.constexpr, C: gl.constexpr = 16):
     """Ring slot `index`'s weight tile for consumer HALF, decoded into wgmma's A operand, once
-    its loads have landed (mxfp4: ODD, whether the slot holds an odd K step)."""
+    its loads have landed (mxfp4: ODD, whether the slot holds an odd K step); its first C
+    16-column slices only (C < 16: a tail step, see TAIL)."""
     BN: gl.constexpr = w_bufs.type.shape[1]
-    P2: gl.constexpr = PACKED_LAYOUT
-    P4: gl.constexpr = PACKED_LAYOUT_4D
     SCALES: gl.constexpr = SCALES_LAYOUT
     mbarrier.wait(ready.index(index), phase)
     if FMT == 2:
@@ -376,29 +428,40 @@ def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.co
         # columns a register pair), converted two at a time (cvt.rn.f16x2.e4m3x2)
         weights = w_bufs.index(index).slice(HALF * 64, 64, dim=0).load(DOT).to(gl.float16)
     else:
-        packed = w_bufs.index(index).reshape([BN, 128]).slice(HALF * 64, 64, dim=0).load(P2)
+        if C == 16:
+            packed = w_bufs.index(index).reshape([BN, 128]).slice(HALF * 64, 64, dim=0).load(
+                packed_layout(16))
+        else:
+            # each run's first 2C bytes: [64, 4, 2C] as [64, 8C]
+            packed = w_bufs.index(index).slice(HALF * 64, 64, dim=0).slice(0, 2 * C, dim=2).load(
+                packed_layout_3d(C))
+            packed = gl.convert_layout(gl.reshape(packed, [64, 8 * C]), packed_layout(C),
+                                       assert_trivial=True)
         if FMT == 1:
             # the row's 16 loaded bytes are two K steps' scales: this step's half
             scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).slice(
                 8 * ODD, 8, dim=1).load(MX_SCALES_LAYOUT)
         else:
             scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).load(SCALES)
-        weights = decode_step(packed, scales, P2, P4, DOT, FMT)
+        weights = decode_step(packed, scales, C, DOT, FMT)
     return weights
 
 
 @gluon.jit
 def _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF: gl.constexpr,
-              DOT: gl.constexpr, FMT: gl.constexpr, ODD: gl.constexpr):
+              DOT: gl.constexpr, FMT: gl.constexpr, ODD: gl.constexpr, C: gl.constexpr = 16):
     """One K step of the plain consumer: decode, wgmma, wait (the register operand stays live
     until the MMA has read it), the slot released; the wgmma takes the slot's first
-    acc.shape[1] slots (HALF_BLOCKS: 64 of 128). Returns the accumulator and next slot."""
+    acc.shape[1] slots (HALF_BLOCKS: 64 of 128) and its first 16C columns (C < 16: a tail
+    step, see TAIL). Returns the accumulator and next slot."""
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     USED: gl.constexpr = acc.shape[1]
-    weights = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, FMT, ODD)
+    weights = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, FMT, ODD, C)
     x = x_bufs.index(index)
     if USED < x_bufs.type.shape[1]:
         x = x.slice(0, USED, dim=0)
+    if C < 16:
+        x = x.slice(0, 16 * C, dim=1)
     acc = warpgroup_mma(weights, x.permute((1, 0)), acc, is_async=True)
     acc, weights = warpgroup_mma_wait(num_outstanding=0, deps=(acc, weights))
     mbarrier.arrive(empty.index(index), count=1)
@@ -408,19 +471,29 @@ def _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF: gl.
 
 @gluon.jit
 def _plain_k_loop(acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, k_steps,
-                  HALF: gl.constexpr, DOT: gl.constexpr, FMT: gl.constexpr):
+                  HALF: gl.constexpr, DOT: gl.constexpr, FMT: gl.constexpr,
+                  TAIL: gl.constexpr = 16):
     """A tile's K steps on the plain consumer (_mma_step); mxfp4: two steps an iteration (its
-    count is even), each its half of the scale bytes loaded for both."""
+    count is even), each its half of the scale bytes loaded for both. TAIL < 16: the last
+    step's first TAIL slices only (the rest is the layout's padding of K, see TAIL)."""
     if FMT == 1:
-        for kb in range(k_steps // 2):
+        for kb in range(k_steps // 2 - (TAIL < 16)):
             acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
                                           phase, HALF, DOT, FMT, 0)
             acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
                                           phase, HALF, DOT, FMT, 1)
-    else:
-        for kb in range(k_steps):
+        if TAIL < 16:
             acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
                                           phase, HALF, DOT, FMT, 0)
+            acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
+                                          phase, HALF, DOT, FMT, 1, TAIL)
+    else:
+        for kb in range(k_steps - (TAIL < 16)):
+            acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
+                                          phase, HALF, DOT, FMT, 0)
+        if TAIL < 16:
+            acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
+                                          phase, HALF, DOT, FMT, 0, TAIL)
     return acc, index, phase
 
 
@@ -446,7 +519,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr,
               PIPELINE: gl.constexpr, FMT: gl.constexpr, PARTIAL_N: gl.constexpr,
               EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr, TILE_N: gl.constexpr,
-              SPLIT: gl.constexpr):
+              SPLIT: gl.constexpr, TAIL: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
@@ -467,6 +540,8 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     gl.static_assert(FMT != 2 or (BM == 16 and PIPELINE == 0))    # fp8: decode's serial form
     # SPLIT_K: GEMM2's decode form, serial consumers, the early epilogue
     gl.static_assert(SPLIT == 1 or (ACTIVATION == 0 and BM == 16 and PIPELINE == 0 and EARLY == 1))
+    # TAIL: the plain consumers of 4-bit tiles whose K runs whole (no split)
+    gl.static_assert(TAIL == 16 or (FMT != 2 and PIPELINE == 0 and SPLIT == 1))
     # ACTIVATION: an index into ws_gemm.ACTIVATIONS (0 none: GEMM2)
     num_m = gl.load(num_padded_ptr) // BM
     num_n = N // BN
@@ -540,7 +615,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                     else:
                         acc, index, phase = _plain_k_loop(acc, w_bufs, s_bufs, x_bufs, ready,
                                                           empty, index, phase, steps, HALF,
-                                                          DOT, FMT)
+                                                          DOT, FMT, TAIL)
                     if FMT == 2:
                         acc = acc * slot_scale[None, :]
 
@@ -571,7 +646,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                     half_acc = gl.zeros([64, 64], gl.float32, mma_half)
                     half_acc, index, phase = _plain_k_loop(
                         half_acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, steps,
-                        HALF, DOT_HALF, FMT)
+                        HALF, DOT_HALF, FMT, TAIL)
                     if EARLY:
                         _epilogue_early(half_acc, scale, shift, terms0, terms1, n0, ptrs,
                                         strides, alpha, limit, ACTIVATION, HAS_BIAS, FMT)
@@ -712,7 +787,7 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                    HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, FMT: gl.constexpr,
                    PARTIAL_N: gl.constexpr, EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr,
-                   SPLIT: gl.constexpr = 1):
+                   SPLIT: gl.constexpr = 1, TAIL: gl.constexpr = 16):
     # a ring slot holds the tile's TILE_N = CONSUMERS x 64 weight rows (in a buffer of the next
     # power of two: three consumers' 192 rows take 256), loaded in boxes of the descriptors'
     # rows (the whole tile's but for three consumers: a TMA box is a power of two)
@@ -741,33 +816,42 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
+                           TAIL)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
+                           TAIL)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
                          FMT, PARTIAL_N, TILE_N, SPLIT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
+                           TAIL)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
+                           TAIL)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
+                           TAIL)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
                          FMT, PARTIAL_N, TILE_N, SPLIT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
+                           TAIL)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
+                           TAIL)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
+                           TAIL)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3,
-                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT)),
+                           PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
+                           TAIL)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
                          FMT, PARTIAL_N, TILE_N, SPLIT)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -886,6 +970,17 @@ def split_for(quant: str, num_pairs: int, n: int, k: int, experts: int, programs
     return min(choices, key=lambda cs: (cost(*cs), cs[0] != consumers, cs[1]))
 
 
+def tail_slices(k: int, kp: int) -> int:
+    """The 16-column slices of the last of kp / BLOCK_K K steps that the kernel takes (TAIL)
+    for activations of k columns: 4 or 8 where the step's real columns fit in its first quarter
+    or half, else 16 (the whole step; also when whole steps are padding: those run as they
+    are)."""
+    real = k - (kp - BLOCK_K)
+    if real <= 0 or real > BLOCK_K // 2:
+        return 16
+    return 4 if real <= BLOCK_K // 4 else 8
+
+
 def default_pipeline(slots: int) -> bool:
     """Whether a form's consumers are pipelined by default (PIPELINE, PREFILL_PIPELINE; the
     wide form's never)."""
@@ -925,7 +1020,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
          consumers: Optional[int] = None, quant: str = "nvfp4", slots: int = BLOCK_M,
          pipeline: Optional[bool] = None, early: Optional[bool] = None,
          half_blocks: Optional[bool] = None, a_scale: Optional[torch.Tensor] = None,
-         split: int = 1) -> None:
+         split: int = 1, tail: Optional[bool] = None) -> None:
     """One nvfp4 / mxfp4 / fp8 GEMM over the dispatch's live blocks of `slots` rows (16:
     decode's form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers, 4-bit only; see the
     module docstring). 4-bit: a bf16 rows; w_global_scale the layout's row scale [E, N]
@@ -937,7 +1032,9 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     EARLY_EPILOGUE). half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other
     forms never). split: GEMM2's K steps in `split` parts (SPLIT_K; decode's form, serial
     consumers, the early epilogue), out [split * num_pairs, N] then holds part p's rows from
-    row p * num_pairs (combine_pair_rows(..., splits=split) sums them)."""
+    row p * num_pairs (combine_pair_rows(..., splits=split) sums them). tail: the last K
+    step's padding skipped where it can be (default: TAIL's rule; the 4-bit formats' plain
+    consumers without a split only)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if slots not in SLOTS:
@@ -1034,6 +1131,10 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
                                   [slots, BLOCK_K], x_layout)
     if programs is None:
         programs = device_properties(a.device).multi_processor_count
+    if tail is None:
+        tail = TAIL == "1" or (TAIL == "auto" and consumers == 2)
+    slices = (tail_slices(a.shape[1], kp) if tail and not fp8 and not pipelined and split == 1
+              else 16)
     dummy = routing.topk_weights
     _launcher((programs, ), _ws_fp4_kernel)(
         w_desc, s_desc, x_desc, row_scale, bias if bias is not None else dummy, out,
@@ -1047,15 +1148,16 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         PRODUCER_REGS=producer_regs,
         PIPELINE=int(pipelined), FMT=FMT[quant], PARTIAL_N=int(N % bn != 0), EARLY=int(early),
         HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
-                        and slots == WIDE_SLOTS), SPLIT=split,
+                        and slots == WIDE_SLOTS), SPLIT=split, TAIL=slices,
         num_warps=4, maxnreg=maxnreg)
 
 
 def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = False,
                  consumers: int = 2, pipeline: Optional[bool] = None, quant: str = "nvfp4",
                  slots: int = BLOCK_M, partial_n: bool = False, early: Optional[bool] = None,
-                 half_blocks: Optional[bool] = None, split: int = 1):
-    """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter)."""
+                 half_blocks: Optional[bool] = None, split: int = 1, tail: int = 16):
+    """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter).
+    tail: the last K step's slices (16, or 4 / 8: see TAIL)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1086,7 +1188,7 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                   FMT=FMT[quant], PARTIAL_N=int(partial_n),
                   EARLY=int(EARLY_EPILOGUE if early is None else early),
                   HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
-                                  and slots == WIDE_SLOTS), SPLIT=split)
+                                  and slots == WIDE_SLOTS), SPLIT=split, TAIL=tail)
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "KP")}
