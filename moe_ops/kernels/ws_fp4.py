@@ -477,16 +477,17 @@ def _plain_k_loop(acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, k_ste
     count is even), each its half of the scale bytes loaded for both. TAIL < 16: the last
     step's first TAIL slices only (the rest is the layout's padding of K, see TAIL)."""
     if FMT == 1:
-        for kb in range(k_steps // 2 - (TAIL < 16)):
+        for kb in range(k_steps // 2):
             acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
                                           phase, HALF, DOT, FMT, 0)
-            acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
-                                          phase, HALF, DOT, FMT, 1)
-        if TAIL < 16:
-            acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
-                                          phase, HALF, DOT, FMT, 0)
-            acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
-                                          phase, HALF, DOT, FMT, 1, TAIL)
+            if TAIL < 16 and kb == k_steps // 2 - 1:
+                # (a branch inside the loop rather than a peeled last pair: the peel copied a
+                # whole step's code, ~40% more a consumer, see TAIL)
+                acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
+                                              phase, HALF, DOT, FMT, 1, TAIL)
+            else:
+                acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
+                                              phase, HALF, DOT, FMT, 1)
     else:
         for kb in range(k_steps - (TAIL < 16)):
             acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
