@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|tailx|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -106,9 +106,6 @@
 # tailc: TAIL's rule (on for launches of two consumers) against off on gpt-oss-120b as in tail4
 # (two alternated passes), then the 4-bit correctness set on it: ws_fp4's mxfp4 / tail / prefill
 # GPU tests, gpu_check's 4-bit cases, compute-sanitizer; about 9 minutes.
-# tailx: the tail step on every launch (MOE_OPS_WS_FP4_TAIL=1, its mxfp4 form a branch in the
-# loop since tailc) against off on gpt-oss-120b's decode (two and three consumers), two
-# alternated passes, after the mxfp4 tail tests; about 4 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
@@ -564,17 +561,6 @@ if [[ "$what" == tailc ]]; then
   timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/gpu_check.py \
     --sanitize > "$out/sanitize.log" 2>&1 || status=1
   grep -E "ERROR SUMMARY|passed|failed" "$out/sanitize.log" | tail -n 3
-fi
-if [[ "$what" == tailx ]]; then
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py \
-    -k "tail_step_is_bit_equal and mxfp4 or tail_on_gpt_oss_shape and 5" \
-    > "$out/pytest_tailx.log" 2>&1 || status=1
-  echo "tail tests"; tail -n 1 "$out/pytest_tailx.log"
-  for arm in 1:a 0:a 0:b 1:b; do
-    layer_arm "ab_tailx_${arm%%:*}_${arm##*:}" 40 5 MOE_OPS_WS_FP4_TAIL=${arm%%:*} -- \
-      --models gpt_oss_120b --quant mxfp4 --tokens 1 4 16 64
-    grep -i "fail\|error" "$out/ab_tailx_${arm%%:*}_${arm##*:}.log" | head -n 3
-  done
 fi
 if [[ "$what" == tune4 ]]; then
   SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \

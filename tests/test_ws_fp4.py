@@ -823,15 +823,16 @@ def test_tail_rule(monkeypatch):
 
 @pytest.mark.parametrize("quant,tail", [("nvfp4", 8), ("mxfp4", 4)])
 def test_tail_builds_for_sm90(quant, tail):
-    """The tail step's build for sm_90: no local memory, and the tail step's own wgmmas (one a
-    16-column slice: `tail` of them) beside the whole step's, in each of the two consumers
-    (nvfp4: the loop's last step peeled; mxfp4: a branch in the loop's second step)."""
+    """The tail step's build for sm_90: no local memory, and the loop's last step (mxfp4: last
+    pair of steps) peeled off, its wgmmas (one a 16-column slice) `tail` instead of 16, in each
+    of the two consumers."""
     args = f"gemm=2, activation='none', has_bias=True, consumers=2, quant={quant!r}"
     ptx = sm90_ptx("ws_fp4", args + f", tail={tail}")
     whole = sm90_ptx("ws_fp4", args)
     assert "ld.local" not in ptx and "st.local" not in ptx
     mmas, whole_mmas = ptx.count("wgmma.mma_async"), whole.count("wgmma.mma_async")
-    assert mmas == whole_mmas + 2 * tail, (mmas, whole_mmas)
+    peeled = tail + (16 if quant == "mxfp4" else 0)
+    assert mmas == whole_mmas + 2 * peeled, (mmas, whole_mmas)
 
 
 @needs_hopper

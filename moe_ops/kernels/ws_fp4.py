@@ -166,10 +166,13 @@ SPLIT_ITEM_STEPS = 1
 # passes, gpt-oss-120b mxfp4, off -> on everywhere): T = 4 (two consumers) 103.6, 103.1 ->
 # 101.9, 101.9 us and T = 16384 (the prefill forms: two) 6703, 6685 -> 6571, 6618, T = 1 and
 # 4096 equal, but T = 16 / 64 (three consumers) 264.6, 264.5 / 541.7, 540.8 -> 277.9, 277.7 /
-# 560.6, 560.8: the peeled last steps (mxfp4's last pair: a whole step and the tail) add ~40%
-# to each consumer's code, three copies of it past what the SM's instruction caches hold
-# (4896 SASS instructions against 3560). So "auto" (the default): on for launches of two
-# consumers; "1" always, "0" never.
+# 560.6, 560.8 (the same with the tail as a branch in the K loop instead of a peeled last pair,
+# ~11% more code a consumer instead of ~40%: results/h200_ab_tailx_*.json, code at the tag
+# exp/ws-fp4-tail-branch; so not the instruction caches. Three consumers run at 128 registers
+# a thread, and their GEMM1 build spills 16 bytes with the tail against 8 without: the loop
+# around it is scheduled tighter). Then on the final rule (results/h200_ab_tailc_*.json): T = 4
+# 102.1 -> 100.1-100.7, T = 4096 / 16384 2134-2168 / 6795-6869 -> 2051-2107 / 6699-6733. So
+# "auto" (the default): on for launches of two consumers; "1" always, "0" never.
 TAIL = env_choice("MOE_OPS_WS_FP4_TAIL", "auto", ("auto", "0", "1"))
 # A consumer's decode of K step k + 1 while its wgmma of step k runs (a second register operand)
 # instead of decode, MMA, wait in turn. Measured on an H200 (results/h200_ab_fp4_rows_16_*.json,
@@ -477,17 +480,16 @@ def _plain_k_loop(acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, k_ste
     count is even), each its half of the scale bytes loaded for both. TAIL < 16: the last
     step's first TAIL slices only (the rest is the layout's padding of K, see TAIL)."""
     if FMT == 1:
-        for kb in range(k_steps // 2):
+        for kb in range(k_steps // 2 - (TAIL < 16)):
             acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
                                           phase, HALF, DOT, FMT, 0)
-            if TAIL < 16 and kb == k_steps // 2 - 1:
-                # (a branch inside the loop rather than a peeled last pair: the peel copied a
-                # whole step's code, ~40% more a consumer, see TAIL)
-                acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
-                                              phase, HALF, DOT, FMT, 1, TAIL)
-            else:
-                acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
-                                              phase, HALF, DOT, FMT, 1)
+            acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
+                                          phase, HALF, DOT, FMT, 1)
+        if TAIL < 16:
+            acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
+                                          phase, HALF, DOT, FMT, 0)
+            acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
+                                          phase, HALF, DOT, FMT, 1, TAIL)
     else:
         for kb in range(k_steps - (TAIL < 16)):
             acc, index, phase = _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index,
