@@ -28,7 +28,9 @@ Here the schedule is explicit:
              register operand; the layout conversions are proved trivial at compile time
              (assert_trivial). The four threads sharing a row pair convert a quarter of its
              block scales each and exchange them. PIPELINE: each decodes step k + 1 while its
-             wgmma of step k runs.
+             wgmma of step k runs. TAIL: a last K step whose real columns fit in its first
+             quarter or half (the layout pads K to whole steps) is decoded and multiplied that
+             far only.
 Swap-AB: the weight rows are the MMA's M side, the dispatch's 16-slot blocks its N side (decode:
 up to 8 routed rows an expert; prefill's forms: 64- and 128-slot blocks, PREFILL_SLOTS and
 WIDE_SLOTS). N need only be a multiple of 64: a consumer whose rows of the last tile lie past
