@@ -131,6 +131,18 @@ layer_arm() {
   echo "$name ${vars[*]}"; grep -A"$rows" '^ *model' "$out/$name.log" | cut -c1-100
 }
 FP4_DECODE=(--models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4)
+# gpu_check's 4-bit cases; compute-sanitizer on gpu_check's small set (every quant mode)
+fp4_check() {
+  timeout 100 python3 benchmarks/gpu_check.py --models deepseek_v3 gpt_oss_120b \
+    --quant nvfp4 mxfp4 --json "$out/gpu_check_fp4.json" > "$out/gpu_check_fp4.log" 2>&1 \
+    || status=1
+  tail -n 14 "$out/gpu_check_fp4.log"
+}
+sanitize() {
+  timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/gpu_check.py \
+    --sanitize > "$out/sanitize.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|passed|failed" "$out/sanitize.log" | tail -n 3
+}
 if [[ "$what" == check || "$what" == all ]]; then
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   python3 benchmarks/gpu_check.py --json "$out/gpu_check.json" > "$out/gpu_check.log" 2>&1 || status=1
@@ -455,17 +467,12 @@ if [[ "$what" == fold4c ]]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py \
     -k "mxfp4 or consumers or three" > "$out/pytest_fold4c_ws.log" 2>&1 || status=1
   echo "ws_fp4 tests (mxfp4, consumers)"; tail -n 1 "$out/pytest_fold4c_ws.log"
-  timeout 100 python3 benchmarks/gpu_check.py --models deepseek_v3 gpt_oss_120b \
-    --quant nvfp4 mxfp4 --json "$out/gpu_check_fp4.json" > "$out/gpu_check_fp4.log" 2>&1 \
-    || status=1
-  tail -n 14 "$out/gpu_check_fp4.log"
+  fp4_check
   timeout 60 python3 benchmarks/profile_layer.py --models deepseek_v3 gpt_oss_120b \
     --quant nvfp4 mxfp4 --tokens 1 4 16 64 --deadline-s 45 \
     --out "$out/profile_decode_fp4.json" > "$out/profile_decode_fp4.log" 2>&1 || status=1
   echo "4-bit decode"; tail -n 9 "$out/profile_decode_fp4.log" | cut -c1-240
-  timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/gpu_check.py \
-    --sanitize > "$out/sanitize.log" 2>&1 || status=1
-  grep -E "ERROR SUMMARY|passed|failed" "$out/sanitize.log" | tail -n 3
+  sanitize
 fi
 if [[ "$what" == c4ab ]]; then
   start=$SECONDS
@@ -554,13 +561,8 @@ if [[ "$what" == tailc ]]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py \
     -k "mxfp4 or tail or prefill" > "$out/pytest_tailc.log" 2>&1 || status=1
   echo "ws_fp4 tests (mxfp4, tail, prefill)"; tail -n 1 "$out/pytest_tailc.log"
-  timeout 100 python3 benchmarks/gpu_check.py --models deepseek_v3 gpt_oss_120b \
-    --quant nvfp4 mxfp4 --json "$out/gpu_check_fp4.json" > "$out/gpu_check_fp4.log" 2>&1 \
-    || status=1
-  tail -n 14 "$out/gpu_check_fp4.log"
-  timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/gpu_check.py \
-    --sanitize > "$out/sanitize.log" 2>&1 || status=1
-  grep -E "ERROR SUMMARY|passed|failed" "$out/sanitize.log" | tail -n 3
+  fp4_check
+  sanitize
 fi
 if [[ "$what" == tune4 ]]; then
   SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \

@@ -505,6 +505,16 @@ def gemms_both_ways(quant, T, slots, seed, variants, gemms=(1, 2), edit_dispatch
     return ids, runs
 
 
+def assert_bit_equal(runs, T):
+    """gemms_both_ways' two variants equal bit for bit, the same rows written (NaN-poisoned
+    outputs), GEMM2 every pair's row (T tokens, k = 2) and not the one past them."""
+    for gemm, (first, second) in runs:
+        assert torch.equal(first.isnan(), second.isnan()), f"GEMM{gemm}: written rows differ"
+        assert torch.equal(first.nan_to_num(0.0), second.nan_to_num(0.0)), f"GEMM{gemm}"
+        if gemm == 2:
+            assert torch.isfinite(first[:T * 2]).all() and torch.isnan(first[T * 2]).all()
+
+
 @needs_hopper
 @pytest.mark.parametrize("quant,slots", [("nvfp4", 16), ("nvfp4", 64), ("nvfp4", 128),
                                          ("mxfp4", 16), ("mxfp4", 128)])
@@ -516,11 +526,7 @@ def test_early_epilogue_is_bit_equal(quant, slots):
     outputs NaN-poisoned, one row past the pairs)."""
     T = 300 if slots > 16 else 24
     _, runs = gemms_both_ways(quant, T, slots, 13, [dict(early=False), dict(early=True)])
-    for gemm, (late, early_out) in runs:
-        assert torch.equal(late.isnan(), early_out.isnan()), f"GEMM{gemm}: written rows differ"
-        assert torch.equal(late.nan_to_num(0.0), early_out.nan_to_num(0.0)), f"GEMM{gemm}"
-        if gemm == 2:
-            assert torch.isfinite(late[:T * 2]).all() and torch.isnan(late[T * 2]).all()
+    assert_bit_equal(runs, T)
 
 
 @needs_hopper
@@ -851,11 +857,7 @@ def test_tail_step_is_bit_equal(quant, slots, H, I):
     assert {ws_fp4.tail_slices(H, kp(H)), ws_fp4.tail_slices(I, kp(I))} <= {4, 8}, (H, I)
     T = 300 if slots > 16 else 24
     _, runs = gemms_both_ways(quant, T, slots, 17, [dict(tail=False), dict(tail=True)], H=H, I=I)
-    for gemm, (whole, tail) in runs:
-        assert torch.equal(whole.isnan(), tail.isnan()), f"GEMM{gemm}: written rows differ"
-        assert torch.equal(whole.nan_to_num(0.0), tail.nan_to_num(0.0)), f"GEMM{gemm}"
-        if gemm == 2:
-            assert torch.isfinite(whole[:T * 2]).all() and torch.isnan(whole[T * 2]).all()
+    assert_bit_equal(runs, T)
 
 
 @needs_hopper
