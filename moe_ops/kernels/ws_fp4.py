@@ -170,9 +170,9 @@ SPLIT_ITEM_STEPS = 1
 # 4096 equal, but T = 16 / 64 (three consumers) 264.6, 264.5 / 541.7, 540.8 -> 277.9, 277.7 /
 # 560.6, 560.8 (the same with the tail as a branch in the K loop instead of a peeled last pair,
 # ~11% more code a consumer instead of ~40%: results/h200_ab_tailx_*.json, code at the tag
-# exp/ws-fp4-tail-branch; so not the instruction caches. Not measured further; three consumers
-# run at 128 registers a thread, and their GEMM1 build's stack is 16 bytes with the tail against
-# 8 without: register pressure is the likely cause). Then on the final rule (results/h200_ab_tailc_*.json): T = 4
+# exp/ws-fp4-tail-branch; so not the instruction caches; the K loop's SASS is the same with and
+# without, and the tail step adds two shared-memory exchanges of its block scales a consumer;
+# the cause of the ~0.5 us a tile is not known). Then on the final rule (results/h200_ab_tailc_*.json): T = 4
 # 102.1 -> 100.1-100.7, T = 4096 / 16384 2134-2168 / 6795-6869 -> 2051-2107 / 6699-6733. So
 # "auto" (the default): on for launches of two consumers; "1" always, "0" never.
 TAIL = env_choice("MOE_OPS_WS_FP4_TAIL", "auto", ("auto", "0", "1"))
