@@ -986,10 +986,28 @@ def tail_slices(k: int, kp: int) -> int:
     return 4 if real <= BLOCK_K // 4 else 8
 
 
-def default_pipeline(slots: int) -> bool:
+def default_pipeline(slots: int, quant: str = "nvfp4") -> bool:
     """Whether a form's consumers are pipelined by default (PIPELINE, PREFILL_PIPELINE; the
-    wide form's never)."""
+    wide form's and the fp8 form's never)."""
+    if quant == "fp8":
+        return False
     return PIPELINE if slots == BLOCK_M else PREFILL_PIPELINE if slots == PREFILL_SLOTS else False
+
+
+def _constants(*, gemm: int, activation: str, has_bias: bool, consumers: int, quant: str,
+               slots: int, align_m: int, pipelined: bool, partial_n: bool,
+               early: Optional[bool], half_blocks: Optional[bool], split: int,
+               tail: int) -> dict:
+    """The kernel's compile-time arguments of a launch (gemm() and compile_sm90 alike)."""
+    consumer_regs, producer_regs, _ = REGISTERS[consumers]
+    return dict(ALIGN_M=align_m, STAGES=_stages(quant, slots, consumers),
+                ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
+                HAS_BIAS=has_bias, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
+                PRODUCER_REGS=producer_regs, PIPELINE=int(pipelined), FMT=FMT[quant],
+                PARTIAL_N=int(partial_n),
+                EARLY=int(EARLY_EPILOGUE if early is None else early),
+                HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
+                                and slots == WIDE_SLOTS), SPLIT=split, TAIL=tail)
 
 
 def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tensor,
@@ -1049,9 +1067,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     if slots == WIDE_SLOTS and pipeline:
         raise ValueError(f"pipeline: the {slots}-slot form has serial consumers only")
     fp8 = quant == "fp8"
-    # (fp8: serial consumers whatever PIPELINE says)
-    pipelined = ((False if fp8 else default_pipeline(slots)) if pipeline is None
-                 else pipeline)
+    pipelined = default_pipeline(slots, quant) if pipeline is None else pipeline
     if fp8 and (slots != BLOCK_M or pipelined):
         raise ValueError(f"slots / pipeline: fp8 runs decode's {BLOCK_M}-slot form with serial "
                          f"consumers, got slots={slots}, pipeline={pipelined}")
@@ -1066,7 +1082,6 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     if slots != BLOCK_M and consumers != 2:
         raise ValueError(f"consumers: the {slots}-slot form runs 2, got {consumers}")
     bn = block_n(consumers)
-    consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
     early = EARLY_EPILOGUE if early is None else early
     if split not in SPLITS:
         raise ValueError(f"split: one of {SPLITS}, got {split}")
@@ -1134,7 +1149,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
                                   s_layout)
         x_desc = TensorDescriptor(a, [a.shape[0], a.shape[1]], [a.stride(0), 1],
                                   [slots, BLOCK_K], x_layout)
-    if programs is None:
+    if programs is None:    # (after the checks: the refusals come before any device query)
         programs = device_properties(a.device).multi_processor_count
     if tail is None:
         tail = TAIL == "1" or (TAIL == "auto" and consumers == 2)
@@ -1147,14 +1162,12 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         routing.num_padded, a_scale if fp8 else dummy, N, kp, routing.num_pairs,
         row_scale.stride(0), bias.stride(0) if bias is not None else 0, out.stride(0), alpha,
         limit,
-        ALIGN_M=routing.align_block_m, STAGES=_stages(quant, slots, consumers),
-        ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
-        HAS_BIAS=bias is not None, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=producer_regs,
-        PIPELINE=int(pipelined), FMT=FMT[quant], PARTIAL_N=int(N % bn != 0), EARLY=int(early),
-        HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
-                        and slots == WIDE_SLOTS), SPLIT=split, TAIL=slices,
-        num_warps=4, maxnreg=maxnreg)
+        **_constants(gemm=gemm, activation=activation, has_bias=bias is not None,
+                     consumers=consumers, quant=quant, slots=slots,
+                     align_m=routing.align_block_m, pipelined=pipelined,
+                     partial_n=N % bn != 0, early=early, half_blocks=half_blocks, split=split,
+                     tail=slices),
+        num_warps=4, maxnreg=REGISTERS[consumers][2])
 
 
 def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = False,
@@ -1166,7 +1179,6 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    consumer_regs, producer_regs, maxnreg = REGISTERS[consumers]
     box = tma_box_rows(consumers)
     w_layout, s_layout, x_layout = _layouts(slots, quant, box)
     if quant == "fp8":
@@ -1184,20 +1196,16 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
         "num_pairs": "i32",
         "stride_ge": "i32", "stride_be": "i32", "stride_om": "i32", "alpha": "fp32",
         "limit": "fp32"}
-    consts = dict(ALIGN_M=slots, STAGES=_stages(quant, slots, consumers),
-                  ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
-                  HAS_BIAS=has_bias, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
-                  PRODUCER_REGS=producer_regs,
-                  PIPELINE=int(((quant != "fp8") and default_pipeline(slots)) if pipeline is None
-                               else pipeline),
-                  FMT=FMT[quant], PARTIAL_N=int(partial_n),
-                  EARLY=int(EARLY_EPILOGUE if early is None else early),
-                  HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
-                                  and slots == WIDE_SLOTS), SPLIT=split, TAIL=tail)
+    consts = _constants(gemm=gemm, activation=activation, has_bias=has_bias,
+                        consumers=consumers, quant=quant, slots=slots, align_m=slots,
+                        pipelined=(default_pipeline(slots, quant) if pipeline is None
+                                   else pipeline),
+                        partial_n=partial_n, early=early, half_blocks=half_blocks, split=split,
+                        tail=tail)
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "KP")}
     return triton.compile(GluonASTSource(fn=_ws_fp4_kernel, signature=signature,
                                          constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=maxnreg))
+                          options=dict(num_warps=4, maxnreg=REGISTERS[consumers][2]))
