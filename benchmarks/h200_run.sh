@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -106,6 +106,12 @@
 # tailc: TAIL's rule (on for launches of two consumers) against off on gpt-oss-120b as in tail4
 # (two alternated passes), then the 4-bit correctness set on it: ws_fp4's mxfp4 / tail / prefill
 # GPU tests, gpu_check's 4-bit cases, compute-sanitizer; about 9 minutes.
+# clocks: the SM clock and power while the prefill layers run sustained (nvidia-smi every 100 ms
+# beside bench.py sampling 3 s a point: DeepSeek-V3 nvfp4 T = 4096 / 16384, gpt-oss-120b mxfp4 T = 16384, Mixtral
+# bf16 T = 16384) and while a bf16 8192^3 torch matmul runs back to back for 10 s, its rate
+# against PERFORMANCE.md's 695 TFLOP/s (a median of short do_bench runs); about 2 minutes.
+# CLOCK_CASES="model:quant:T ..." other layers; CLOCK_MATMUL="bf16 fp8" (the fp8 one
+# torch._scaled_mm on e4m3, against 1274 TFLOP/s) or 0 (none).
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
@@ -563,6 +569,56 @@ if [[ "$what" == tailc ]]; then
   echo "ws_fp4 tests (mxfp4, tail, prefill)"; tail -n 1 "$out/pytest_tailc.log"
   fp4_check
   sanitize
+fi
+# clocked NAME COMMAND...: COMMAND run with the GPU's SM clock and power logged every 100 ms
+# into $out/clocks_NAME.csv; their medians over the busy samples (utilization >= 50%) printed
+clocked() {
+  local name=$1
+  shift
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,utilization.gpu,temperature.gpu \
+    --format=csv,noheader,nounits -lms 100 > "$out/clocks_$name.csv" &
+  local smi=$!
+  "$@" > "$out/clocks_$name.log" 2>&1 || status=1
+  kill $smi
+  python3 - "$out/clocks_$name.csv" "$name" <<'PY'
+import statistics, sys
+rows = [[f.strip() for f in line.split(",")] for line in open(sys.argv[1]) if line.count(",") == 4]
+busy = [r for r in rows if r[3].isdigit() and int(r[3]) >= 50]
+med = lambda i: statistics.median(float(r[i]) for r in busy) if busy else float("nan")
+print(f"{sys.argv[2]:28s} busy samples {len(busy):4d}  SM clock {med(1):6.0f} MHz  "
+      f"power {med(2):5.0f} W  temp {med(4):3.0f} C")
+PY
+  grep -E "graph [0-9.]+ us|TFLOP" "$out/clocks_$name.log" | cut -c1-110 | tail -n 2
+}
+if [[ "$what" == clocks ]]; then
+  nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv
+  for kind in ${CLOCK_MATMUL:-bf16}; do
+    [[ "$kind" == 0 ]] || clocked "matmul_$kind" python3 -c "
+import sys, time, torch
+kind = sys.argv[1]
+a, b = (torch.randn(8192, 8192, device='cuda') for _ in range(2))
+if kind == 'fp8':   # e4m3 operands, b column-major as _scaled_mm wants, bf16 out
+    a, b, one = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t(), torch.ones((), device='cuda')
+    mm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+else:
+    a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    mm = lambda: a @ b
+for _ in range(20): mm()
+torch.cuda.synchronize(); t, n = time.perf_counter(), 0
+while time.perf_counter() - t < 10:
+    for _ in range(20): mm()
+    torch.cuda.synchronize(); n += 20
+dt = time.perf_counter() - t
+print(f'{kind} 8192^3 matmul sustained {2 * 8192 ** 3 * n / dt / 1e12:.0f} TFLOP/s over {dt:.1f} s')" "$kind"
+  done
+  for case in ${CLOCK_CASES:-deepseek_v3:nvfp4:4096 deepseek_v3:nvfp4:16384 \
+      gpt_oss_120b:mxfp4:16384 mixtral_8x7b:none:16384}; do
+    IFS=: read -r model quant tokens <<< "$case"
+    clocked "${model}_${quant}_$tokens" timeout 100 python3 benchmarks/bench.py --no-baseline \
+      --no-bf16-peer --no-plot --peers torch --deadline-s 40 --budget-ms 3000 --listed-only \
+      --models "$model" \
+      --quant "$quant" --tokens "$tokens" --out "$out/clocks_${model}_${quant}_$tokens.json"
+  done
 fi
 if [[ "$what" == tune4 ]]; then
   SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \
