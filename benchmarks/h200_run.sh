@@ -83,7 +83,9 @@
 # and memory statistics, the lines that tell them apart printed; about 2 minutes.
 # NCU_CASES="model:quant:kernel-regex ..." and NCU_TOKENS=T profile other layers' GEMMs, e.g.
 # NCU_CASES="mixtral_8x7b:fp8:grouped_gemm qwen3_30b_a3b:none:grouped_gemm" for issue 3's
-# decode points.
+# decode points; the tensor pipe's active cycles printed too (NCU_TOKENS=16384
+# NCU_CASES="deepseek_v3:nvfp4:_ws_fp4" for the 4-bit prefill GEMMs: where their rate a clock
+# goes, NOTES fourteenth session).
 # c4x: four consumer warpgroups at 4-bit decode (MOE_OPS_WS_FP4_CONSUMERS=4: a tile of 256
 # weight rows, 20 warps at 96-112 registers a thread, no spills at sm_90) against the default
 # rule and the mixed counts 4,3 / 3,4, DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 1-64;
@@ -496,11 +498,12 @@ if [[ "$what" == ncu4l ]]; then
     name="ncu_layer_$m"; [[ -n "${NCU_CASES:-}" ]] && name="ncu_layer_${m}_${q}_$tokens"
     name="$name${NCU_TAG:+_$NCU_TAG}"
     timeout 160 ncu -k "regex:$kernel" -c 2 --section SpeedOfLight --section WarpStateStats \
-      --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats --csv \
+      --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats \
+      --metrics sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active --csv \
       --page details python3 benchmarks/profile_layer.py --models "$m" --quant "$q" \
       --tokens "$tokens" --calls 1 > "$out/$name.csv" 2> "$out/$name.log" || status=1
     echo "$m $q T = $tokens"
-    grep -E '"(Duration|DRAM Throughput|Memory Throughput|Executed Ipc Active|Issue Slots Busy|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|Grid Size|Registers Per Thread|L2 Hit Rate|Mem Busy|Max Bandwidth)"' \
+    grep -E '"(sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active|Duration|DRAM Throughput|Memory Throughput|Executed Ipc Active|Issue Slots Busy|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|Grid Size|Registers Per Thread|L2 Hit Rate|Mem Busy|Max Bandwidth)"' \
       "$out/$name.csv" | awk -F'","' '{print $5 " | " $(NF-2) " | " $NF}' | cut -c1-120
   done
 fi
