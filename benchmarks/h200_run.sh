@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|quarter|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -114,6 +114,11 @@
 # against PERFORMANCE.md's 695 TFLOP/s (a median of short do_bench runs); about 2 minutes.
 # CLOCK_CASES="model:quant:T ..." other layers; CLOCK_MATMUL="bf16 fp8" (the fp8 one
 # torch._scaled_mm on e4m3, against 1274 TFLOP/s) or 0 (none).
+# quarter: the 128-slot form's quarter blocks (ws_fp4.QUARTER_BLOCKS, written without a GPU):
+# its GPU tests (against the whole blocks, the path taken, the experts call against the
+# oracle), compute-sanitizer on one of them, then DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at
+# T = 2048 / 4096 / 8192 / 16384 with MOE_OPS_WS_FP4_QUARTER_BLOCKS 1 / 0 alternated (two
+# passes); about 8 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
@@ -621,6 +626,20 @@ print(f'{kind} 8192^3 matmul sustained {2 * 8192 ** 3 * n / dt / 1e12:.0f} TFLOP
       --no-bf16-peer --no-plot --peers torch --deadline-s 40 --budget-ms 3000 --listed-only \
       --models "$model" \
       --quant "$quant" --tokens "$tokens" --out "$out/clocks_${model}_${quant}_$tokens.json"
+  done
+fi
+if [[ "$what" == quarter ]]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py -k quarter \
+    > "$out/pytest_quarter.log" 2>&1 || status=1
+  echo "ws_fp4 quarter-block tests"; tail -n 1 "$out/pytest_quarter.log"
+  timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q \
+    -p no:cacheprovider tests/test_ws_fp4.py -k "quarter_blocks_match and nvfp4" \
+    > "$out/sanitize_quarter.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|passed|failed" "$out/sanitize_quarter.log" | tail -n 2
+  for arm in 1:a 0:a 0:b 1:b; do
+    layer_arm "ab_quarter_${arm%%:*}_${arm##*:}" 60 9 MOE_OPS_WS_FP4_QUARTER_BLOCKS=${arm%%:*} \
+      -- "${FP4_DECODE[@]}" --tokens 2048 4096 8192 16384
+    grep -i "fail\|error" "$out/ab_quarter_${arm%%:*}_${arm##*:}.log" | head -n 3
   done
 fi
 if [[ "$what" == tune4 ]]; then

@@ -601,6 +601,103 @@ def test_half_blocks_build():
         assert int(shared) <= 227 * 1024, (early, gemm, quant, shared)
 
 
+QUARTER_BUILDS = """
+import sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops
+from moe_ops.kernels import ws_fp4
+for early, gemm, act, bias, quant in ((True, 1, "swiglu_oai", True, "mxfp4"),
+                                      (False, 2, "none", False, "nvfp4")):
+    kernel = ws_fp4.compile_sm90(gemm=gemm, activation=act, has_bias=bias, quant=quant,
+                                 slots=128, early=early, half_blocks=True, quarter_blocks=True)
+    found = []
+    for shape in ("64x128x16", "64x64x16", "64x32x16"):
+        with_shape = [b for b in loops(kernel) if any("HGMMA." + shape in i for i in b)]
+        found += sorted(with_shape, key=len)[:2]
+        print(len(with_shape), end=" ")
+    local = max(sum(i.split()[0].startswith(("LDL", "STL")) for i in b) for b in found)
+    print(early, gemm, quant, local, kernel.metadata.shared)
+"""
+
+
+def test_quarter_blocks_build():
+    """QUARTER_BLOCKS builds for sm_90 (the early epilogue and the late one, both GEMMs, nvfp4
+    and mxfp4): each consumer gets its whole-block, half-block and quarter-block K loops
+    (m64n128k16, m64n64k16, m64n32k16), none with a local access, within a block's shared
+    memory."""
+    rows, done = sm90_script_rows(QUARTER_BUILDS)
+    assert len(rows) == 2, done.stdout
+    for whole, half, quarter, early, gemm, quant, local, shared in rows:
+        assert min(int(whole), int(half), int(quarter)) >= 2, (early, gemm, quant, rows)
+        assert local == "0", (early, gemm, quant)
+        assert int(shared) <= 227 * 1024, (early, gemm, quant, shared)
+
+
+@needs_hopper
+@pytest.mark.parametrize("quant,early", [("nvfp4", True), ("mxfp4", False)])
+def test_quarter_blocks_match_whole_blocks(quant, early):
+    """MOE_OPS_WS_FP4_QUARTER_BLOCKS: a 128-slot block whose slots from 32 on are padding runs
+    m64n32k16 wgmmas on its first 32 slots: both GEMMs (GEMM1 with swiglu_oai and its bias)
+    agree with the whole-block kernel to bf16 rounding and write the same rows (NaN-poisoned
+    outputs, one row past the pairs) on a dispatch whose experts end in blocks of up to 32
+    rows and of 33-64 (random routing of 576 tokens: 144 rows an expert on average)."""
+    T = 576
+    ids, runs = gemms_both_ways(quant, T, 128, 43, [
+        dict(early=early, half_blocks=False),
+        dict(early=early, half_blocks=True, quarter_blocks=True)])
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=8)
+    assert ((counts % 128 > 0) & (counts % 128 <= 32)).any(), counts
+    for gemm, (whole, quarters) in runs:
+        assert torch.equal(whole.isnan(), quarters.isnan()), f"GEMM{gemm}: written rows differ"
+        torch.testing.assert_close(quarters.nan_to_num(0.0).float(),
+                                   whole.nan_to_num(0.0).float(), rtol=1.6e-2, atol=1e-3)
+        if gemm == 2:
+            assert torch.isfinite(whole[:T * 2]).all() and torch.isnan(whole[T * 2]).all()
+
+
+@needs_hopper
+def test_quarter_blocks_do_take_the_quarter_path():
+    """The quarter path runs where slot 32 of a block is padding: a dispatch edited so that such
+    a block's slot 33 holds a pair (which moe_align never does) gets GEMM1's row 33 written by
+    the half-block kernel and left unwritten by the quarter-block one."""
+    edited = []
+
+    def put_a_pair_past_padding(sorted_pair_ids):
+        blocks = sorted_pair_ids[:sorted_pair_ids.numel() // 128 * 128].view(-1, 128)
+        quarter = (blocks[:, 0] < 2 * 576) & (blocks[:, 32] >= 2 * 576)
+        block = int(quarter.nonzero()[0, 0])
+        sorted_pair_ids[block * 128 + 33] = 0
+        edited.append(block * 128 + 33)
+
+    _, runs = gemms_both_ways("nvfp4", 576, 128, 43, [
+        dict(half_blocks=True), dict(half_blocks=True, quarter_blocks=True)],
+        gemms=(1, ), edit_dispatch=put_a_pair_past_padding)
+    (_, (halves, quarters)), = runs
+    slot = edited[0]
+    assert torch.isfinite(halves[slot].float()).all(), "the half-block kernel skipped the slot"
+    assert torch.isnan(quarters[slot].float()).all(), "the quarter path did not run"
+
+
+@needs_hopper
+@pytest.mark.parametrize("quant,activation,bias,H,I", [
+    ("nvfp4", "swiglu", False, 768, 256), ("mxfp4", "swiglu_oai", True, 1024, 512)])
+def test_experts_with_quarter_blocks(quant, activation, bias, H, I, monkeypatch, gemm_calls,
+                                     poisoned_empty):
+    """The experts call on the 128-slot form with quarter blocks on (144 rows an expert on
+    average: most experts end in a block of up to 32 rows) against the oracle."""
+    monkeypatch.setattr(experts_mod, "WS_FP4", "1")
+    monkeypatch.setattr(experts_mod, "WS_FP4_WIDE_MIN_ROWS", 32)
+    monkeypatch.setattr(ws_fp4, "QUARTER_BLOCKS", True)
+    if quant == "mxfp4":
+        monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
+    calls = gemm_calls(ws_fp4, "gemm", record="slots")
+    ckpt, kernel, x, ids, weights = make_case(quant, 576, H, I, 8, 2, activation=activation,
+                                              bias=bias, seed=47, offset=1, num_global=10,
+                                              invalid_ids=True)
+    run_and_check(quant, ckpt, kernel, x, ids, weights, activation=activation, offset=1)
+    assert calls == [128] * 2, calls
+
+
 @needs_hopper
 @pytest.mark.parametrize("quant,early", [("nvfp4", False), ("mxfp4", False), ("nvfp4", True)])
 def test_half_blocks_match_whole_blocks(quant, early):

@@ -215,6 +215,15 @@ EARLY_EPILOGUE = env_choice("MOE_OPS_WS_FP4_EARLY_EPILOGUE", "1", ("0", "1")) ==
 # 4033 / 7568. So on, and the form taken from 64 rows (experts.WS_FP4_WIDE_MIN_ROWS;
 # MOE_OPS_WS_FP4_HALF_BLOCKS=0: whole blocks always).
 HALF_BLOCKS = env_choice("MOE_OPS_WS_FP4_HALF_BLOCKS", "1", ("0", "1")) == "1"
+# ... and quarter blocks: a block whose slots from 32 on are padding (an expert's last block of
+# 32 routed rows or fewer) runs m64n32k16 wgmmas on its first 32 (the kernel's HALF_BLOCKS
+# level 2). Why: the 4-bit prefill GEMMs run at the board's power limit (NOTES, fourteenth
+# session: every sustained prefill layer at 691-693 W, the SM clock at ~1635 MHz), so MMA work
+# on padding slots costs time even where the consumers wait on other things; at DeepSeek-V3
+# T = 4096 (128 +- 11 rows an expert) about half the experts end in a block of 1-20 rows, which
+# the half blocks run at n64: their MMA work halves again. Not yet measured: off unless
+# MOE_OPS_WS_FP4_QUARTER_BLOCKS=1 (with HALF_BLOCKS).
+QUARTER_BLOCKS = env_choice("MOE_OPS_WS_FP4_QUARTER_BLOCKS", "0", ("0", "1")) == "1"
 # [slots, 64 columns] layouts of the epilogue: gate/up pairs in one thread (GEMM1's
 # activation), and 8 consecutive columns a thread (16-byte stores of GEMM2's rows)
 PAIRS_LAYOUT = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
@@ -541,6 +550,11 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     mma_half: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 64, 16])
     DOT_HALF: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_half, k_width=2)
+    # (HALF_BLOCKS 2) quarter blocks: the first 32 slots
+    mma_quarter: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, 32, 16])
+    DOT_QUARTER: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_quarter,
+                                                    k_width=2)
     gl.static_assert(HALF_BLOCKS == 0 or (BM == 128 and PIPELINE == 0))
     gl.static_assert(FMT != 2 or (BM == 16 and PIPELINE == 0))    # fp8: decode's serial form
     # SPLIT_K: GEMM2's decode form, serial consumers, the early epilogue
@@ -646,18 +660,41 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                         _epilogue_late(acc, expert, pid_m * BM, n0, ptrs, sizes, strides, mma,
                                        ACTIVATION, HAS_BIAS, FMT)
                 else:
-                    # a half block: the first 64 slots' wgmmas only, their piece written (its
-                    # own names: a variable both branches assign must keep its type)
-                    half_acc = gl.zeros([64, 64], gl.float32, mma_half)
-                    half_acc, index, phase = _plain_k_loop(
-                        half_acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, steps,
-                        HALF, DOT_HALF, FMT, TAIL)
-                    if EARLY:
-                        _epilogue_early(half_acc, scale, shift, terms0, terms1, n0, ptrs,
-                                        strides, alpha, limit, ACTIVATION, HAS_BIAS, FMT)
+                    if HALF_BLOCKS == 2:
+                        # (see QUARTER_BLOCKS) slot 32 padding: a quarter block
+                        past_quarter = live_block(sorted_pair_ids_ptr, pid_m * 4 + 1, num_pairs,
+                                                  32)
                     else:
-                        _epilogue_late(half_acc, expert, pid_m * BM, n0, ptrs, sizes,
-                                       strides, mma_half, ACTIVATION, HAS_BIAS, FMT)
+                        past_quarter: gl.constexpr = True    # (no quarter path built)
+                    if past_quarter:
+                        # a half block: the first 64 slots' wgmmas only, their piece written
+                        # (its own names: a variable both branches assign must keep its type)
+                        half_acc = gl.zeros([64, 64], gl.float32, mma_half)
+                        half_acc, index, phase = _plain_k_loop(
+                            half_acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, steps,
+                            HALF, DOT_HALF, FMT, TAIL)
+                        if EARLY:
+                            _epilogue_early(half_acc, scale, shift, terms0, terms1, n0, ptrs,
+                                            strides, alpha, limit, ACTIVATION, HAS_BIAS, FMT)
+                        else:
+                            _epilogue_late(half_acc, expert, pid_m * BM, n0, ptrs, sizes,
+                                           strides, mma_half, ACTIVATION, HAS_BIAS, FMT)
+                    else:
+                        quarter_acc = gl.zeros([64, 32], gl.float32, mma_quarter)
+                        if EARLY:
+                            # (the first 32 slots' terms: the 64-slot ones' loads go unused)
+                            quarter_terms = _slot_terms(pid_m * BM, 32, sorted_pair_ids_ptr,
+                                                        topk_weights_ptr, num_pairs, ACTIVATION)
+                        quarter_acc, index, phase = _plain_k_loop(
+                            quarter_acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
+                            steps, HALF, DOT_QUARTER, FMT, TAIL)
+                        if EARLY:
+                            _epilogue_early(quarter_acc, scale, shift, quarter_terms,
+                                            quarter_terms, n0, ptrs, strides, alpha, limit,
+                                            ACTIVATION, HAS_BIAS, FMT)
+                        else:
+                            _epilogue_late(quarter_acc, expert, pid_m * BM, n0, ptrs, sizes,
+                                           strides, mma_quarter, ACTIVATION, HAS_BIAS, FMT)
 
 
 @gluon.jit
@@ -997,7 +1034,7 @@ def default_pipeline(slots: int, quant: str = "nvfp4") -> bool:
 def _constants(*, gemm: int, activation: str, has_bias: bool, consumers: int, quant: str,
                slots: int, align_m: int, pipelined: bool, partial_n: bool,
                early: Optional[bool], half_blocks: Optional[bool], split: int,
-               tail: int) -> dict:
+               tail: int, quarter_blocks: Optional[bool] = None) -> dict:
     """The kernel's compile-time arguments of a launch (gemm() and compile_sm90 alike)."""
     consumer_regs, producer_regs, _ = REGISTERS[consumers]
     return dict(ALIGN_M=align_m, STAGES=_stages(quant, slots, consumers),
@@ -1006,8 +1043,19 @@ def _constants(*, gemm: int, activation: str, has_bias: bool, consumers: int, qu
                 PRODUCER_REGS=producer_regs, PIPELINE=int(pipelined), FMT=FMT[quant],
                 PARTIAL_N=int(partial_n),
                 EARLY=int(EARLY_EPILOGUE if early is None else early),
-                HALF_BLOCKS=int((HALF_BLOCKS if half_blocks is None else half_blocks)
-                                and slots == WIDE_SLOTS), SPLIT=split, TAIL=tail)
+                HALF_BLOCKS=_half_blocks_level(slots, half_blocks, quarter_blocks), SPLIT=split,
+                TAIL=tail)
+
+
+def _half_blocks_level(slots: int, half_blocks: Optional[bool],
+                       quarter_blocks: Optional[bool]) -> int:
+    """The kernel's HALF_BLOCKS: 0 whole blocks always, 1 half blocks (HALF_BLOCKS), 2 half and
+    quarter blocks (QUARTER_BLOCKS, with the half ones); the 128-slot form only."""
+    half = HALF_BLOCKS if half_blocks is None else half_blocks
+    quarter = QUARTER_BLOCKS if quarter_blocks is None else quarter_blocks
+    if slots != WIDE_SLOTS or not half:
+        return 0
+    return 2 if quarter else 1
 
 
 def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tensor,
@@ -1043,7 +1091,8 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
          consumers: Optional[int] = None, quant: str = "nvfp4", slots: int = BLOCK_M,
          pipeline: Optional[bool] = None, early: Optional[bool] = None,
          half_blocks: Optional[bool] = None, a_scale: Optional[torch.Tensor] = None,
-         split: int = 1, tail: Optional[bool] = None) -> None:
+         split: int = 1, tail: Optional[bool] = None,
+         quarter_blocks: Optional[bool] = None) -> None:
     """One nvfp4 / mxfp4 / fp8 GEMM over the dispatch's live blocks of `slots` rows (16:
     decode's form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers, 4-bit only; see the
     module docstring). 4-bit: a bf16 rows; w_global_scale the layout's row scale [E, N]
@@ -1053,7 +1102,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     consumers (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide
     form's). early: the epilogue's operands loaded before each tile's K loop (default:
     EARLY_EPILOGUE). half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other
-    forms never). split: GEMM2's K steps in `split` parts (SPLIT_K; decode's form, serial
+    forms never); quarter_blocks: with them its quarter blocks (default: QUARTER_BLOCKS). split: GEMM2's K steps in `split` parts (SPLIT_K; decode's form, serial
     consumers, the early epilogue), out [split * num_pairs, N] then holds part p's rows from
     row p * num_pairs (combine_pair_rows(..., splits=split) sums them). tail: the last K
     step's padding skipped where it can be (default: TAIL's rule; the 4-bit formats' plain
@@ -1165,7 +1214,8 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         **_constants(gemm=gemm, activation=activation, has_bias=bias is not None,
                      consumers=consumers, quant=quant, slots=slots,
                      align_m=routing.align_block_m, pipelined=pipelined,
-                     partial_n=N % bn != 0, early=early, half_blocks=half_blocks, split=split,
+                     partial_n=N % bn != 0, early=early, half_blocks=half_blocks,
+                     quarter_blocks=quarter_blocks, split=split,
                      tail=slices),
         num_warps=4, maxnreg=REGISTERS[consumers][2])
 
@@ -1173,7 +1223,8 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
 def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = False,
                  consumers: int = 2, pipeline: Optional[bool] = None, quant: str = "nvfp4",
                  slots: int = BLOCK_M, partial_n: bool = False, early: Optional[bool] = None,
-                 half_blocks: Optional[bool] = None, split: int = 1, tail: int = 16):
+                 half_blocks: Optional[bool] = None, split: int = 1, tail: int = 16,
+                 quarter_blocks: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter).
     tail: the last K step's slices (16, or 4 / 8: see TAIL)."""
     import triton
@@ -1200,7 +1251,8 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                         consumers=consumers, quant=quant, slots=slots, align_m=slots,
                         pipelined=(default_pipeline(slots, quant) if pipeline is None
                                    else pipeline),
-                        partial_n=partial_n, early=early, half_blocks=half_blocks, split=split,
+                        partial_n=partial_n, early=early, half_blocks=half_blocks,
+                        quarter_blocks=quarter_blocks, split=split,
                         tail=tail)
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
