@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|quarter|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|quartert|quartera|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -114,11 +114,13 @@
 # against PERFORMANCE.md's 695 TFLOP/s (a median of short do_bench runs); about 2 minutes.
 # CLOCK_CASES="model:quant:T ..." other layers; CLOCK_MATMUL="bf16 fp8" (the fp8 one
 # torch._scaled_mm on e4m3, against 1274 TFLOP/s) or 0 (none).
-# quarter: the 128-slot form's quarter blocks (ws_fp4.QUARTER_BLOCKS, written without a GPU):
-# its GPU tests (against the whole blocks, the path taken, the experts call against the
-# oracle), compute-sanitizer on one of them, then DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at
-# T = 2048 / 4096 / 8192 / 16384 with MOE_OPS_WS_FP4_QUARTER_BLOCKS 1 / 0 alternated (two
-# passes); about 8 minutes.
+# quartert: the 128-slot form's quarter blocks and 32-row activation boxes
+# (ws_fp4.QUARTER_BLOCKS, SMALL_X_BOXES, written without a GPU): their GPU tests (against the
+# whole blocks, the quarter path taken, the experts call against the oracle), compute-sanitizer
+# on one of them; about 3 minutes.
+# quartera: DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 2048 / 4096 / 8192 / 16384 with
+# MOE_OPS_WS_FP4_QUARTER_BLOCKS / MOE_OPS_WS_FP4_SMALL_X_BOXES 0,0 / 1,0 / 1,1 (QUARTER_ARMS
+# "q:s:pass ..." others), the off arm twice; about 7 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
@@ -628,18 +630,21 @@ print(f'{kind} 8192^3 matmul sustained {2 * 8192 ** 3 * n / dt / 1e12:.0f} TFLOP
       --quant "$quant" --tokens "$tokens" --out "$out/clocks_${model}_${quant}_$tokens.json"
   done
 fi
-if [[ "$what" == quarter ]]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py -k quarter \
+if [[ "$what" == quartert ]]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py -k quarter \
     > "$out/pytest_quarter.log" 2>&1 || status=1
   echo "ws_fp4 quarter-block tests"; tail -n 1 "$out/pytest_quarter.log"
-  timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q \
-    -p no:cacheprovider tests/test_ws_fp4.py -k "quarter_blocks_match and nvfp4" \
+  timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q \
+    -p no:cacheprovider tests/test_ws_fp4.py -k "quarter_blocks_match and mxfp4" \
     > "$out/sanitize_quarter.log" 2>&1 || status=1
   grep -E "ERROR SUMMARY|passed|failed" "$out/sanitize_quarter.log" | tail -n 2
-  for arm in 1:a 0:a 0:b 1:b; do
-    layer_arm "ab_quarter_${arm%%:*}_${arm##*:}" 60 9 MOE_OPS_WS_FP4_QUARTER_BLOCKS=${arm%%:*} \
-      -- "${FP4_DECODE[@]}" --tokens 2048 4096 8192 16384
-    grep -i "fail\|error" "$out/ab_quarter_${arm%%:*}_${arm##*:}.log" | head -n 3
+fi
+if [[ "$what" == quartera ]]; then
+  for arm in ${QUARTER_ARMS:-0:0:a 1:0:a 1:1:a 0:0:b 1:1:b}; do
+    IFS=: read -r q sx pass <<< "$arm"
+    layer_arm "ab_quarter_${q}${sx}_$pass" 80 9 MOE_OPS_WS_FP4_QUARTER_BLOCKS=$q \
+      MOE_OPS_WS_FP4_SMALL_X_BOXES=$sx -- "${FP4_DECODE[@]}" --tokens 2048 4096 8192 16384
+    grep -i "fail\|error" "$out/ab_quarter_${q}${sx}_$pass.log" | head -n 3
   done
 fi
 if [[ "$what" == tune4 ]]; then

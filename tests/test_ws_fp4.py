@@ -606,10 +606,11 @@ import sys
 sys.path.insert(0, "benchmarks")
 from aot_sm90 import loops
 from moe_ops.kernels import ws_fp4
-for early, gemm, act, bias, quant in ((True, 1, "swiglu_oai", True, "mxfp4"),
-                                      (False, 2, "none", False, "nvfp4")):
+for early, gemm, act, bias, quant, tail, small in (
+        (True, 1, "swiglu_oai", True, "mxfp4", 4, True), (False, 2, "none", False, "nvfp4", 16, False)):
     kernel = ws_fp4.compile_sm90(gemm=gemm, activation=act, has_bias=bias, quant=quant,
-                                 slots=128, early=early, half_blocks=True, quarter_blocks=True)
+                                 slots=128, early=early, half_blocks=True, quarter_blocks=True,
+                                 tail=tail, small_x_boxes=small)
     found = []
     for shape in ("64x128x16", "64x64x16", "64x32x16"):
         with_shape = [b for b in loops(kernel) if any("HGMMA." + shape in i for i in b)]
@@ -622,9 +623,9 @@ for early, gemm, act, bias, quant in ((True, 1, "swiglu_oai", True, "mxfp4"),
 
 def test_quarter_blocks_build():
     """QUARTER_BLOCKS builds for sm_90 (the early epilogue and the late one, both GEMMs, nvfp4
-    and mxfp4): each consumer gets its whole-block, half-block and quarter-block K loops
-    (m64n128k16, m64n64k16, m64n32k16), none with a local access, within a block's shared
-    memory."""
+    and mxfp4, the latter with gpt-oss-120b's tail step and SMALL_X_BOXES): each consumer gets
+    its whole-block, half-block and quarter-block K loops (m64n128k16, m64n64k16, m64n32k16),
+    none with a local access, within a block's shared memory."""
     rows, done = sm90_script_rows(QUARTER_BUILDS)
     assert len(rows) == 2, done.stdout
     for whole, half, quarter, early, gemm, quant, local, shared in rows:
@@ -634,17 +635,20 @@ def test_quarter_blocks_build():
 
 
 @needs_hopper
-@pytest.mark.parametrize("quant,early", [("nvfp4", True), ("mxfp4", False)])
-def test_quarter_blocks_match_whole_blocks(quant, early):
+@pytest.mark.parametrize("quant,early,quarter,small", [
+    ("nvfp4", True, True, False), ("mxfp4", False, True, True), ("nvfp4", False, False, True)])
+def test_quarter_blocks_match_whole_blocks(quant, early, quarter, small):
     """MOE_OPS_WS_FP4_QUARTER_BLOCKS: a 128-slot block whose slots from 32 on are padding runs
-    m64n32k16 wgmmas on its first 32 slots: both GEMMs (GEMM1 with swiglu_oai and its bias)
-    agree with the whole-block kernel to bf16 rounding and write the same rows (NaN-poisoned
-    outputs, one row past the pairs) on a dispatch whose experts end in blocks of up to 32
-    rows and of 33-64 (random routing of 576 tokens: 144 rows an expert on average)."""
+    m64n32k16 wgmmas on its first 32 slots; MOE_OPS_WS_FP4_SMALL_X_BOXES: the activations come
+    in 32-row boxes, those of the rows the block's path reads only. Both GEMMs (GEMM1 with
+    swiglu_oai and its bias) agree with the whole-block kernel to bf16 rounding and write the
+    same rows (NaN-poisoned outputs, one row past the pairs) on a dispatch whose experts end in
+    blocks of up to 32 rows and of 33-64 (random routing of 576 tokens: 144 rows an expert on
+    average)."""
     T = 576
     ids, runs = gemms_both_ways(quant, T, 128, 43, [
         dict(early=early, half_blocks=False),
-        dict(early=early, half_blocks=True, quarter_blocks=True)])
+        dict(early=early, half_blocks=True, quarter_blocks=quarter, small_x_boxes=small)])
     counts = torch.bincount(ids.reshape(-1).long(), minlength=8)
     assert ((counts % 128 > 0) & (counts % 128 <= 32)).any(), counts
     for gemm, (whole, quarters) in runs:
@@ -679,15 +683,17 @@ def test_quarter_blocks_do_take_the_quarter_path():
 
 
 @needs_hopper
-@pytest.mark.parametrize("quant,activation,bias,H,I", [
-    ("nvfp4", "swiglu", False, 768, 256), ("mxfp4", "swiglu_oai", True, 1024, 512)])
-def test_experts_with_quarter_blocks(quant, activation, bias, H, I, monkeypatch, gemm_calls,
-                                     poisoned_empty):
+@pytest.mark.parametrize("quant,activation,bias,H,I,small", [
+    ("nvfp4", "swiglu", False, 768, 256, False), ("mxfp4", "swiglu_oai", True, 1024, 512, True)])
+def test_experts_with_quarter_blocks(quant, activation, bias, H, I, small, monkeypatch,
+                                     gemm_calls, poisoned_empty):
     """The experts call on the 128-slot form with quarter blocks on (144 rows an expert on
-    average: most experts end in a block of up to 32 rows) against the oracle."""
+    average: most experts end in a block of up to 32 rows), and with the 32-row activation
+    boxes (SMALL_X_BOXES), against the oracle."""
     monkeypatch.setattr(experts_mod, "WS_FP4", "1")
     monkeypatch.setattr(experts_mod, "WS_FP4_WIDE_MIN_ROWS", 32)
     monkeypatch.setattr(ws_fp4, "QUARTER_BLOCKS", True)
+    monkeypatch.setattr(ws_fp4, "SMALL_X_BOXES", small)
     if quant == "mxfp4":
         monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
     calls = gemm_calls(ws_fp4, "gemm", record="slots")

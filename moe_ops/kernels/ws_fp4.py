@@ -224,6 +224,13 @@ HALF_BLOCKS = env_choice("MOE_OPS_WS_FP4_HALF_BLOCKS", "1", ("0", "1")) == "1"
 # the half blocks run at n64: their MMA work halves again. Not yet measured: off unless
 # MOE_OPS_WS_FP4_QUARTER_BLOCKS=1 (with HALF_BLOCKS).
 QUARTER_BLOCKS = env_choice("MOE_OPS_WS_FP4_QUARTER_BLOCKS", "0", ("0", "1")) == "1"
+# ... and the activation rows those blocks read only: the 128-slot form's activations loaded in
+# four 32-row TMA boxes a K step, of which a half block takes two and a quarter block one (the
+# kernel's X_BOXES 4), instead of one 128-row box whatever the block's live rows (64 KB a step:
+# at the power limit the L2's traffic is energy too). Not yet measured: off unless
+# MOE_OPS_WS_FP4_SMALL_X_BOXES=1 (with HALF_BLOCKS).
+SMALL_X_BOXES = env_choice("MOE_OPS_WS_FP4_SMALL_X_BOXES", "0", ("0", "1")) == "1"
+X_BOX_ROWS = 32
 # [slots, 64 columns] layouts of the epilogue: gate/up pairs in one thread (GEMM1's
 # activation), and 8 consecutive columns a thread (16-byte stores of GEMM2's rows)
 PAIRS_LAYOUT = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
@@ -370,7 +377,8 @@ def _load_rows(w_desc, s_desc, row, kb, bar, w_buf, s_buf, FMT: gl.constexpr):
 @gluon.jit
 def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, FMT: gl.constexpr,
-              PARTIAL_N: gl.constexpr, TILE_N: gl.constexpr, SPLIT: gl.constexpr):
+              PARTIAL_N: gl.constexpr, TILE_N: gl.constexpr, SPLIT: gl.constexpr,
+              HALF_BLOCKS: gl.constexpr = 0):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     sorted_pair_ids_ptr = ptrs[3]
@@ -383,6 +391,8 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     BOX: gl.constexpr = w_desc.block_type.shape[0]
     BOXES: gl.constexpr = BN // BOX
     STEP: gl.constexpr = x_desc.block_type.shape[1]     # K columns a step (fp8 128, 4-bit 256)
+    X_BOX: gl.constexpr = x_desc.block_type.shape[0]    # (SMALL_X_BOXES: 32 of BM's 128)
+    X_BYTES: gl.constexpr = x_desc.block_type.nbytes
     # a box's bytes: its weight rows and (4-bit) their block scales
     BOX_BYTES: gl.constexpr = (w_desc.block_type.nbytes if FMT == 2
                                else w_desc.block_type.nbytes + s_desc.block_type.nbytes)
@@ -402,10 +412,32 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
             row0 = expert * N + (tile % num_n) * BN
             # (BOXES > 1: the tile's boxes holding rows before N; N is a multiple of BOX)
             boxes_live = gl.minimum((N - (tile % num_n) * BN) // BOX, BOXES)
+            if X_BOX < BM:
+                # (SMALL_X_BOXES) the activation boxes the consumers' path reads: 4 for a whole
+                # block, 2 for a half one, 1 for a quarter one (HALF_BLOCKS 2; each expert's
+                # padding follows its pairs)
+                whole = live_block(sorted_pair_ids_ptr, pid_m * 2 + 1, num_pairs, 64)
+                if HALF_BLOCKS == 2:
+                    past_quarter = live_block(sorted_pair_ids_ptr, pid_m * 4 + 1, num_pairs, 32)
+                    x_live = 1 + past_quarter.to(gl.int32) + 2 * whole.to(gl.int32)
+                else:
+                    x_live = 2 + 2 * whole.to(gl.int32)
             for kb in range(kb0, kb1):
                 mbarrier.wait(empty.index(index), phase)
                 bar = ready.index(index)
-                if BOXES == 1:
+                if X_BOX < BM:
+                    # (SMALL_X_BOXES: the 128-slot form, one weight box) x_live activation
+                    # boxes, one static branch a count (the expected bytes a constant)
+                    for i in gl.static_range(3):
+                        if x_live == (1 << i):
+                            mbarrier.expect(bar, BOX_BYTES + (1 << i) * X_BYTES)
+                            _load_rows(w_desc, s_desc, row0, kb, bar, w_bufs.index(index),
+                                       s_bufs.index(index), FMT)
+                            for b in gl.static_range(1 << i):
+                                tma.async_copy_global_to_shared(
+                                    x_desc, [pid_m * BM + b * X_BOX, kb * STEP], bar,
+                                    x_bufs.index(index).slice(b * X_BOX, X_BOX, dim=0))
+                elif BOXES == 1:
                     # the tile's one box, whole (a partial last tile's rows past N belong to
                     # the next expert, or lie past the end, where TMA fills zeros and still
                     # counts the box's bytes; their consumers never read them)
@@ -423,8 +455,9 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                                 _load_rows(w_desc, s_desc, row0 + b * BOX, kb, bar,
                                            w_bufs.index(index).slice(b * BOX, BOX, dim=0),
                                            s_bufs.index(index).slice(b * BOX, BOX, dim=0), FMT)
-                tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kb * STEP], bar,
-                                                x_bufs.index(index))
+                if X_BOX == BM:
+                    tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kb * STEP], bar,
+                                                    x_bufs.index(index))
                 index, phase = ring_next(index, phase, STAGES)
 
 
@@ -685,9 +718,11 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                             # (the first 32 slots' terms: the 64-slot ones' loads go unused)
                             quarter_terms = _slot_terms(pid_m * BM, 32, sorted_pair_ids_ptr,
                                                         topk_weights_ptr, num_pairs, ACTIVATION)
+                        # (the whole last step: with mxfp4's tail step one consumer's quarter
+                        # loop spilled at sm_90)
                         quarter_acc, index, phase = _plain_k_loop(
                             quarter_acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase,
-                            steps, HALF, DOT_QUARTER, FMT, TAIL)
+                            steps, HALF, DOT_QUARTER, FMT)
                         if EARLY:
                             _epilogue_early(quarter_acc, scale, shift, quarter_terms,
                                             quarter_terms, n0, ptrs, strides, alpha, limit,
@@ -829,7 +864,7 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                    HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, FMT: gl.constexpr,
                    PARTIAL_N: gl.constexpr, EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr,
-                   SPLIT: gl.constexpr = 1, TAIL: gl.constexpr = 16):
+                   SPLIT: gl.constexpr = 1, TAIL: gl.constexpr = 16, X_BOXES: gl.constexpr = 1):
     # a ring slot holds the tile's TILE_N = CONSUMERS x 64 weight rows (in a buffer of the next
     # power of two: three consumers' 192 rows take 256), loaded in boxes of the descriptors'
     # rows (the whole tile's but for three consumers: a TMA box is a power of two)
@@ -843,8 +878,10 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
         s_bufs = gl.allocate_shared_memory(s_desc.dtype,
                                            [STAGES, BUF_N] + s_desc.block_type.shape[1:],
                                            s_desc.layout)
-    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
-                                       x_desc.layout)
+    # (SMALL_X_BOXES: X_BOXES activation boxes a ring slot)
+    x_bufs = gl.allocate_shared_memory(
+        x_desc.dtype, [STAGES, X_BOXES * x_desc.block_type.shape[0], x_desc.block_type.shape[1]],
+        x_desc.layout)
     ready, empty = ring_barriers(STAGES, CONSUMERS)
     descs = (w_desc, s_desc, x_desc)
     smem = (w_bufs, s_bufs, x_bufs, ready, empty)
@@ -864,7 +901,7 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                            PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
                            TAIL)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
-                         FMT, PARTIAL_N, TILE_N, SPLIT)),
+                         FMT, PARTIAL_N, TILE_N, SPLIT, HALF_BLOCKS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 3:
         gl.warp_specialize([
@@ -878,7 +915,7 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                            PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
                            TAIL)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
-                         FMT, PARTIAL_N, TILE_N, SPLIT)),
+                         FMT, PARTIAL_N, TILE_N, SPLIT, HALF_BLOCKS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -895,19 +932,30 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                            PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
                            TAIL)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
-                         FMT, PARTIAL_N, TILE_N, SPLIT)),
+                         FMT, PARTIAL_N, TILE_N, SPLIT, HALF_BLOCKS)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _layouts(slots: int = BLOCK_M, quant: str = "nvfp4", box: int = ROWS):
+def _layouts(slots: int = BLOCK_M, quant: str = "nvfp4", box: int = ROWS,
+             x_rows: Optional[int] = None):
     if quant == "fp8":
         w_layout = gl.NVMMASharedLayout.get_default_for([box, FP8_BLOCK_K], gl.float8e4nv)
         x_layout = gl.NVMMASharedLayout.get_default_for([slots, FP8_BLOCK_K], gl.float16)
         return w_layout, w_layout, x_layout
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
     s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-    x_layout = gl.NVMMASharedLayout.get_default_for([slots, BLOCK_K], gl.bfloat16)
+    x_layout = gl.NVMMASharedLayout.get_default_for([x_rows or slots, BLOCK_K], gl.bfloat16)
     return w_layout, s_layout, x_layout
+
+
+def x_box_rows(slots: int, half_blocks: Optional[bool] = None,
+               small_x_boxes: Optional[bool] = None) -> int:
+    """Rows of a 4-bit form's activation TMA box: the tile's slots, or X_BOX_ROWS for the
+    128-slot form with half blocks and SMALL_X_BOXES."""
+    small = SMALL_X_BOXES if small_x_boxes is None else small_x_boxes
+    if small and _half_blocks_level(slots, half_blocks, None) > 0:
+        return X_BOX_ROWS
+    return slots
 
 
 def _stages(quant: str, slots: int, consumers: int) -> int:
@@ -1034,7 +1082,8 @@ def default_pipeline(slots: int, quant: str = "nvfp4") -> bool:
 def _constants(*, gemm: int, activation: str, has_bias: bool, consumers: int, quant: str,
                slots: int, align_m: int, pipelined: bool, partial_n: bool,
                early: Optional[bool], half_blocks: Optional[bool], split: int,
-               tail: int, quarter_blocks: Optional[bool] = None) -> dict:
+               tail: int, quarter_blocks: Optional[bool] = None,
+               small_x_boxes: Optional[bool] = None) -> dict:
     """The kernel's compile-time arguments of a launch (gemm() and compile_sm90 alike)."""
     consumer_regs, producer_regs, _ = REGISTERS[consumers]
     return dict(ALIGN_M=align_m, STAGES=_stages(quant, slots, consumers),
@@ -1044,7 +1093,7 @@ def _constants(*, gemm: int, activation: str, has_bias: bool, consumers: int, qu
                 PARTIAL_N=int(partial_n),
                 EARLY=int(EARLY_EPILOGUE if early is None else early),
                 HALF_BLOCKS=_half_blocks_level(slots, half_blocks, quarter_blocks), SPLIT=split,
-                TAIL=tail)
+                TAIL=tail, X_BOXES=slots // x_box_rows(slots, half_blocks, small_x_boxes))
 
 
 def _half_blocks_level(slots: int, half_blocks: Optional[bool],
@@ -1092,7 +1141,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
          pipeline: Optional[bool] = None, early: Optional[bool] = None,
          half_blocks: Optional[bool] = None, a_scale: Optional[torch.Tensor] = None,
          split: int = 1, tail: Optional[bool] = None,
-         quarter_blocks: Optional[bool] = None) -> None:
+         quarter_blocks: Optional[bool] = None, small_x_boxes: Optional[bool] = None) -> None:
     """One nvfp4 / mxfp4 / fp8 GEMM over the dispatch's live blocks of `slots` rows (16:
     decode's form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers, 4-bit only; see the
     module docstring). 4-bit: a bf16 rows; w_global_scale the layout's row scale [E, N]
@@ -1102,7 +1151,8 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     consumers (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide
     form's). early: the epilogue's operands loaded before each tile's K loop (default:
     EARLY_EPILOGUE). half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other
-    forms never); quarter_blocks: with them its quarter blocks (default: QUARTER_BLOCKS). split: GEMM2's K steps in `split` parts (SPLIT_K; decode's form, serial
+    forms never); quarter_blocks: with them its quarter blocks (default: QUARTER_BLOCKS);
+    small_x_boxes: with them the activations in 32-row boxes (default: SMALL_X_BOXES). split: GEMM2's K steps in `split` parts (SPLIT_K; decode's form, serial
     consumers, the early epilogue), out [split * num_pairs, N] then holds part p's rows from
     row p * num_pairs (combine_pair_rows(..., splits=split) sums them). tail: the last K
     step's padding skipped where it can be (default: TAIL's rule; the 4-bit formats' plain
@@ -1183,7 +1233,8 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
                          f"{'direct' if routing.direct else routing.align_block_m}")
     a = a.contiguous() if a.stride(-1) != 1 else a
     box = tma_box_rows(consumers)
-    w_layout, s_layout, x_layout = _layouts(slots, quant, box)
+    x_rows = x_box_rows(slots, half_blocks, small_x_boxes) if not fp8 else slots
+    w_layout, s_layout, x_layout = _layouts(slots, quant, box, x_rows)
     if fp8:
         w_desc = TensorDescriptor(w.view(E * N, K), [E * N, K], [K, 1], [box, FP8_BLOCK_K],
                                   w_layout)
@@ -1197,7 +1248,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         s_desc = TensorDescriptor(scales, [E * N, kp // group], [kp // group, 1], [box, 16],
                                   s_layout)
         x_desc = TensorDescriptor(a, [a.shape[0], a.shape[1]], [a.stride(0), 1],
-                                  [slots, BLOCK_K], x_layout)
+                                  [x_rows, BLOCK_K], x_layout)
     if programs is None:    # (after the checks: the refusals come before any device query)
         programs = device_properties(a.device).multi_processor_count
     if tail is None:
@@ -1215,7 +1266,8 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
                      consumers=consumers, quant=quant, slots=slots,
                      align_m=routing.align_block_m, pipelined=pipelined,
                      partial_n=N % bn != 0, early=early, half_blocks=half_blocks,
-                     quarter_blocks=quarter_blocks, split=split,
+                     quarter_blocks=quarter_blocks, small_x_boxes=small_x_boxes,
+                     split=split,
                      tail=slices),
         num_warps=4, maxnreg=REGISTERS[consumers][2])
 
@@ -1224,21 +1276,22 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                  consumers: int = 2, pipeline: Optional[bool] = None, quant: str = "nvfp4",
                  slots: int = BLOCK_M, partial_n: bool = False, early: Optional[bool] = None,
                  half_blocks: Optional[bool] = None, split: int = 1, tail: int = 16,
-                 quarter_blocks: Optional[bool] = None):
+                 quarter_blocks: Optional[bool] = None, small_x_boxes: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter).
     tail: the last K step's slices (16, or 4 / 8: see TAIL)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     box = tma_box_rows(consumers)
-    w_layout, s_layout, x_layout = _layouts(slots, quant, box)
+    x_rows = x_box_rows(slots, half_blocks, small_x_boxes) if quant != "fp8" else slots
+    w_layout, s_layout, x_layout = _layouts(slots, quant, box, x_rows)
     if quant == "fp8":
         w_type = s_type = f"tensordesc<fp8e4nv[{box}, {FP8_BLOCK_K}],{w_layout!r}>"
         x_type = f"tensordesc<fp16[{slots}, {FP8_BLOCK_K}],{x_layout!r}>"
     else:
         w_type = f"tensordesc<u8[{box}, 4, 32],{w_layout!r}>"
         s_type = f"tensordesc<u8[{box}, 16],{s_layout!r}>"
-        x_type = f"tensordesc<bf16[{slots}, {BLOCK_K}],{x_layout!r}>"
+        x_type = f"tensordesc<bf16[{x_rows}, {BLOCK_K}],{x_layout!r}>"
     signature = {
         "w_desc": w_type, "s_desc": s_type, "x_desc": x_type,
         "gscale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
@@ -1252,7 +1305,8 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                         pipelined=(default_pipeline(slots, quant) if pipeline is None
                                    else pipeline),
                         partial_n=partial_n, early=early, half_blocks=half_blocks,
-                        quarter_blocks=quarter_blocks, split=split,
+                        quarter_blocks=quarter_blocks, small_x_boxes=small_x_boxes,
+                        split=split,
                         tail=tail)
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
