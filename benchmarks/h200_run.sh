@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|quartert|quartera|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -114,6 +114,9 @@
 # against PERFORMANCE.md's 695 TFLOP/s (a median of short do_bench runs); about 2 minutes.
 # CLOCK_CASES="model:quant:T ..." other layers; CLOCK_MATMUL="bf16 fp8" (the fp8 one
 # torch._scaled_mm on e4m3, against 1274 TFLOP/s) or 0 (none).
+# wgmma: the tensor pipe's rate for ws_fp4's wgmma shapes alone (benchmarks/dev_wgmma_rate.py:
+# A from registers or shared memory, N = 64 / 128 / 256, a wait every K step or one step in
+# flight, one or two warpgroups an SM), the SM clock logged beside it; about 2 minutes.
 # quartert: the 128-slot form's quarter blocks and 32-row activation boxes
 # (ws_fp4.QUARTER_BLOCKS, SMALL_X_BOXES, written without a GPU): their GPU tests (against the
 # whole blocks, the quarter path taken, the experts call against the oracle), compute-sanitizer
@@ -629,6 +632,10 @@ print(f'{kind} 8192^3 matmul sustained {2 * 8192 ** 3 * n / dt / 1e12:.0f} TFLOP
       --models "$model" \
       --quant "$quant" --tokens "$tokens" --out "$out/clocks_${model}_${quant}_$tokens.json"
   done
+fi
+if [[ "$what" == wgmma ]]; then
+  clocked wgmma_rate timeout 300 python3 benchmarks/dev_wgmma_rate.py --out "$out/wgmma_rate.json"
+  tail -n 20 "$out/clocks_wgmma_rate.log"
 fi
 if [[ "$what" == quartert ]]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py -k quarter \

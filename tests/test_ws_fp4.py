@@ -222,6 +222,27 @@ def test_decode_benchmark_builds():
     assert max(shared) <= 227 * 1024, shared
 
 
+WGMMA_RATE_BUILDS = """
+import sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops
+import dev_wgmma_rate
+for n, rs in ((128, True), (256, False)):
+    kernel = dev_wgmma_rate.compile_sm90(n, rs, 0)
+    loop = min((b for b in loops(kernel) if any("HGMMA" in i for i in b)), key=len)
+    print(n, rs, sum(f"HGMMA.64x{n}x16" in i for i in loop),
+          sum(i.split()[0].startswith(("LDL", "STL")) for i in loop))
+"""
+
+
+def test_wgmma_rate_benchmark_builds():
+    """benchmarks/dev_wgmma_rate.py's kernel builds for sm_90 without a GPU: its K step of 16
+    m64nNk16 wgmmas (A from registers or shared memory) and nothing but loop control beside
+    them (no local memory)."""
+    rows, done = sm90_script_rows(WGMMA_RATE_BUILDS)
+    assert rows == [["128", "True", "16", "0"], ["256", "False", "16", "0"]], done.stdout
+
+
 @needs_hopper
 @pytest.mark.parametrize("tokens,early", [(3, True), (3, False), (40, True)])
 def test_mxfp4_rows_past_scale_two_on_ws_fp4(tokens, early, monkeypatch, ws_fp4_calls,
