@@ -685,22 +685,8 @@ def test_quarter_blocks_do_take_the_quarter_path():
     """The quarter path runs where slot 32 of a block is padding: a dispatch edited so that such
     a block's slot 33 holds a pair (which moe_align never does) gets GEMM1's row 33 written by
     the half-block kernel and left unwritten by the quarter-block one."""
-    edited = []
-
-    def put_a_pair_past_padding(sorted_pair_ids):
-        blocks = sorted_pair_ids[:sorted_pair_ids.numel() // 128 * 128].view(-1, 128)
-        quarter = (blocks[:, 0] < 2 * 576) & (blocks[:, 32] >= 2 * 576)
-        block = int(quarter.nonzero()[0, 0])
-        sorted_pair_ids[block * 128 + 33] = 0
-        edited.append(block * 128 + 33)
-
-    _, runs = gemms_both_ways("nvfp4", 576, 128, 43, [
-        dict(half_blocks=True), dict(half_blocks=True, quarter_blocks=True)],
-        gemms=(1, ), edit_dispatch=put_a_pair_past_padding)
-    (_, (halves, quarters)), = runs
-    slot = edited[0]
-    assert torch.isfinite(halves[slot].float()).all(), "the half-block kernel skipped the slot"
-    assert torch.isnan(quarters[slot].float()).all(), "the quarter path did not run"
+    assert_narrow_path_taken(576, 43, 32, dict(half_blocks=True),
+                             dict(half_blocks=True, quarter_blocks=True))
 
 
 @needs_hopper
@@ -747,28 +733,35 @@ def test_half_blocks_match_whole_blocks(quant, early):
             assert torch.isfinite(whole[:T * 2]).all() and torch.isnan(whole[T * 2]).all()
 
 
+def assert_narrow_path_taken(T, seed, width, wider, narrower):
+    """A dispatch of T tokens (nvfp4, the 128-slot form) edited so that a live block whose slot
+    `width` is padding holds a pair at slot width + 1 (which moe_align never does): GEMM1 with
+    the `wider` keywords writes that row, with the `narrower` ones (whose path takes the block's
+    first `width` slots) leaves it unwritten (NaN-poisoned)."""
+    edited = []
+
+    def put_a_pair_past_padding(sorted_pair_ids):
+        blocks = sorted_pair_ids[:sorted_pair_ids.numel() // 128 * 128].view(-1, 128)
+        # a live block (slot 0 a pair: the kernel runs it) whose slot `width` is padding
+        narrow = (blocks[:, 0] < 2 * T) & (blocks[:, width] >= 2 * T)
+        block = int(narrow.nonzero()[0, 0])
+        sorted_pair_ids[block * 128 + width + 1] = 0
+        edited.append(block * 128 + width + 1)
+
+    _, runs = gemms_both_ways("nvfp4", T, 128, seed, [wider, narrower], gemms=(1, ),
+                              edit_dispatch=put_a_pair_past_padding)
+    (_, (wide, narrow)), = runs
+    slot = edited[0]
+    assert torch.isfinite(wide[slot].float()).all(), "the wider kernel skipped the slot"
+    assert torch.isnan(narrow[slot].float()).all(), "the narrower path did not run"
+
+
 @needs_hopper
 def test_half_blocks_do_take_the_half_path():
     """The half path runs where slot 64 of a block is padding: a dispatch edited so that such a
     block's slot 65 holds a pair (which moe_align never does) gets GEMM1's row 65 written by the
     whole-block kernel and left unwritten by the half-block one."""
-    edited = []
-
-    def put_a_pair_past_padding(sorted_pair_ids):
-        blocks = sorted_pair_ids[:sorted_pair_ids.numel() // 128 * 128].view(-1, 128)
-        # a live block (slot 0 a pair: the kernel runs it) whose slot 64 is padding
-        half = (blocks[:, 0] < 2 * 700) & (blocks[:, 64] >= 2 * 700)
-        block = int(half.nonzero()[0, 0])
-        sorted_pair_ids[block * 128 + 65] = 0
-        edited.append(block * 128 + 65)
-
-    _, runs = gemms_both_ways("nvfp4", 700, 128, 31, [dict(half_blocks=False),
-                                                     dict(half_blocks=True)],
-                              gemms=(1, ), edit_dispatch=put_a_pair_past_padding)
-    (_, (whole, halves)), = runs
-    slot = edited[0]
-    assert torch.isfinite(whole[slot].float()).all(), "the whole-block kernel skipped the slot"
-    assert torch.isnan(halves[slot].float()).all(), "the half path did not run"
+    assert_narrow_path_taken(700, 31, 64, dict(half_blocks=False), dict(half_blocks=True))
 
 
 @needs_hopper
