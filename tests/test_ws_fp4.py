@@ -628,7 +628,8 @@ sys.path.insert(0, "benchmarks")
 from aot_sm90 import loops
 from moe_ops.kernels import ws_fp4
 for early, gemm, act, bias, quant, tail, small in (
-        (True, 1, "swiglu_oai", True, "mxfp4", 4, True), (False, 2, "none", False, "nvfp4", 16, False)):
+        (True, 1, "swiglu_oai", True, "mxfp4", 4, True),
+        (False, 2, "none", False, "nvfp4", 16, False)):
     kernel = ws_fp4.compile_sm90(gemm=gemm, activation=act, has_bias=bias, quant=quant,
                                  slots=128, early=early, half_blocks=True, quarter_blocks=True,
                                  tail=tail, small_x_boxes=small)
@@ -655,23 +656,31 @@ def test_quarter_blocks_build():
         assert int(shared) <= 227 * 1024, (early, gemm, quant, shared)
 
 
+def assert_narrow_blocks(ids, T):
+    """gemms_both_ways' routing (8 experts, k = 2) ends some expert in a block of up to 32 rows
+    and some in one of 33-64."""
+    last = torch.bincount(ids.reshape(-1).long(), minlength=8) % 128
+    assert ((last > 0) & (last <= 32)).any() and ((last > 32) & (last <= 64)).any(), last
+
+
 @needs_hopper
-@pytest.mark.parametrize("quant,early,quarter,small", [
-    ("nvfp4", True, True, False), ("mxfp4", False, True, True), ("nvfp4", False, False, True)])
-def test_quarter_blocks_match_whole_blocks(quant, early, quarter, small):
+@pytest.mark.parametrize("quant,early,quarter,small,H,seed", [
+    ("nvfp4", True, True, False, 512, 43), ("mxfp4", False, True, True, 512, 40),
+    ("nvfp4", False, False, True, 512, 43), ("nvfp4", True, True, True, 320, 43)])
+def test_quarter_blocks_match_whole_blocks(quant, early, quarter, small, H, seed):
     """MOE_OPS_WS_FP4_QUARTER_BLOCKS: a 128-slot block whose slots from 32 on are padding runs
     m64n32k16 wgmmas on its first 32 slots; MOE_OPS_WS_FP4_SMALL_X_BOXES: the activations come
-    in 32-row boxes, those of the rows the block's path reads only. Both GEMMs (GEMM1 with
-    swiglu_oai and its bias) agree with the whole-block kernel to bf16 rounding and write the
-    same rows (NaN-poisoned outputs, one row past the pairs) on a dispatch whose experts end in
-    blocks of up to 32 rows and of 33-64 (random routing of 576 tokens: 144 rows an expert on
-    average)."""
+    in 32-row boxes, those of the rows the block's path reads only (4 / 2 / 1 for whole / half /
+    quarter blocks). Both GEMMs (GEMM1 with swiglu_oai and its bias) agree with the whole-block
+    kernel to bf16 rounding and write the same rows (NaN-poisoned outputs, one row past the
+    pairs) on a dispatch whose experts end in blocks of up to 32 rows and of 33-64 (random
+    routing of 576 tokens: 144 rows an expert on average); H = 320 runs GEMM1 with the tail step
+    (K = 320 in the layout's 512) and GEMM2 with a partial last tile (N = 320)."""
     T = 576
-    ids, runs = gemms_both_ways(quant, T, 128, 43, [
+    ids, runs = gemms_both_ways(quant, T, 128, seed, [
         dict(early=early, half_blocks=False),
-        dict(early=early, half_blocks=True, quarter_blocks=quarter, small_x_boxes=small)])
-    counts = torch.bincount(ids.reshape(-1).long(), minlength=8)
-    assert ((counts % 128 > 0) & (counts % 128 <= 32)).any(), counts
+        dict(early=early, half_blocks=True, quarter_blocks=quarter, small_x_boxes=small)], H=H)
+    assert_narrow_blocks(ids, T)
     for gemm, (whole, quarters) in runs:
         assert torch.equal(whole.isnan(), quarters.isnan()), f"GEMM{gemm}: written rows differ"
         torch.testing.assert_close(quarters.nan_to_num(0.0).float(),
@@ -685,7 +694,7 @@ def test_quarter_blocks_do_take_the_quarter_path():
     """The quarter path runs where slot 32 of a block is padding: a dispatch edited so that such
     a block's slot 33 holds a pair (which moe_align never does) gets GEMM1's row 33 written by
     the half-block kernel and left unwritten by the quarter-block one."""
-    assert_narrow_path_taken(576, 43, 32, dict(half_blocks=True),
+    assert_narrow_path_taken(576, 43, 32, dict(half_blocks=True, quarter_blocks=False),
                              dict(half_blocks=True, quarter_blocks=True))
 
 
@@ -694,19 +703,23 @@ def test_quarter_blocks_do_take_the_quarter_path():
     ("nvfp4", "swiglu", False, 768, 256, False), ("mxfp4", "swiglu_oai", True, 1024, 512, True)])
 def test_experts_with_quarter_blocks(quant, activation, bias, H, I, small, monkeypatch,
                                      gemm_calls, poisoned_empty):
-    """The experts call on the 128-slot form with quarter blocks on (144 rows an expert on
-    average: most experts end in a block of up to 32 rows), and with the 32-row activation
-    boxes (SMALL_X_BOXES), against the oracle."""
+    """The experts call on the 128-slot form with quarter blocks on (720 tokens routed to 2 of
+    10 experts, 8 of them local: ~144 rows an expert, every local expert ending in a block of up
+    to 32 rows), and with the 32-row activation boxes (SMALL_X_BOXES), against the oracle."""
     monkeypatch.setattr(experts_mod, "WS_FP4", "1")
     monkeypatch.setattr(experts_mod, "WS_FP4_WIDE_MIN_ROWS", 32)
+    monkeypatch.setattr(ws_fp4, "HALF_BLOCKS", True)
     monkeypatch.setattr(ws_fp4, "QUARTER_BLOCKS", True)
     monkeypatch.setattr(ws_fp4, "SMALL_X_BOXES", small)
     if quant == "mxfp4":
         monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
     calls = gemm_calls(ws_fp4, "gemm", record="slots")
-    ckpt, kernel, x, ids, weights = make_case(quant, 576, H, I, 8, 2, activation=activation,
+    ckpt, kernel, x, ids, weights = make_case(quant, 720, H, I, 8, 2, activation=activation,
                                               bias=bias, seed=47, offset=1, num_global=10,
                                               invalid_ids=True)
+    local = ids.reshape(-1).long().cpu() - 1
+    last = torch.bincount(local[(local >= 0) & (local < 8)], minlength=8) % 128
+    assert ((last > 0) & (last <= 32)).any(), last
     run_and_check(quant, ckpt, kernel, x, ids, weights, activation=activation, offset=1)
     assert calls == [128] * 2, calls
 
@@ -761,7 +774,8 @@ def test_half_blocks_do_take_the_half_path():
     """The half path runs where slot 64 of a block is padding: a dispatch edited so that such a
     block's slot 65 holds a pair (which moe_align never does) gets GEMM1's row 65 written by the
     whole-block kernel and left unwritten by the half-block one."""
-    assert_narrow_path_taken(700, 31, 64, dict(half_blocks=False), dict(half_blocks=True))
+    assert_narrow_path_taken(700, 31, 64, dict(half_blocks=False),
+                             dict(half_blocks=True, quarter_blocks=False))
 
 
 @needs_hopper

@@ -393,6 +393,8 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     STEP: gl.constexpr = x_desc.block_type.shape[1]     # K columns a step (fp8 128, 4-bit 256)
     X_BOX: gl.constexpr = x_desc.block_type.shape[0]    # (SMALL_X_BOXES: 32 of BM's 128)
     X_BYTES: gl.constexpr = x_desc.block_type.nbytes
+    # (small boxes: the 128-slot form's one weight box a tile and its half / quarter blocks)
+    gl.static_assert(X_BOX == BM or (BN == BOX and HALF_BLOCKS > 0))
     # a box's bytes: its weight rows and (4-bit) their block scales
     BOX_BYTES: gl.constexpr = (w_desc.block_type.nbytes if FMT == 2
                                else w_desc.block_type.nbytes + s_desc.block_type.nbytes)
@@ -1083,8 +1085,9 @@ def _constants(*, gemm: int, activation: str, has_bias: bool, consumers: int, qu
                slots: int, align_m: int, pipelined: bool, partial_n: bool,
                early: Optional[bool], half_blocks: Optional[bool], split: int,
                tail: int, quarter_blocks: Optional[bool] = None,
-               small_x_boxes: Optional[bool] = None) -> dict:
-    """The kernel's compile-time arguments of a launch (gemm() and compile_sm90 alike)."""
+               x_rows: Optional[int] = None) -> dict:
+    """The kernel's compile-time arguments of a launch (gemm() and compile_sm90 alike); x_rows:
+    the activation TMA box's rows (x_box_rows; default the tile's slots)."""
     consumer_regs, producer_regs, _ = REGISTERS[consumers]
     return dict(ALIGN_M=align_m, STAGES=_stages(quant, slots, consumers),
                 ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
@@ -1093,7 +1096,7 @@ def _constants(*, gemm: int, activation: str, has_bias: bool, consumers: int, qu
                 PARTIAL_N=int(partial_n),
                 EARLY=int(EARLY_EPILOGUE if early is None else early),
                 HALF_BLOCKS=_half_blocks_level(slots, half_blocks, quarter_blocks), SPLIT=split,
-                TAIL=tail, X_BOXES=slots // x_box_rows(slots, half_blocks, small_x_boxes))
+                TAIL=tail, X_BOXES=slots // (x_rows or slots))
 
 
 def _half_blocks_level(slots: int, half_blocks: Optional[bool],
@@ -1266,8 +1269,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
                      consumers=consumers, quant=quant, slots=slots,
                      align_m=routing.align_block_m, pipelined=pipelined,
                      partial_n=N % bn != 0, early=early, half_blocks=half_blocks,
-                     quarter_blocks=quarter_blocks, small_x_boxes=small_x_boxes,
-                     split=split,
+                     quarter_blocks=quarter_blocks, x_rows=x_rows, split=split,
                      tail=slices),
         num_warps=4, maxnreg=REGISTERS[consumers][2])
 
@@ -1305,8 +1307,7 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                         pipelined=(default_pipeline(slots, quant) if pipeline is None
                                    else pipeline),
                         partial_n=partial_n, early=early, half_blocks=half_blocks,
-                        quarter_blocks=quarter_blocks, small_x_boxes=small_x_boxes,
-                        split=split,
+                        quarter_blocks=quarter_blocks, x_rows=x_rows, split=split,
                         tail=tail)
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
