@@ -13,7 +13,8 @@ the rest of the kernel. Run it sustained, with the SM clock logged beside it
     python benchmarks/dev_wgmma_rate.py --out benchmarks/results/h200_wgmma_rate.json
 
 Writes JSON (command, GPU, date, records) and prints a table last: TFLOP/s of each variant over
-about --seconds of back-to-back launches (one program a warpgroup, --per-sm programs an SM).
+about --seconds of back-to-back launches (one program an SM, two consumer warpgroups sharing the
+B tile, as ws_fp4's 128-slot form).
 """
 from __future__ import annotations
 
@@ -37,31 +38,22 @@ _ROWS = gl.constexpr(ROWS)
 
 
 @gluon.jit
-def _wgmma_rate_kernel(a_ptr, b_ptr, out_ptr, steps, N: gl.constexpr, RS: gl.constexpr,
-                       IN_FLIGHT: gl.constexpr):
-    """steps K steps of [64, 256] x [256, N] wgmmas into one fp32 accumulator; A from registers
-    (RS) or shared memory, B from shared memory; a wait after each step (IN_FLIGHT 0) or with one
-    step's wgmmas left in flight (1, shared-memory A only: a register operand must stay intact
-    until its wgmma has read it, which a wait on the previous step does not promise)."""
+def _consumer(a_ptr, a_smem, b_smem, out_ptr, steps, N: gl.constexpr, RS: gl.constexpr,
+              IN_FLIGHT: gl.constexpr, WHICH: gl.constexpr):
+    """One warpgroup: steps K steps of [64, 256] x [256, N] wgmmas into one fp32 accumulator; A
+    from registers (RS) or shared memory, B (shared by both warpgroups, as ws_fp4's activation
+    slot) from shared memory; a wait after each step (IN_FLIGHT 0) or with one step's wgmmas
+    left in flight (1, shared-memory A only: a register operand must stay intact until its wgmma
+    has read it)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, N, 16])
     dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    rows = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, blocked))
-    cols = gl.arange(0, _K_STEP, layout=gl.SliceLayout(0, blocked))
-    a = gl.load(a_ptr + rows[:, None] * _K_STEP + cols[None, :])
-    b_rows = gl.arange(0, N, layout=gl.SliceLayout(1, blocked))
-    b = gl.load(b_ptr + b_rows[:, None] * _K_STEP + cols[None, :])
-    b_smem = gl.allocate_shared_memory(gl.bfloat16, [N, _K_STEP],
-                                       gl.NVMMASharedLayout.get_default_for([N, _K_STEP],
-                                                                            gl.bfloat16), b)
-    a_smem = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _K_STEP],
-                                       gl.NVMMASharedLayout.get_default_for([_ROWS, _K_STEP],
-                                                                            gl.bfloat16), a)
-    fence_async_shared()
     acc = gl.zeros([_ROWS, N], gl.float32, mma)
     if RS:
-        a_reg = gl.convert_layout(a, dot)
+        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, blocked))
+        cols = gl.arange(0, _K_STEP, layout=gl.SliceLayout(0, blocked))
+        a_reg = gl.convert_layout(gl.load(a_ptr + rows[:, None] * _K_STEP + cols[None, :]), dot)
         for _ in range(steps):
             acc = warpgroup_mma(a_reg, b_smem.permute((1, 0)), acc, is_async=True)
             acc, a_reg = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_reg))
@@ -70,10 +62,34 @@ def _wgmma_rate_kernel(a_ptr, b_ptr, out_ptr, steps, N: gl.constexpr, RS: gl.con
             acc = warpgroup_mma(a_smem, b_smem.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=IN_FLIGHT, deps=(acc, ))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    total = gl.sum(gl.sum(acc, axis=1), axis=0)
-    gl.store(out_ptr + gl.program_id(0), total)
+    gl.store(out_ptr + gl.program_id(0) * 2 + WHICH, gl.sum(gl.sum(acc, axis=1), axis=0))
 
 
+@gluon.jit
+def _wgmma_rate_kernel(a_ptr, b_ptr, out_ptr, steps, N: gl.constexpr, RS: gl.constexpr,
+                       IN_FLIGHT: gl.constexpr, REGS: gl.constexpr):
+    """Two consumer warpgroups (warp-specialized, as ws_fp4's 128-slot form) on one B tile."""
+    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    cols = gl.arange(0, _K_STEP, layout=gl.SliceLayout(0, blocked))
+    b_rows = gl.arange(0, N, layout=gl.SliceLayout(1, blocked))
+    b = gl.load(b_ptr + b_rows[:, None] * _K_STEP + cols[None, :])
+    b_smem = gl.allocate_shared_memory(gl.bfloat16, [N, _K_STEP],
+                                       gl.NVMMASharedLayout.get_default_for([N, _K_STEP],
+                                                                            gl.bfloat16), b)
+    rows = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, blocked))
+    a = gl.load(a_ptr + rows[:, None] * _K_STEP + cols[None, :])
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _K_STEP],
+                                       gl.NVMMASharedLayout.get_default_for([_ROWS, _K_STEP],
+                                                                            gl.bfloat16), a)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (a_ptr, a_smem, b_smem, out_ptr, steps, N, RS, IN_FLIGHT, 0)),
+        (_consumer, (a_ptr, a_smem, b_smem, out_ptr, steps, N, RS, IN_FLIGHT, 1)),
+    ], [4], [REGS])
+
+
+# registers a thread: two warpgroups of 232 (ws_fp4's consumers), within a block's 65536
+REGS = 232
 VARIANTS = [dict(n=n, rs=rs, in_flight=f) for n, rs, f in itertools.product(
     (64, 128, 256), (True, False), (0, 1)) if not (rs and f)]
 
@@ -84,24 +100,26 @@ def compile_sm90(n: int, rs: bool, in_flight: int):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     signature = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32", "steps": "i32",
-                 "N": "constexpr", "RS": "constexpr", "IN_FLIGHT": "constexpr"}
-    consts = {"N": n, "RS": int(rs), "IN_FLIGHT": in_flight}
+                 "N": "constexpr", "RS": "constexpr", "IN_FLIGHT": "constexpr",
+                 "REGS": "constexpr"}
+    consts = {"N": n, "RS": int(rs), "IN_FLIGHT": in_flight, "REGS": REGS}
     return triton.compile(GluonASTSource(fn=_wgmma_rate_kernel, signature=signature,
                                          constexprs=consts),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=REGS))
 
 
-def measure(variant: dict, per_sm: int, steps: int, seconds: float) -> dict:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    programs = sms * per_sm
+def measure(variant: dict, steps: int, seconds: float) -> dict:
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
     n = variant["n"]
     a = torch.randn(ROWS, K_STEP, device="cuda").bfloat16()
     b = torch.randn(n, K_STEP, device="cuda").bfloat16()
-    out = torch.empty(programs, device="cuda")
+    out = torch.empty(2 * programs, device="cuda")
 
     def launch():
         _wgmma_rate_kernel[(programs, )](a, b, out, steps, N=n, RS=int(variant["rs"]),
-                                         IN_FLIGHT=variant["in_flight"], num_warps=4)
+                                         IN_FLIGHT=variant["in_flight"], REGS=REGS,
+                                         num_warps=4, maxnreg=REGS)
     launch()
     torch.cuda.synchronize()
     start, launches = time.perf_counter(), 0
@@ -111,34 +129,29 @@ def measure(variant: dict, per_sm: int, steps: int, seconds: float) -> dict:
         torch.cuda.synchronize()
         launches += 10
     elapsed = time.perf_counter() - start
-    flops = 2.0 * ROWS * n * K_STEP * steps * programs * launches
-    return dict(variant, per_sm=per_sm, steps=steps, seconds=elapsed,
-                tflops=flops / elapsed / 1e12)
+    flops = 2.0 * ROWS * n * K_STEP * steps * 2 * programs * launches
+    return dict(variant, steps=steps, seconds=elapsed, tflops=flops / elapsed / 1e12)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--per-sm", type=int, nargs="+", default=[1, 2],
-                        help="programs (one warpgroup each) an SM (default 1 2: ws_fp4's two "
-                             "consumers; the register-A n128 / n256 builds fit two an SM)")
     parser.add_argument("--steps", type=int, default=2000, help="K steps a program")
     parser.add_argument("--seconds", type=float, default=3.0, help="time a variant")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (sm_90)", file=sys.stderr)
         return 2
-    records = [measure(v, per_sm, args.steps, args.seconds)
-               for per_sm in args.per_sm for v in VARIANTS]
+    records = [measure(v, args.steps, args.seconds) for v in VARIANTS]
     result = dict(command="python " + " ".join(sys.argv), gpu=torch.cuda.get_device_name(0),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), records=records)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-    print(f"{'N':>4} {'A from':>9} {'in flight':>9} {'per SM':>6} {'TFLOP/s':>8}")
+    print(f"{'N':>4} {'A from':>9} {'in flight':>9} {'TFLOP/s':>8}")
     for r in records:
         print(f"{r['n']:>4} {'registers' if r['rs'] else 'shared':>9} {r['in_flight']:>9} "
-              f"{r['per_sm']:>6} {r['tflops']:>8.0f}")
+              f"{r['tflops']:>8.0f}")
     return 0
 
 
