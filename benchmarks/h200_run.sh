@@ -109,8 +109,8 @@
 # (two alternated passes), then the 4-bit correctness set on it: ws_fp4's mxfp4 / tail / prefill
 # GPU tests, gpu_check's 4-bit cases, compute-sanitizer; about 9 minutes.
 # clocks: the SM clock and power while the prefill layers run sustained (nvidia-smi every 100 ms
-# beside bench.py sampling 3 s a point: DeepSeek-V3 nvfp4 T = 4096 / 16384, gpt-oss-120b mxfp4 T = 16384, Mixtral
-# bf16 T = 16384) and while a bf16 8192^3 torch matmul runs back to back for 10 s, its rate
+# beside bench.py sampling 3 s a point: DeepSeek-V3 nvfp4 T = 4096 / 16384, gpt-oss-120b mxfp4
+# T = 16384, Mixtral bf16 T = 16384) and while a bf16 8192^3 torch matmul runs back to back for 10 s, its rate
 # against PERFORMANCE.md's 695 TFLOP/s (a median of short do_bench runs); about 2 minutes.
 # CLOCK_CASES="model:quant:T ..." other layers; CLOCK_MATMUL="bf16 fp8" (the fp8 one
 # torch._scaled_mm on e4m3, against 1274 TFLOP/s) or 0 (none).

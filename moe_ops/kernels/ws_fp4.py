@@ -1155,8 +1155,9 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     form's). early: the epilogue's operands loaded before each tile's K loop (default:
     EARLY_EPILOGUE). half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other
     forms never); quarter_blocks: with them its quarter blocks (default: QUARTER_BLOCKS);
-    small_x_boxes: with them the activations in 32-row boxes (default: SMALL_X_BOXES). split: GEMM2's K steps in `split` parts (SPLIT_K; decode's form, serial
-    consumers, the early epilogue), out [split * num_pairs, N] then holds part p's rows from
+    small_x_boxes: with them the activations in 32-row boxes (default: SMALL_X_BOXES). split:
+    GEMM2's K steps in `split` parts (SPLIT_K; decode's form, serial consumers, the early
+    epilogue), out [split * num_pairs, N] then holds part p's rows from
     row p * num_pairs (combine_pair_rows(..., splits=split) sums them). tail: the last K
     step's padding skipped where it can be (default: TAIL's rule; the 4-bit formats' plain
     consumers without a split only)."""
@@ -1236,7 +1237,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
                          f"{'direct' if routing.direct else routing.align_block_m}")
     a = a.contiguous() if a.stride(-1) != 1 else a
     box = tma_box_rows(consumers)
-    x_rows = x_box_rows(slots, half_blocks, small_x_boxes) if not fp8 else slots
+    x_rows = x_box_rows(slots, half_blocks, small_x_boxes)    # (fp8's 16-slot form: slots)
     w_layout, s_layout, x_layout = _layouts(slots, quant, box, x_rows)
     if fp8:
         w_desc = TensorDescriptor(w.view(E * N, K), [E * N, K], [K, 1], [box, FP8_BLOCK_K],
@@ -1285,7 +1286,7 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     box = tma_box_rows(consumers)
-    x_rows = x_box_rows(slots, half_blocks, small_x_boxes) if quant != "fp8" else slots
+    x_rows = x_box_rows(slots, half_blocks, small_x_boxes)
     w_layout, s_layout, x_layout = _layouts(slots, quant, box, x_rows)
     if quant == "fp8":
         w_type = s_type = f"tensordesc<fp8e4nv[{box}, {FP8_BLOCK_K}],{w_layout!r}>"
