@@ -705,6 +705,16 @@ def test_quarter_blocks_do_take_the_quarter_path():
                              dict(half_blocks=True, quarter_blocks=True))
 
 
+def test_narrow_blocks_rule():
+    """QUARTER_BLOCKS / SMALL_X_BOXES "auto": nvfp4 launches of fewer than 128 routed rows an
+    expert (DeepSeek-V3's T = 2048: 64 an expert), never mxfp4 (measured slower); "1" / "0"
+    whatever the launch."""
+    rule = ws_fp4.narrow_blocks
+    assert rule("auto", "nvfp4", 2048 * 8, 256) and not rule("auto", "nvfp4", 4096 * 8, 256)
+    assert not rule("auto", "mxfp4", 2048 * 4, 128)
+    assert rule("1", "mxfp4", 16384 * 4, 128) and not rule("0", "nvfp4", 2048 * 8, 256)
+
+
 @needs_hopper
 @pytest.mark.parametrize("quant,activation,bias,H,I,small", [
     ("nvfp4", "swiglu", False, 768, 256, False), ("mxfp4", "swiglu_oai", True, 1024, 512, True)])
@@ -716,8 +726,8 @@ def test_experts_with_quarter_blocks(quant, activation, bias, H, I, small, monke
     monkeypatch.setattr(experts_mod, "WS_FP4", "1")
     monkeypatch.setattr(experts_mod, "WS_FP4_WIDE_MIN_ROWS", 32)
     monkeypatch.setattr(ws_fp4, "HALF_BLOCKS", True)
-    monkeypatch.setattr(ws_fp4, "QUARTER_BLOCKS", True)
-    monkeypatch.setattr(ws_fp4, "SMALL_X_BOXES", small)
+    monkeypatch.setattr(ws_fp4, "QUARTER_BLOCKS", "1")
+    monkeypatch.setattr(ws_fp4, "SMALL_X_BOXES", "1" if small else "0")
     if quant == "mxfp4":
         monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
     calls = gemm_calls(ws_fp4, "gemm", record="slots")

@@ -217,19 +217,24 @@ EARLY_EPILOGUE = env_choice("MOE_OPS_WS_FP4_EARLY_EPILOGUE", "1", ("0", "1")) ==
 HALF_BLOCKS = env_choice("MOE_OPS_WS_FP4_HALF_BLOCKS", "1", ("0", "1")) == "1"
 # ... and quarter blocks: a block whose slots from 32 on are padding (an expert's last block of
 # 32 routed rows or fewer) runs m64n32k16 wgmmas on its first 32 (the kernel's HALF_BLOCKS
-# level 2). Why: the 4-bit prefill GEMMs run at the board's power limit (NOTES, fourteenth
-# session: every sustained prefill layer at 691-693 W, the SM clock at ~1635 MHz), so MMA work
-# on padding slots costs time even where the consumers wait on other things; at DeepSeek-V3
-# T = 4096 (128 +- 11 rows an expert) about half the experts end in a block of 1-20 rows, which
-# the half blocks run at n64: their MMA work halves again. Not yet measured: off unless
-# MOE_OPS_WS_FP4_QUARTER_BLOCKS=1 (with HALF_BLOCKS).
-QUARTER_BLOCKS = env_choice("MOE_OPS_WS_FP4_QUARTER_BLOCKS", "0", ("0", "1")) == "1"
-# ... and the activation rows those blocks read only: the 128-slot form's activations loaded in
-# four 32-row TMA boxes a K step, of which a half block takes two and a quarter block one (the
-# kernel's X_BOXES 4), instead of one 128-row box whatever the block's live rows (64 KB a step:
-# at the power limit the L2's traffic is energy too). Not yet measured: off unless
-# MOE_OPS_WS_FP4_SMALL_X_BOXES=1 (with HALF_BLOCKS).
-SMALL_X_BOXES = env_choice("MOE_OPS_WS_FP4_SMALL_X_BOXES", "0", ("0", "1")) == "1"
+# level 2); and the activation rows those blocks read only (SMALL_X_BOXES): the 128-slot form's
+# activations loaded in four 32-row TMA boxes a K step, of which a half block takes two and a
+# quarter block one (the kernel's X_BOXES 4), instead of one 128-row box whatever the block's
+# live rows (64 KB a step). Why: the 4-bit prefill GEMMs run at the board's power limit (NOTES,
+# fourteenth session), so MMA work and L2 traffic on padding slots cost time; at DeepSeek-V3
+# T = 2048 (64 +- 8 rows an expert) every expert's only block is at most half live, and about
+# half the experts at T = 4096 end in a block of 1-20 rows. Measured on an H200 (results/
+# h200_ab_quarter_*.json, h200_ab_wpipe_*.json, 2026-12-02, graph replays, four passes of the
+# plain form against quarter blocks with small boxes, two against quarter blocks alone):
+# DeepSeek-V3 nvfp4 T = 2048 4830-5124 -> 4545-4717 us (quarter blocks alone 4994), T = 4096
+# 7349-7656 -> 7318-7531, T = 8192 / 16384 within the spread or up to 2% slower; gpt-oss-120b
+# mxfp4 slower at every T (T = 2048 1367-1432 -> 1454-1487, 16384 6674-7068 -> 7227-7472; its
+# quarter builds are larger, mxfp4's tail step runs whole there). So "auto": both for nvfp4
+# launches of fewer than NARROW_BLOCKS_MAX_ROWS routed rows an expert (a 128-slot form from 64,
+# experts.WS_FP4_WIDE_MIN_ROWS); "1" always, "0" never (both with HALF_BLOCKS).
+QUARTER_BLOCKS = env_choice("MOE_OPS_WS_FP4_QUARTER_BLOCKS", "auto", ("auto", "0", "1"))
+SMALL_X_BOXES = env_choice("MOE_OPS_WS_FP4_SMALL_X_BOXES", "auto", ("auto", "0", "1"))
+NARROW_BLOCKS_MAX_ROWS = 128
 X_BOX_ROWS = 32
 # [slots, 64 columns] layouts of the epilogue: gate/up pairs in one thread (GEMM1's
 # activation), and 8 consecutive columns a thread (16-byte stores of GEMM2's rows)
@@ -954,7 +959,7 @@ def x_box_rows(slots: int, half_blocks: Optional[bool] = None,
                small_x_boxes: Optional[bool] = None) -> int:
     """Rows of a 4-bit form's activation TMA box: the tile's slots, or X_BOX_ROWS for the
     128-slot form with half blocks and SMALL_X_BOXES."""
-    small = SMALL_X_BOXES if small_x_boxes is None else small_x_boxes
+    small = SMALL_X_BOXES == "1" if small_x_boxes is None else small_x_boxes
     if small and _half_blocks_level(slots, half_blocks, None) > 0:
         return X_BOX_ROWS
     return slots
@@ -1099,12 +1104,21 @@ def _constants(*, gemm: int, activation: str, has_bias: bool, consumers: int, qu
                 TAIL=tail, X_BOXES=slots // (x_rows or slots))
 
 
+def narrow_blocks(setting: str, quant: str, num_pairs: int, num_experts: int) -> bool:
+    """QUARTER_BLOCKS' or SMALL_X_BOXES' choice for a launch: "auto" takes them for nvfp4
+    launches of fewer than NARROW_BLOCKS_MAX_ROWS routed rows an expert on average (num_pairs
+    counts every routed pair, num_experts the local experts)."""
+    if setting != "auto":
+        return setting == "1"
+    return quant == "nvfp4" and num_pairs < NARROW_BLOCKS_MAX_ROWS * num_experts
+
+
 def _half_blocks_level(slots: int, half_blocks: Optional[bool],
                        quarter_blocks: Optional[bool]) -> int:
     """The kernel's HALF_BLOCKS: 0 whole blocks always, 1 half blocks (HALF_BLOCKS), 2 half and
     quarter blocks (QUARTER_BLOCKS, with the half ones); the 128-slot form only."""
     half = HALF_BLOCKS if half_blocks is None else half_blocks
-    quarter = QUARTER_BLOCKS if quarter_blocks is None else quarter_blocks
+    quarter = QUARTER_BLOCKS == "1" if quarter_blocks is None else quarter_blocks
     if slots != WIDE_SLOTS or not half:
         return 0
     return 2 if quarter else 1
@@ -1154,8 +1168,9 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     consumers (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide
     form's). early: the epilogue's operands loaded before each tile's K loop (default:
     EARLY_EPILOGUE). half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other
-    forms never); quarter_blocks: with them its quarter blocks (default: QUARTER_BLOCKS);
-    small_x_boxes: with them the activations in 32-row boxes (default: SMALL_X_BOXES). split:
+    forms never); quarter_blocks: with them its quarter blocks (default: QUARTER_BLOCKS's
+    choice, narrow_blocks); small_x_boxes: with them the activations in 32-row boxes (default:
+    SMALL_X_BOXES's). split:
     GEMM2's K steps in `split` parts (SPLIT_K; decode's form, serial consumers, the early
     epilogue), out [split * num_pairs, N] then holds part p's rows from
     row p * num_pairs (combine_pair_rows(..., splits=split) sums them). tail: the last K
@@ -1237,6 +1252,10 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
                          f"{'direct' if routing.direct else routing.align_block_m}")
     a = a.contiguous() if a.stride(-1) != 1 else a
     box = tma_box_rows(consumers)
+    if quarter_blocks is None:
+        quarter_blocks = narrow_blocks(QUARTER_BLOCKS, quant, routing.num_pairs, w.shape[0])
+    if small_x_boxes is None:
+        small_x_boxes = narrow_blocks(SMALL_X_BOXES, quant, routing.num_pairs, w.shape[0])
     x_rows = x_box_rows(slots, half_blocks, small_x_boxes)    # (fp8's 16-slot form: slots)
     w_layout, s_layout, x_layout = _layouts(slots, quant, box, x_rows)
     if fp8:
