@@ -591,3 +591,108 @@ def test_padding_halves_skip_their_mmas(quant, monkeypatch):
     assert torch.isfinite(outs[0]).all(), "a pair's row was not written"
     assert torch.equal(outs[0], outs[1])
 
+
+FUSED_QUANT_BUILDS = """
+import sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops, sass
+from moe_ops.kernels import ws_gemm
+for activation, early, quant_out in (("swiglu", False, 1), ("swiglu", True, 1),
+                                     ("swiglu", False, 2)):
+    kernel = ws_gemm.compile_sm90(tile="wide", gemm=1, activation=activation, early=early,
+                                  out_dtype="fp8e4nv", quant_out=quant_out)
+    k_loops = sorted((b for b in loops(kernel) if sum("QGMMA" in i for i in b) == 8),
+                     key=len)[:2]
+    local = max(sum(i.split()[0].startswith(("LDL", "STL")) for i in b) for b in k_loops)
+    everywhere = sum(i.split()[0].startswith(("LDL", "STL")) for i in sass(kernel))
+    print(activation, early, quant_out, len(k_loops), local, everywhere, kernel.metadata.shared)
+"""
+
+
+def test_fused_quant_builds():
+    """fp8_block's GEMM1 with its output requantized (WS_FUSED_QUANT: gemm()'s out_scale) builds
+    for sm_90 on the wide tile, the late and the early epilogue, rounded through bfloat16 or
+    float16: both consumers' K loops and the epilogues without local memory, within a block's
+    shared memory."""
+    rows, done = sm90_script_rows(FUSED_QUANT_BUILDS)
+    assert len(rows) == 3, done.stdout
+    for activation, early, quant_out, loops, local, everywhere, shared in rows:
+        assert loops == "2" and local == "0" and everywhere == "0", done.stdout
+        assert int(shared) <= 227 * 1024, done.stdout
+
+
+def test_fused_quant_is_refused_where_it_does_not_apply():
+    """gemm()'s out_scale (the requantized GEMM1 output) is refused before any launch off
+    fp8_block's gated GEMM1 on the wide tile, or with the wrong output buffers."""
+    import types
+    routing = types.SimpleNamespace(direct=False, align_block_m=128)
+    E, N, K, slots = 2, 512, 256, 256
+    a = torch.zeros(slots, K, dtype=torch.float8_e4m3fn)
+    w = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn)
+    out = torch.empty(slots, N // 2, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(slots, N // 256)
+    common = dict(gemm=1, activation="swiglu", quant="fp8_block")
+    with pytest.raises(ValueError, match="out_scale"):
+        ws_gemm.gemm(a, None, w, None, None, out, routing, tile="rows", out_scale=scale, **common)
+    with pytest.raises(ValueError, match="out_scale"):
+        ws_gemm.gemm(a, None, w, None, None, out, routing, tile="wide", out_scale=scale,
+                     gemm=1, activation="swiglu", quant="fp8")
+    with pytest.raises(ValueError, match="out / out_scale"):
+        ws_gemm.gemm(a, None, w, None, None, out.to(torch.bfloat16), routing, tile="wide",
+                     out_scale=scale, **common)
+    with pytest.raises(ValueError, match="out / out_scale"):
+        ws_gemm.gemm(a, None, w, None, None, out, routing, tile="wide",
+                     out_scale=scale[:, :1], **common)
+    with pytest.raises(ValueError, match="rounding"):
+        ws_gemm.gemm(a, None, w, None, None, out, routing, tile="wide", out_scale=scale,
+                     rounding=torch.float32, **common)
+
+
+@needs_hopper
+@pytest.mark.parametrize("rounding", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("programs,early", [(3, False), (132, True)])
+def test_fused_quant_matches_act_quant(rounding, programs, early):
+    """GEMM1's requantized output (out_scale) against GEMM1's 16-bit intermediate quantized by
+    act_quant, on one dispatch (random routing, several scale blocks along N and K): the same
+    scales bit for bit, the same e4m3 values but for ties (act_quant divides each value
+    correctly rounded, the epilogue multiplies by the rounded 448 / amax: at most one e4m3
+    step apart, on under 1% of them), every live row written and no padding row (outputs
+    NaN-poisoned)."""
+    E, N, T, k, K = 8, 768, 300, 4, 1024
+    dev = torch.device("cuda")
+    a, a_scale, w, w_scale, routing = gemm2_problem("wide", "fp8_block", E, N, K, T, k, seed=5)
+    slots = a.shape[0]
+    inter = torch.full((slots, N // 2), float("nan"), device=dev, dtype=rounding)
+    ws_gemm.gemm(a, a_scale, w, w_scale, None, inter, routing, gemm=1, activation="swiglu",
+                 tile="wide", quant="fp8_block", programs=programs, early=early)
+    q_ref, s_ref = act_quant(inter, "fp8_block", routing.sorted_pair_ids, routing.num_pairs)
+    q = torch.full((slots, N // 2), 0x7F, device=dev, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.full((slots, N // 256), float("nan"), device=dev)
+    ws_gemm.gemm(a, a_scale, w, w_scale, None, q, routing, gemm=1, activation="swiglu",
+                 tile="wide", quant="fp8_block", programs=programs, early=early, out_scale=s,
+                 rounding=rounding)
+    torch.cuda.synchronize()
+    live = routing.sorted_pair_ids < routing.num_pairs
+    assert torch.isnan(s[~live]).all() and torch.isnan(q[~live].float()).all()
+    assert torch.equal(s[live], s_ref[live])
+    got, want = q[live].float(), q_ref[live].float()
+    assert torch.isfinite(got).all()
+    differ = got != want
+    assert differ.float().mean() < 0.01, differ.float().mean()
+    assert ((got - want).abs()[differ] <= want.abs()[differ] / 8 + 2.0 ** -9).all()
+
+
+@needs_hopper
+@pytest.mark.parametrize("activation,bias", [("swiglu", False), ("geglu", True)])
+def test_experts_with_fused_quant(activation, bias, monkeypatch, gemm_calls, poisoned_empty):
+    """MOE_OPS_WS_FUSED_QUANT: the experts call's fp8_block GEMM1 on the wide tile writes
+    GEMM2's activations requantized (no act_quant of the intermediate), against the oracle; a
+    GEMM1 the wide form does not admit (geglu with a bias: the rule's form) keeps its 16-bit
+    intermediate."""
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "wide")
+    monkeypatch.setattr(experts_mod, "WS_FUSED_QUANT", True)
+    fused = gemm_calls(ws_gemm, "gemm", record="out_scale", default="not passed")
+    check_skewed_experts("fp8_block", activation, bias, seed=61)
+    expect_fused = ws_gemm.wide_admits("fp8_block", activation, bias)
+    assert len(fused) == 2 and isinstance(fused[1], str), fused
+    assert isinstance(fused[0], torch.Tensor) == expect_fused, fused

@@ -32,6 +32,19 @@ _TINY_SCALE = tl.constexpr(1.8446744073709552e+19)  # 2^64
 
 
 @triton.jit
+def group_scale(amax):
+    """A row's (or group's) scale from its amax: amax / 448 correctly rounded, as quant.py
+    divides (Triton's `/` is approximate on the GPU)."""
+    return tl.div_rn(amax, 448.0)
+
+
+@triton.jit
+def reciprocal_448(amax):
+    """448 / amax correctly rounded (ws_gemm's fused requantization multiplies by it)."""
+    return tl.div_rn(448.0, amax)
+
+
+@triton.jit
 def _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp8_block: columns [k0, k0 + BLOCK_K) of a row, one scale per GROUP_K of them."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP_K
@@ -45,7 +58,7 @@ def _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K: tl.constexpr, BLOCK_K: tl
     tl.store(q_row + k0 + offs, tl.reshape(q, (BLOCK_K,)), mask=mask)
     g = k0 // GROUP_K + tl.arange(0, GROUPS)
     # the unscaled amax's scale (the quantized values are the same either way)
-    tl.store(s_row + g, tl.div_rn(amax, 448.0), mask=g * GROUP_K < K)
+    tl.store(s_row + g, group_scale(amax), mask=g * GROUP_K < K)
 
 
 @triton.jit

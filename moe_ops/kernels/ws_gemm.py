@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from moe_ops.kernels.act_quant import group_scale, reciprocal_448
 from moe_ops.kernels.common import (
     FP8_BLOCK, apply_activation, device_properties, round_to_dtype)
 from moe_ops.kernels.grouped_gemm import _launcher
@@ -364,11 +365,11 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
               SCALES_AFTER_MMA: gl.constexpr, STAGGER: gl.constexpr, EARLY: gl.constexpr,
-              HALF: gl.constexpr):
+              QUANT_OUT: gl.constexpr, HALF: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty, go = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
-     num_padded_ptr, topk_weights_ptr) = ptrs
+     num_padded_ptr, topk_weights_ptr, out_scale_ptr) = ptrs
     N, K, num_pairs, alpha, limit = sizes
     stride_as, stride_wse, stride_wsn, stride_be, stride_om = strides
     BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -430,10 +431,14 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                     BLOCK_SCALES, ROW0, ROWS, COLS)
             else:
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
-            _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
-                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY)
-            _epilogue(acc_hi, slots, col0 + COLS, expert, a_scale_rows, ptrs, sizes, strides,
-                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY)
+            if QUANT_OUT:
+                _epilogue_quant(acc, acc_hi, slots, col0, expert, ptrs, sizes, strides,
+                                ACTIVATION, HAS_BIAS, COALESCED, terms, EARLY, QUANT_OUT)
+            else:
+                _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
+                          ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY)
+                _epilogue(acc_hi, slots, col0 + COLS, expert, a_scale_rows, ptrs, sizes,
+                          strides, ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY)
         else:
             acc = gl.zeros([ROWS, COLS], gl.float32, mma)
             if live:
@@ -488,7 +493,7 @@ def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
     routing weight into out[pair]; padding slots (pair id >= num_pairs) are not written.
     EARLY: the slots' operands are `terms` (_epilogue_terms, loaded before the K loop)."""
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
-     num_padded_ptr, topk_weights_ptr) = ptrs
+     num_padded_ptr, topk_weights_ptr, out_scale_ptr) = ptrs
     N, K, num_pairs, alpha, limit = sizes
     stride_as, stride_wse, stride_wsn, stride_be, stride_om = strides
     COLS: gl.constexpr = acc.type.shape[1]
@@ -514,6 +519,56 @@ def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
     else:
         write_rows(acc, slots, pair_ids, row_ok, col0, topk_weights_ptr, out_ptr, stride_om,
                    alpha, limit, ACTIVATION, COALESCED)
+
+
+@gluon.jit
+def _epilogue_quant(acc, acc_hi, slots, col0, expert, ptrs, sizes, strides,
+                    ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
+                    terms, EARLY: gl.constexpr, QUANT_OUT: gl.constexpr):
+    """fp8_block GEMM1's "wide" epilogue with the requantization of its output (QUANT_OUT): a
+    warpgroup's two [64, 128] halves from weight row col0 (gate/up interleaved: intermediate
+    columns col0 / 2 ... + 128, one 128-column group of GEMM2's K) -> the activation, rounded
+    to the 16-bit type the intermediate would have (QUANT_OUT 1: bfloat16, 2: float16), then
+    quantized as act_quant quantizes that intermediate: the group's amax a row, the scale
+    amax / 448 into out_scale[slot, col0 / 256] (out_scale [slots, N / 256] contiguous), the
+    values times 448 / amax rounded to e4m3 into out[slot]. One difference: act_quant divides
+    each value correctly rounded, this multiplies by the rounded reciprocal (one division a row,
+    not one a value, in an epilogue the tensor cores wait for), so a value within an fp32 ulp
+    of an e4m3 midpoint may round to the other neighbour. Padding slots are not written."""
+    (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
+     num_padded_ptr, topk_weights_ptr, out_scale_ptr) = ptrs
+    N, K, num_pairs, alpha, limit = sizes
+    stride_as, stride_wse, stride_wsn, stride_be, stride_om = strides
+    COLS: gl.constexpr = acc.type.shape[1]
+    col_l: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
+    ROUND: gl.constexpr = gl.bfloat16 if QUANT_OUT == 1 else gl.float16
+    if EARLY:
+        pair_ids, row_ok, weights, row_scales = terms
+    else:
+        pair_ids = gl.load(sorted_pair_ids_ptr + slots)
+        row_ok = pair_ids < num_pairs
+    if HAS_BIAS:
+        cols = col0 + gl.arange(0, COLS, layout=col_l)
+        acc += gl.load(bias_ptr + expert * stride_be + cols)[None, :]
+        acc_hi += gl.load(bias_ptr + expert * stride_be + COLS + cols)[None, :]
+    h = round_to_dtype(activate(acc, alpha, limit, ACTIVATION), ROUND).to(gl.float32)
+    h_hi = round_to_dtype(activate(acc_hi, alpha, limit, ACTIVATION), ROUND).to(gl.float32)
+    amax = gl.maximum(gl.max(gl.abs(h), axis=1), gl.max(gl.abs(h_hi), axis=1))
+    # (act_quant's guard: a group whose amax is below 2^-96 is scaled by 2^64 first, so that
+    # 448 / amax stays finite; a zero group gets 0, never 0 * inf)
+    factor = gl.where(amax < 1.262177448353619e-29, 1.8446744073709552e+19, 1.0)
+    inverse = gl.where(amax > 0, reciprocal_448(amax * factor), 0.0)
+    # (values times the factor, then the reciprocal: the product of the two could overflow;
+    # the hardware conversion rounds to nearest even and saturates at 448: Gluon never runs in
+    # the interpreter whose conversion act_quant works around)
+    rows = slots.to(gl.int64)
+    first = col0 // 2
+    q = ((h * factor[:, None]) * inverse[:, None]).to(gl.float8e4nv)
+    _store_rows(out_ptr, q, rows, row_ok, first, stride_om, COALESCED)
+    q = ((h_hi * factor[:, None]) * inverse[:, None]).to(gl.float8e4nv)
+    _store_rows(out_ptr, q, rows, row_ok, first + h.shape[1], stride_om, COALESCED)
+    amax = gl.convert_layout(amax, slots.type.layout)
+    gl.store(out_scale_ptr + rows * (N // 256) + col0 // 256, group_scale(amax), mask=row_ok)
 
 
 @gluon.jit
@@ -573,19 +628,28 @@ def write_rows(values, slots, pair_ids, row_ok, first_col, topk_weights_ptr, out
                     first_col, stride_om, COALESCED)
     else:
         C: gl.constexpr = values.type.shape[1]
-        if ACTIVATION >= 1 and ACTIVATION <= 3:
-            gate, up = gl.split(gl.reshape(values, [values.type.shape[0], C // 2, 2]))
-            if ACTIVATION == 1:
-                h = apply_activation(gate, up, alpha, limit, "swiglu")
-            elif ACTIVATION == 2:
-                h = apply_activation(gate, up, alpha, limit, "geglu")
-            else:
-                h = apply_activation(gate, up, alpha, limit, "swiglu_oai")
-        else:
-            h = apply_activation(values, values, alpha, limit, "relu2")
+        h = activate(values, alpha, limit, ACTIVATION)
         H_COLS: gl.constexpr = h.type.shape[1]
         _store_rows(out_ptr, round_to_dtype(h, out_ty), slots.to(gl.int64), row_ok,
                     first_col // (C // H_COLS), stride_om, COALESCED)
+
+
+@gluon.jit
+def activate(values, alpha, limit, ACTIVATION: gl.constexpr):
+    """GEMM1's activation (ACTIVATION 1-4) of a tile [R, C] of gate/up interleaved columns
+    ([R, C / 2]) or, relu2, of all of them ([R, C])."""
+    C: gl.constexpr = values.type.shape[1]
+    if ACTIVATION >= 1 and ACTIVATION <= 3:
+        gate, up = gl.split(gl.reshape(values, [values.type.shape[0], C // 2, 2]))
+        if ACTIVATION == 1:
+            h = apply_activation(gate, up, alpha, limit, "swiglu")
+        elif ACTIVATION == 2:
+            h = apply_activation(gate, up, alpha, limit, "geglu")
+        else:
+            h = apply_activation(gate, up, alpha, limit, "swiglu_oai")
+    else:
+        h = apply_activation(values, values, alpha, limit, "relu2")
+    return h
 
 
 @gluon.jit
@@ -608,13 +672,13 @@ def _store_rows(out_ptr, values, rows, row_ok, first_col, stride_om, COALESCED: 
 @gluon.jit
 def _ws_fp8_block_kernel(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr,
-    block_expert_ptr, num_padded_ptr, topk_weights_ptr,
+    block_expert_ptr, num_padded_ptr, topk_weights_ptr, out_scale_ptr,
     N, K, num_pairs, stride_as, stride_wse, stride_wsn, stride_be, stride_om, alpha, limit,
     ALIGN_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, FORM: gl.constexpr,
     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
     BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
-    STAGGER: gl.constexpr, EARLY: gl.constexpr,
+    STAGGER: gl.constexpr, EARLY: gl.constexpr, QUANT_OUT: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
@@ -624,6 +688,9 @@ def _ws_fp8_block_kernel(
     # (a skipped half would never arrive on `go`, and the wide K loop has no arrive: the host
     # never builds those with a stagger, see stagger_steps)
     gl.static_assert(STAGGER == 0 or (SKIP_PADDING == 0 and FORM != 2))
+    # (the requantized output: fp8_block GEMM1, gated, on the "wide" form)
+    gl.static_assert(QUANT_OUT == 0 or (FORM == 2 and BLOCK_SCALES == 1 and ACTIVATION >= 1
+                                        and ACTIVATION <= 3))
     if STAGGER > 0:
         go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(go, count=1)
@@ -632,7 +699,7 @@ def _ws_fp8_block_kernel(
     descs = (a_desc, w_desc)
     smem = (a_bufs, w_bufs, ready, empty, go)
     ptrs = (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
-            num_padded_ptr, topk_weights_ptr)
+            num_padded_ptr, topk_weights_ptr, out_scale_ptr)
     sizes = (N, K, num_pairs, alpha, limit)
     strides = (stride_as, stride_wse, stride_wsn, stride_be, stride_om)
     # (the constexprs are spelled out in each tuple: a tuple held in a variable would turn them
@@ -640,10 +707,10 @@ def _ws_fp8_block_kernel(
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, EARLY, 0)),
+                     STAGGER, EARLY, QUANT_OUT, 0)),
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, EARLY, 1)),
+                     STAGGER, EARLY, QUANT_OUT, 1)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -693,14 +760,20 @@ def _descriptors(a: torch.Tensor, w: torch.Tensor, tile: str):
 
 def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: str,
          alpha: float = 0.0, limit: float = 0.0, tile: str = "cols", quant: str = "fp8_block",
-         programs: Optional[int] = None, early: Optional[bool] = None) -> None:
+         programs: Optional[int] = None, early: Optional[bool] = None,
+         out_scale: Optional[torch.Tensor] = None,
+         rounding: torch.dtype = torch.bfloat16) -> None:
     """One GEMM over the dispatch's live slots (see the module docstring).
 
     a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
     [E, N/128, K/128]; fp8: a_scale [slots], w_scale [E, N]. w [E, N, K] e4m3; bias [E, N] or
     None. GEMM1 (gemm=1): out = intermediate [slots, N/2 gated, N otherwise],
     act(a @ w^T + bias); GEMM2: out [pairs, N] = topk_weight * (a @ w^T + bias). early: the
-    slots' epilogue operands loaded before each tile's K loop (default: EARLY_EPILOGUE)."""
+    slots' epilogue operands loaded before each tile's K loop (default: EARLY_EPILOGUE).
+    out_scale: GEMM2's activations written requantized (fp8_block, a gated GEMM1 on the "wide"
+    tile; see FUSED_QUANT): out e4m3 [slots, N/2] and out_scale fp32 [slots, N/256] contiguous,
+    what act_quant(intermediate, "fp8_block") would give for the intermediate in `rounding`
+    (bfloat16 or float16)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if gemm == 1 and activation == "none":
@@ -714,6 +787,21 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     if routing.direct or routing.align_block_m % bm:
         raise ValueError(f"the warp-specialized GEMM needs a dispatch aligned to {bm} rows")
     E, N, K = w.shape
+    quant_out = 0
+    if out_scale is not None:
+        if not (gemm == 1 and quant == "fp8_block" and tile == "wide"
+                and activation in ("swiglu", "geglu", "swiglu_oai")):
+            raise ValueError(f"out_scale: fp8_block's gated GEMM1 on the 'wide' tile only, got "
+                             f"gemm={gemm}, quant={quant!r}, tile={tile!r}, "
+                             f"activation={activation!r}")
+        if (out.dtype != torch.float8_e4m3fn or out_scale.dtype != torch.float32
+                or out_scale.shape != (out.shape[0], N // 256) or not out_scale.is_contiguous()):
+            raise ValueError(f"out / out_scale: e4m3 [slots, {N // 2}] and contiguous fp32 "
+                             f"[slots, {N // 256}], got {out.dtype} {tuple(out.shape)} and "
+                             f"{out_scale.dtype} {tuple(out_scale.shape)}")
+        if rounding not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"rounding: bfloat16 or float16, got {rounding}")
+        quant_out = 1 if rounding == torch.bfloat16 else 2
     a_desc, w_desc = _descriptors(a, w, tile)
     if programs is None:
         programs = device_properties(a.device).multi_processor_count
@@ -723,7 +811,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     _launcher((programs, ), _ws_fp8_block_kernel)(
         a_desc, w_desc, a_scale, w_scale, bias if bias is not None else dummy, out,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
-        routing.topk_weights, N, K, routing.num_pairs, a_scale.stride(0), w_scale.stride(0),
+        routing.topk_weights, out_scale if out_scale is not None else dummy, N, K, routing.num_pairs, a_scale.stride(0), w_scale.stride(0),
         w_scale.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
         alpha, limit,
         ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=ring_stages(tile),
@@ -732,14 +820,17 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
         BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
         SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
-        EARLY=int(EARLY_EPILOGUE if early is None else early), num_warps=4, maxnreg=MAXNREG)
+        EARLY=int(EARLY_EPILOGUE if early is None else early), QUANT_OUT=quant_out,
+        num_warps=4, maxnreg=MAXNREG)
 
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
                  has_bias: bool = False, out_dtype: str = "bf16", quant: str = "fp8_block",
-                 early: Optional[bool] = None):
+                 early: Optional[bool] = None, quant_out: int = 0):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
-    run, Gluon having no interpreter. Returns triton's CompiledKernel."""
+    run, Gluon having no interpreter. quant_out: the requantized GEMM1 output (gemm()'s
+    out_scale; 1 rounded through bfloat16, 2 float16; out_dtype then fp8e4nv). Returns triton's
+    CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     bm, bn = TILES[tile]
@@ -750,7 +841,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "w_desc": f"tensordesc<fp8e4nv[{bn}, {FP8_BLOCK}],{w_layout!r}>",
         "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32",
         "out_ptr": f"*{out_dtype}", "sorted_pair_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-        "num_padded_ptr": "*i32", "topk_weights_ptr": "*fp32",
+        "num_padded_ptr": "*i32", "topk_weights_ptr": "*fp32", "out_scale_ptr": "*fp32",
         "N": "i32", "K": "i32", "num_pairs": "i32", "stride_as": "i32", "stride_wse": "i32",
         "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32",
         "alpha": "fp32", "limit": "fp32"}
@@ -760,7 +851,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                   PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
                   BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
                   SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
-                  EARLY=int(EARLY_EPILOGUE if early is None else early))
+                  EARLY=int(EARLY_EPILOGUE if early is None else early), QUANT_OUT=quant_out)
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om")}
