@@ -116,8 +116,9 @@
 # torch._scaled_mm on e4m3, against 1274 TFLOP/s) or 0 (none).
 # wgmma: the tensor pipe's rate for ws_fp4's wgmma shapes alone (benchmarks/dev_wgmma_rate.py:
 # A from registers or shared memory, N = 64 / 128 / 256, a wait every K step or one step in
-# flight, two consumer warpgroups sharing the B tile), the SM clock logged beside it; about
-# 1 minute.
+# flight, two consumer warpgroups sharing the B tile; and at N = 128 with one or two rounds of
+# integer work on other registers between a step's wait and the next issue, as the decode sits
+# there), the SM clock logged beside it; about 1 minute.
 # quartert: the 128-slot form's quarter blocks and 32-row activation boxes
 # (ws_fp4.QUARTER_BLOCKS, SMALL_X_BOXES, written without a GPU): their GPU tests (against the
 # whole blocks, the quarter path taken, the experts call against the oracle), compute-sanitizer

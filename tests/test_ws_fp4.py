@@ -227,20 +227,25 @@ import sys
 sys.path.insert(0, "benchmarks")
 from aot_sm90 import loops
 import dev_wgmma_rate
-for n, rs in ((128, True), (256, False)):
-    kernel = dev_wgmma_rate.compile_sm90(n, rs, 0)
+for n, rs, alu in ((128, True, 0), (256, False, 0), (128, True, 2), (128, False, 2)):
+    kernel = dev_wgmma_rate.compile_sm90(n, rs, 0, alu)
     loop = min((b for b in loops(kernel) if any("HGMMA" in i for i in b)), key=len)
-    print(n, rs, sum(f"HGMMA.64x{n}x16" in i for i in loop),
-          sum(i.split()[0].startswith(("LDL", "STL")) for i in loop))
+    print(n, rs, alu, sum(f"HGMMA.64x{n}x16" in i for i in loop),
+          sum(i.split()[0].startswith(("LDL", "STL")) for i in loop),
+          sum(i.split()[0].startswith(("IMAD", "LOP3", "SHF")) for i in loop) >= 60 * 3 * alu)
 """
 
 
 def test_wgmma_rate_benchmark_builds():
     """benchmarks/dev_wgmma_rate.py's kernel builds for sm_90 without a GPU: its K step of 16
     m64nNk16 wgmmas (A from registers or shared memory) and nothing but loop control beside
-    them (no local memory)."""
+    them (no local memory); with ALU rounds, the integer work inside the same loop (at least 3
+    instructions a value a round)."""
     rows, done = sm90_script_rows(WGMMA_RATE_BUILDS)
-    assert rows == [["128", "True", "16", "0"], ["256", "False", "16", "0"]], done.stdout
+    assert rows == [["128", "True", "0", "16", "0", "True"],
+                    ["256", "False", "0", "16", "0", "True"],
+                    ["128", "True", "2", "16", "0", "True"],
+                    ["128", "False", "2", "16", "0", "True"]], done.stdout
 
 
 @needs_hopper

@@ -120,9 +120,9 @@ WS_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_MIN_ROWS", 0)
 # a row per 128 columns: ws_gemm.gemm's out_scale) instead of a 16-bit intermediate that
 # act_quant then reads back. Why: at DeepSeek-V3 T = 16384 that act_quant takes ~0.46 ms of a
 # ~14.4 ms call (results/h200_profile_layer_issue3.json) and GEMM1 stores 2 bytes a value
-# where 1 would do. Its cost: each tile's epilogue grows by the amax and the conversion (~500
-# instructions a consumer thread) while the tensor cores wait. Not yet measured: off unless
-# MOE_OPS_WS_FUSED_QUANT=1.
+# where 1 would do. Its cost: each tile's epilogue grows by the amax and the conversion (~1000
+# SASS instructions a consumer's epilogue) while the tensor cores wait. Not yet measured: off
+# unless MOE_OPS_WS_FUSED_QUANT=1.
 WS_FUSED_QUANT = ws_gemm.env_choice("MOE_OPS_WS_FUSED_QUANT", "0", ("0", "1")) == "1"
 # fp8 per tensor on the same kernel (its partial sums promoted every K step, the scales in the
 # epilogue). Measured on an H200 (results/h200_ws_fp8_profile_*.json, 2026-12-01), the experts
