@@ -39,12 +39,6 @@ def group_scale(amax):
 
 
 @triton.jit
-def reciprocal_448(amax):
-    """448 / amax correctly rounded (ws_gemm's fused requantization multiplies by it)."""
-    return tl.div_rn(448.0, amax)
-
-
-@triton.jit
 def _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp8_block: columns [k0, k0 + BLOCK_K) of a row, one scale per GROUP_K of them."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP_K

@@ -120,7 +120,7 @@ WS_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_MIN_ROWS", 0)
 # a row per 128 columns: ws_gemm.gemm's out_scale) instead of a 16-bit intermediate that
 # act_quant then reads back. Why: at DeepSeek-V3 T = 16384 that act_quant takes ~0.46 ms of a
 # ~14.4 ms call (results/h200_profile_layer_issue3.json) and GEMM1 stores 2 bytes a value
-# where 1 would do. Its cost: each tile's epilogue grows by the amax and the conversion (~1000
+# where 1 would do. Its cost: each tile's epilogue grows by the amax and the conversion (~1150
 # SASS instructions a consumer's epilogue) while the tensor cores wait. Not yet measured: off
 # unless MOE_OPS_WS_FUSED_QUANT=1.
 WS_FUSED_QUANT = ws_gemm.env_choice("MOE_OPS_WS_FUSED_QUANT", "0", ("0", "1")) == "1"
@@ -416,7 +416,8 @@ def triton_experts(
         a1, a1_scale = x, None
     else:
         a1, a1_scale = act_quant(x, quant)
-    intermediate = torch.empty((routing.num_slots, I), dtype=x.dtype, device=x.device)
+    if not fused_quant:
+        intermediate = torch.empty((routing.num_slots, I), dtype=x.dtype, device=x.device)
     if fp8_ws:
         # the token rows in dispatch order, quantized there (padding slots skipped) as f16
         # e4m3 values, one scale a slot
@@ -435,7 +436,7 @@ def triton_experts(
                     activation=activation, alpha=alpha, limit=limit, quant=quant,
                     slots=fp4_slots, consumers=fp4_consumers[0])
         del rows
-    elif ws1 and fused_quant:
+    elif fused_quant:
         # (see WS_FUSED_QUANT) GEMM2's activations straight from GEMM1's epilogue
         rows, row_scales = gather_rows(a1, a1_scale, routing)
         intermediate = torch.empty((routing.num_slots, I), dtype=torch.float8_e4m3fn,
@@ -458,7 +459,7 @@ def triton_experts(
 
     if quant == "none" or fp4:
         a2, a2_scale = intermediate, None
-    elif ws1 and fused_quant:
+    elif fused_quant:
         a2 = intermediate       # (a2_scale: GEMM1's)
     else:
         a2, a2_scale = act_quant(intermediate, quant, routing.sorted_pair_ids, routing.num_pairs,

@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from moe_ops.kernels.act_quant import group_scale, reciprocal_448
+from moe_ops.kernels.act_quant import group_scale
 from moe_ops.kernels.common import (
     FP8_BLOCK, apply_activation, device_properties, round_to_dtype)
 from moe_ops.kernels.grouped_gemm import _launcher
@@ -529,12 +529,9 @@ def _epilogue_quant(acc, acc_hi, slots, col0, expert, ptrs, sizes, strides,
     warpgroup's two [64, 128] halves from weight row col0 (gate/up interleaved: intermediate
     columns col0 / 2 ... + 128, one 128-column group of GEMM2's K) -> the activation, rounded
     to the 16-bit type the intermediate would have (QUANT_OUT 1: bfloat16, 2: float16), then
-    quantized as act_quant quantizes that intermediate: the group's amax a row, the scale
-    amax / 448 into out_scale[slot, col0 / 256] (out_scale [slots, N / 256] contiguous), the
-    values times 448 / amax rounded to e4m3 into out[slot]. One difference: act_quant divides
-    each value correctly rounded, this multiplies by the rounded reciprocal (one division a row,
-    not one a value, in an epilogue the tensor cores wait for), so a value within an fp32 ulp
-    of an e4m3 midpoint may round to the other neighbour. Padding slots are not written."""
+    quantized as act_quant quantizes that intermediate, bit for bit: the group's amax a row, the
+    scale amax / 448 into out_scale[slot, col0 / 256] (out_scale [slots, N / 256] contiguous),
+    the values' e4m3 codes (_quantize) into out[slot]. Padding slots are not written."""
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
      num_padded_ptr, topk_weights_ptr, out_scale_ptr) = ptrs
     N, K, num_pairs, alpha, limit = sizes
@@ -554,21 +551,37 @@ def _epilogue_quant(acc, acc_hi, slots, col0, expert, ptrs, sizes, strides,
     h = round_to_dtype(activate(acc, alpha, limit, ACTIVATION), ROUND).to(gl.float32)
     h_hi = round_to_dtype(activate(acc_hi, alpha, limit, ACTIVATION), ROUND).to(gl.float32)
     amax = gl.maximum(gl.max(gl.abs(h), axis=1), gl.max(gl.abs(h_hi), axis=1))
-    # (act_quant's guard: a group whose amax is below 2^-96 is scaled by 2^64 first, so that
-    # 448 / amax stays finite; a zero group gets 0, never 0 * inf)
+    # act_quant's guard: a group whose amax is below 2^-96 is scaled by 2^64 first (the same
+    # quotients, none of them rounded subnormal); a zero group gets 0
     factor = gl.where(amax < 1.262177448353619e-29, 1.8446744073709552e+19, 1.0)
-    inverse = gl.where(amax > 0, reciprocal_448(amax * factor), 0.0)
-    # (values times the factor, then the reciprocal: the product of the two could overflow;
-    # the hardware conversion rounds to nearest even and saturates at 448: Gluon never runs in
-    # the interpreter whose conversion act_quant works around)
     rows = slots.to(gl.int64)
     first = col0 // 2
-    q = ((h * factor[:, None]) * inverse[:, None]).to(gl.float8e4nv)
-    _store_rows(out_ptr, q, rows, row_ok, first, stride_om, COALESCED)
-    q = ((h_hi * factor[:, None]) * inverse[:, None]).to(gl.float8e4nv)
-    _store_rows(out_ptr, q, rows, row_ok, first + h.shape[1], stride_om, COALESCED)
+    _store_rows(out_ptr, _quantize(h, amax, factor), rows, row_ok, first, stride_om, COALESCED)
+    _store_rows(out_ptr, _quantize(h_hi, amax, factor), rows, row_ok, first + h.shape[1],
+                stride_om, COALESCED)
     amax = gl.convert_layout(amax, slots.type.layout)
     gl.store(out_scale_ptr + rows * (N // 256) + col0 // 256, group_scale(amax), mask=row_ok)
+
+
+@gluon.jit
+def _quantize(h, amax, factor):
+    """act_quant's e4m3 codes of values h [R, C] whose group amax a row is amax [R] (factor:
+    its tiny-amax scale): (h * 448) / amax correctly rounded, then rounded to e4m3 (nearest,
+    ties to even, saturating at 448: the hardware conversion, Gluon never running in the
+    interpreter whose conversion act_quant works around), -0 as +0 as act_quant gives it.
+    The quotient without a division a value (the tensor cores wait for this epilogue): the
+    reciprocal of the row's amax, correctly rounded, then one residual step (the exact
+    remainder by a fused multiply-add, added back times the reciprocal), which rounds the
+    quotient as the division does."""
+    a = (amax * factor)[:, None]
+    live = a > 0
+    r = gl.where(live, gl.div_rn(gl.full(a.shape, 1.0, gl.float32, a.type.layout),
+                                 gl.where(live, a, 1.0)), 0.0)
+    y = h * factor[:, None] * 448.0        # (exact: a 16-bit value times a power of two and 7 * 64)
+    q = y * r
+    q = gl.fma(gl.fma(-q, a, y), r, q)
+    q = gl.where(q == 0.0, 0.0, q)
+    return q.to(gl.float8e4nv)
 
 
 @gluon.jit
@@ -689,8 +702,9 @@ def _ws_fp8_block_kernel(
     # never builds those with a stagger, see stagger_steps)
     gl.static_assert(STAGGER == 0 or (SKIP_PADDING == 0 and FORM != 2))
     # (the requantized output: fp8_block GEMM1, gated, on the "wide" form)
-    gl.static_assert(QUANT_OUT == 0 or (FORM == 2 and BLOCK_SCALES == 1 and ACTIVATION >= 1
-                                        and ACTIVATION <= 3))
+    gl.static_assert(QUANT_OUT == 0 or (QUANT_OUT <= 2 and FORM == 2 and BLOCK_SCALES == 1
+                                        and ACTIVATION >= 1 and ACTIVATION <= 3
+                                        and out_ptr.dtype.element_ty == gl.float8e4nv))
     if STAGGER > 0:
         go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(go, count=1)
@@ -762,7 +776,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
          alpha: float = 0.0, limit: float = 0.0, tile: str = "cols", quant: str = "fp8_block",
          programs: Optional[int] = None, early: Optional[bool] = None,
          out_scale: Optional[torch.Tensor] = None,
-         rounding: torch.dtype = torch.bfloat16) -> None:
+         rounding: Optional[torch.dtype] = None) -> None:
     """One GEMM over the dispatch's live slots (see the module docstring).
 
     a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
@@ -771,9 +785,9 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     act(a @ w^T + bias); GEMM2: out [pairs, N] = topk_weight * (a @ w^T + bias). early: the
     slots' epilogue operands loaded before each tile's K loop (default: EARLY_EPILOGUE).
     out_scale: GEMM2's activations written requantized (fp8_block, a gated GEMM1 on the "wide"
-    tile; see FUSED_QUANT): out e4m3 [slots, N/2] and out_scale fp32 [slots, N/256] contiguous,
-    what act_quant(intermediate, "fp8_block") would give for the intermediate in `rounding`
-    (bfloat16 or float16)."""
+    tile; see experts.WS_FUSED_QUANT): out e4m3 [slots, N/2] and out_scale fp32 [slots, N/256],
+    both contiguous, bit for bit what act_quant(intermediate, "fp8_block") gives for the
+    16-bit intermediate, whose type `rounding` (bfloat16 or float16) must then name."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if gemm == 1 and activation == "none":
@@ -794,9 +808,10 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
             raise ValueError(f"out_scale: fp8_block's gated GEMM1 on the 'wide' tile only, got "
                              f"gemm={gemm}, quant={quant!r}, tile={tile!r}, "
                              f"activation={activation!r}")
-        if (out.dtype != torch.float8_e4m3fn or out_scale.dtype != torch.float32
+        if (out.dtype != torch.float8_e4m3fn or out.shape[1:] != (N // 2, )
+                or not out.is_contiguous() or out_scale.dtype != torch.float32
                 or out_scale.shape != (out.shape[0], N // 256) or not out_scale.is_contiguous()):
-            raise ValueError(f"out / out_scale: e4m3 [slots, {N // 2}] and contiguous fp32 "
+            raise ValueError(f"out / out_scale: contiguous e4m3 [slots, {N // 2}] and fp32 "
                              f"[slots, {N // 256}], got {out.dtype} {tuple(out.shape)} and "
                              f"{out_scale.dtype} {tuple(out_scale.shape)}")
         if rounding not in (torch.bfloat16, torch.float16):
