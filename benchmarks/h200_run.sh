@@ -156,6 +156,17 @@ layer_arm() {
   echo "$name ${vars[*]}"; grep -A"$rows" '^ *model' "$out/$name.log" | cut -c1-100
 }
 FP4_DECODE=(--models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4)
+# tests_then_sanitize NAME FILE SELECTION SANITIZED LIMIT: `pytest FILE -k SELECTION` (at most
+# LIMIT seconds) into pytest_NAME.log, then compute-sanitizer memcheck on `-k SANITIZED` into
+# sanitize_NAME.log
+tests_then_sanitize() {
+  timeout "$5" python3 -m pytest -q -p no:cacheprovider "$2" -k "$3" > "$out/pytest_$1.log" 2>&1 \
+    || status=1
+  echo "$2 -k \"$3\""; tail -n 1 "$out/pytest_$1.log"
+  timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q \
+    -p no:cacheprovider "$2" -k "$4" > "$out/sanitize_$1.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|passed|failed" "$out/sanitize_$1.log" | tail -n 2
+}
 # gpu_check's 4-bit cases; compute-sanitizer on gpu_check's small set (every quant mode)
 fp4_check() {
   timeout 100 python3 benchmarks/gpu_check.py --models deepseek_v3 gpt_oss_120b \
@@ -645,13 +656,7 @@ if [[ "$what" == wgmma ]]; then
   tail -n 20 "$out/clocks_wgmma_rate.log"
 fi
 if [[ "$what" == quartert ]]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_ws_fp4.py -k quarter \
-    > "$out/pytest_quarter.log" 2>&1 || status=1
-  echo "ws_fp4 quarter-block tests"; tail -n 1 "$out/pytest_quarter.log"
-  timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q \
-    -p no:cacheprovider tests/test_ws_fp4.py -k "quarter_blocks_match and mxfp4" \
-    > "$out/sanitize_quarter.log" 2>&1 || status=1
-  grep -E "ERROR SUMMARY|passed|failed" "$out/sanitize_quarter.log" | tail -n 2
+  tests_then_sanitize quarter tests/test_ws_fp4.py quarter "quarter_blocks_match and mxfp4" 300
 fi
 if [[ "$what" == quartera ]]; then
   for arm in ${QUARTER_ARMS:-0:0:a 1:0:a 1:1:a 0:0:b 1:1:b}; do
@@ -662,13 +667,8 @@ if [[ "$what" == quartera ]]; then
   done
 fi
 if [[ "$what" == fquant ]]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_ws_gemm.py -k fused \
-    > "$out/pytest_fquant.log" 2>&1 || status=1
-  echo "fused requantization tests"; tail -n 1 "$out/pytest_fquant.log"
-  timeout 120 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q \
-    -p no:cacheprovider tests/test_ws_gemm.py -k "fused_quant_matches and 3-False-bf16" \
-    > "$out/sanitize_fquant.log" 2>&1 || status=1
-  grep -E "ERROR SUMMARY|passed|failed" "$out/sanitize_fquant.log" | tail -n 2
+  tests_then_sanitize fquant tests/test_ws_gemm.py fused "fused_quant_matches and 3-False-bf16" \
+    200
   for arm in 0:a 1:a 0:b 1:b; do
     layer_arm "ab_fquant_${arm%%:*}_${arm#*:}" 60 3 MOE_OPS_WS_FUSED_QUANT=${arm%%:*} -- \
       --models deepseek_v3 --quant fp8_block --tokens 16384

@@ -532,18 +532,17 @@ def _epilogue_quant(acc, acc_hi, slots, col0, expert, ptrs, sizes, strides,
     quantized as act_quant quantizes that intermediate, bit for bit: the group's amax a row, the
     scale amax / 448 into out_scale[slot, col0 / 256] (out_scale [slots, N / 256] contiguous),
     the values' e4m3 codes (_quantize) into out[slot]. Padding slots are not written."""
-    (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
-     num_padded_ptr, topk_weights_ptr, out_scale_ptr) = ptrs
-    N, K, num_pairs, alpha, limit = sizes
-    stride_as, stride_wse, stride_wsn, stride_be, stride_om = strides
+    bias_ptr, out_ptr, sorted_pair_ids_ptr, out_scale_ptr = ptrs[2], ptrs[3], ptrs[4], ptrs[8]
+    N, num_pairs, alpha, limit = sizes[0], sizes[2], sizes[3], sizes[4]
+    stride_be, stride_om = strides[3], strides[4]
     COLS: gl.constexpr = acc.type.shape[1]
     col_l: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
     ROUND: gl.constexpr = gl.bfloat16 if QUANT_OUT == 1 else gl.float16
+    # (GEMM1: the slots' rows written or not; see _epilogue_terms)
     if EARLY:
-        pair_ids, row_ok, weights, row_scales = terms
+        row_ok = terms[1]
     else:
-        pair_ids = gl.load(sorted_pair_ids_ptr + slots)
-        row_ok = pair_ids < num_pairs
+        row_ok = gl.load(sorted_pair_ids_ptr + slots) < num_pairs
     if HAS_BIAS:
         cols = col0 + gl.arange(0, COLS, layout=col_l)
         acc += gl.load(bias_ptr + expert * stride_be + cols)[None, :]
