@@ -3,7 +3,8 @@ same schedule (FMT 2: e4m3 weights converted to f16 in registers; off by default
 slower than grouped_gemm's tiles: experts.WS_FP8_DECODE). Run for both GEMMs of
 4-bit decode calls up to 8 routed rows an expert (experts.WS_FP4, WS_FP4_MAX_ROWS) and of
 prefill calls, in a 64-slot form from 8 rows an expert (experts.WS_FP4_PREFILL_MIN_ROWS) and a
-128-slot form from 64 (WS_FP4_WIDE_MIN_ROWS, with HALF_BLOCKS): measured on an H200,
+128-slot form from 64 (WS_FP4_WIDE_MIN_ROWS, with HALF_BLOCKS, and for nvfp4 below 128 rows
+an expert QUARTER_BLOCKS and SMALL_X_BOXES: DeepSeek-V3 T = 2048 5-8% faster): measured on an H200,
 DeepSeek-V3's nvfp4 layer 8-15% faster than on grouped_gemm's Triton kernels at T = 4-128,
 21% / 6% at T = 256 / 512 with up to 16 rows an expert against up to 4 (and 512 13% faster
 again with the 64-slot form from 8 rows), 24% at T = 1024 with the 64-slot form and 27-24%
