@@ -353,6 +353,40 @@ def test_act_quant_skips_padding_rows(quant, split_k, poisoned_empty):
     assert torch.isnan(s[~live]).all() and torch.isnan(q[~live].float()).all()
 
 
+def test_act_quant_short_rows_read_whole(monkeypatch, poisoned_empty):
+    """SHORT_ROW_K: fp8 rows of at most that many columns are read whole, one a program,
+    however many rows (the row's load beside its pair id's: LOAD_FIRST), bit for bit the
+    looped form's, sentinel rows left unwritten; wider rows and fp8_block keep their forms."""
+    from moe_ops.kernels import act_quant as aq
+    grids = []
+    real = aq._act_quant_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    g = torch.Generator().manual_seed(11)
+    M, K, num_pairs = 37, 300, 30
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEVICE)
+    ids = torch.randint(0, num_pairs, (M,), generator=g)
+    ids[torch.randperm(M, generator=g)[:9]] = num_pairs  # padding rows
+    ids = ids.to(torch.int32).to(DEVICE)
+    q_ref, s_ref = act_quant(x, "fp8", ids, num_pairs, split_k=False)
+    monkeypatch.setattr(aq, "SPLIT_K_MAX_ROWS", {"fp8": 4, "fp8_block": 4})
+    monkeypatch.setattr(aq, "SHORT_ROW_K", 512)
+    monkeypatch.setattr(aq, "_act_quant_kernel", Recorder())
+    q, s = aq.act_quant(x, "fp8", ids, num_pairs)
+    live = ids < num_pairs
+    assert torch.equal(q[live].view(torch.uint8), q_ref[live].view(torch.uint8))
+    assert torch.equal(s[live], s_ref[live])
+    assert torch.isnan(s[~live]).all() and torch.isnan(q[~live].float()).all()
+    aq.act_quant(x, "fp8_block", ids, num_pairs)         # fp8_block: looped
+    monkeypatch.setattr(aq, "SHORT_ROW_K", 256)
+    aq.act_quant(x, "fp8", ids, num_pairs)               # 300 > 256: looped
+    assert [len(grid) for grid in grids] == [2, 1, 1], grids
+
+
 # ---------------------------------------------------------------- experts: every mode
 
 ACTIVATIONS = ["swiglu", "geglu", "swiglu_oai", "relu2"]

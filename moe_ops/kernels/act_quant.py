@@ -11,6 +11,7 @@ and at decode sizes they are most of the buffer.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -65,14 +66,17 @@ def _act_quant_kernel(
     SPLIT_K: tl.constexpr,      # the columns spread over the grid's 2nd axis, one step each
     SKIP_PAD_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    LOAD_FIRST: tl.constexpr = False,
 ):
     """One row a program (grid (M,)), stepping over its columns; with SPLIT_K (few rows: the
     steps' load latencies add up, 1 us or so each) one step a program (grid (M, K / BLOCK_K)):
     fp8_block's groups are independent, and fp8's row takes BLOCK_K >= K (the whole row read
-    once, its amax from registers)."""
+    once, its amax from registers). LOAD_FIRST (fp8's whole rows, SHORT_ROW_K): the row's load
+    issued before its pair id is known, so the two latencies overlap (a padding row is read
+    for nothing)."""
     pdl_prologue(USE_PDL)
     row = tl.program_id(0)
-    if SKIP_PAD_ROWS:
+    if SKIP_PAD_ROWS and not LOAD_FIRST:
         # A sentinel (pair id == num_pairs) marks a padding row of the sorted layout.
         if tl.load(sorted_pair_ids_ptr + row) >= num_pairs:
             return
@@ -85,6 +89,9 @@ def _act_quant_kernel(
         if SPLIT_K:
             mask = offs < K
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            if SKIP_PAD_ROWS and LOAD_FIRST:
+                if tl.load(sorted_pair_ids_ptr + row) >= num_pairs:
+                    return
             row_amax = tl.max(tl.abs(x), axis=0)
             factor = tl.where(row_amax < _TINY_AMAX, _TINY_SCALE, 1.0)
             q, scale = fp8_quantize(x * factor, row_amax * factor)
@@ -128,6 +135,19 @@ def _act_quant_kernel(
 SPLIT_K_MAX_ROWS = {"fp8": 256, "fp8_block": 512}
 # fp8 (one scale per row) reads a split row whole: at most this many columns.
 WHOLE_ROW_MAX_K = 16384
+# fp8 rows of at most SHORT_ROW_K columns read whole, one a program, whatever the row count,
+# the row's load issued beside its pair id's (LOAD_FIRST), instead of the looped form's two
+# passes after the pair id. Why: the looped form moves 1.1-1.2 TB/s on Qwen3-30B-A3B's
+# 768-wide intermediate at T = 16384 (273 us of a 2166 us call, results/
+# h200_profile_layer_issue3.json; h200_act_quant.json), as if each program waited out its
+# dependent loads (pair id, the row, the row again) with little in flight; packing several
+# rows to a program measured slower (h200_act_quant_rows_ab.json). Not yet measured: 0 (off)
+# unless MOE_OPS_ACT_QUANT_SHORT_ROW_K=n.
+SHORT_ROW_K = os.environ.get("MOE_OPS_ACT_QUANT_SHORT_ROW_K", "0")
+if not SHORT_ROW_K.isdigit():
+    raise ValueError(f"MOE_OPS_ACT_QUANT_SHORT_ROW_K must be a non-negative integer, got "
+                     f"{SHORT_ROW_K!r}")
+SHORT_ROW_K = int(SHORT_ROW_K)
 
 
 def act_quant(
@@ -143,17 +163,20 @@ def act_quant(
     scales: [M] for quant="fp8", [M, ceil(K/128)] for "fp8_block". With sorted_pair_ids given,
     rows whose pair id is the sentinel (>= num_pairs) are skipped and left unwritten. split_k:
     the kernel's form (None: SPLIT_K for at most SPLIT_K_MAX_ROWS[quant] live rows: num_pairs
-    with sorted_pair_ids, whose padded buffer is mostly sentinels at decode sizes, else M); the
-    same bytes either way. out_dtype float16: q holds the same e4m3 values as f16 (exact; the
+    with sorted_pair_ids, whose padded buffer is mostly sentinels at decode sizes, else M; and
+    fp8 rows of at most SHORT_ROW_K columns); the same bytes either way. out_dtype float16: q holds the same e4m3 values as f16 (exact; the
     fp8 decode kernel multiplies them as f16, ws_fp4's fp8 form).
     """
     if out_dtype not in (torch.float8_e4m3fn, torch.float16):
         raise ValueError(f"out_dtype: float8_e4m3fn or float16, got {out_dtype}")
     M, K = x.shape
     q = torch.empty((M, K), dtype=out_dtype, device=x.device)
+    load_first = False
     if split_k is None:
         live_rows = min(M, num_pairs) if sorted_pair_ids is not None else M
         split_k = live_rows <= SPLIT_K_MAX_ROWS[quant]
+        if not split_k and quant == "fp8" and K <= SHORT_ROW_K:
+            split_k = load_first = True
     if quant == "fp8":
         scales = torch.empty((M,), dtype=torch.float32, device=x.device)
         split_k = split_k and K <= WHOLE_ROW_MAX_K
@@ -177,7 +200,7 @@ def act_quant(
         num_pairs, K,
         x.stride(0), q.stride(0), stride_sm,
         GROUP_K=group_k, BLOCK_K=block_k, SPLIT_K=split_k, SKIP_PAD_ROWS=skip,
-        num_warps=num_warps,
+        num_warps=num_warps, LOAD_FIRST=load_first,
         USE_PDL=use_pdl(x.device), **pdl_launch_options(x.device),
     )
     return q, scales
