@@ -755,6 +755,14 @@ def test_wide_three_consumers_rules(monkeypatch):
     assert ws_fp4.consumers_for(ws_fp4.PREFILL_SLOTS, "nvfp4", 10 ** 6) == 2
     assert ws_fp4._early(ws_fp4.WIDE_SLOTS, 3, None) is False
     assert ws_fp4._early(ws_fp4.WIDE_SLOTS, 2, None) == ws_fp4.EARLY_EPILOGUE
+    monkeypatch.setattr(ws_fp4, "SMALL_X_BOXES", "1")
+    assert not ws_fp4.small_boxes(ws_fp4.WIDE_SLOTS, 3, "nvfp4", 4096, 256)
+    assert ws_fp4.small_boxes(ws_fp4.WIDE_SLOTS, 2, "nvfp4", 4096, 256)
+    # with partial last tiles off, N = 4096 is no whole number of 192-row tiles: two
+    monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", False)
+    assert ws_fp4.consumers_for(ws_fp4.WIDE_SLOTS, "nvfp4", 10 ** 6, 1, 4096) == 2
+    assert ws_fp4.consumers_for(ws_fp4.WIDE_SLOTS, "nvfp4", 10 ** 6, 1, 3072) == 3
+    monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", True)
     routing = types.SimpleNamespace(num_pairs=4096, direct=False, align_block_m=128)
     E, N, K = 4, 384, 512
     a = torch.zeros(512, K, dtype=torch.bfloat16)
@@ -817,12 +825,12 @@ def test_wide_three_consumers_are_bit_equal(quant, quarter, H, seed):
     the late epilogue's float32 operations, written in 32-slot pieces), the same rows written
     (NaN-poisoned outputs, one row past the pairs), on dispatches whose experts end in whole,
     half and quarter blocks; N is no multiple of 192 (partial last tiles: a consumer past N
-    idles), H = 320 runs GEMM1 with the tail step."""
+    idles), H = 320 runs GEMM1 with the tail step (both forms)."""
     T = 576 if seed != 31 else 700
     ids, runs = gemms_both_ways(quant, T, 128, seed, [
         dict(consumers=2, early=False, half_blocks=True, quarter_blocks=quarter,
-             small_x_boxes=False),
-        dict(consumers=3, half_blocks=True, quarter_blocks=quarter)], H=H)
+             small_x_boxes=False, tail=True),
+        dict(consumers=3, half_blocks=True, quarter_blocks=quarter, tail=True)], H=H)
     if seed != 31:
         assert_narrow_blocks(ids, T)
     assert_bit_equal(runs, T)
@@ -842,11 +850,12 @@ def test_experts_with_wide_three_consumers(quant, activation, bias, H, I, monkey
     if quant == "mxfp4":
         monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
     calls = gemm_calls(ws_fp4, "gemm", record="slots")
+    consumers = gemm_calls(ws_fp4, "gemm", record="consumers")
     ckpt, kernel, x, ids, weights = make_case(quant, 720, H, I, 8, 2, activation=activation,
                                               bias=bias, seed=53, offset=1, num_global=10,
                                               invalid_ids=True)
     run_and_check(quant, ckpt, kernel, x, ids, weights, activation=activation, offset=1)
-    assert calls == [128] * 2, calls
+    assert calls == [128] * 2 and consumers == [3] * 2, (calls, consumers)
 
 
 @needs_hopper

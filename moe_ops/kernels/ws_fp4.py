@@ -184,7 +184,9 @@ SPLIT_ITEM_STEPS = 1
 # without, and the tail step adds two shared-memory exchanges of its block scales a consumer;
 # the cause of the ~0.5 us a tile is not known). Then on the final rule (results/h200_ab_tailc_*.json): T = 4
 # 102.1 -> 100.1-100.7, T = 4096 / 16384 2134-2168 / 6795-6869 -> 2051-2107 / 6699-6733. So
-# "auto" (the default): on for launches of two consumers; "1" always, "0" never.
+# "auto" (the default): on for launches of two consumers and of the 128-slot form (three
+# consumers there, WIDE_CONSUMERS, unmeasured either way: the 16-slot three-consumer loss was a
+# per-tile cost at decode's short tiles); "1" always, "0" never.
 TAIL = env_choice("MOE_OPS_WS_FP4_TAIL", "auto", ("auto", "0", "1"))
 # A consumer's decode of K step k + 1 while its wgmma of step k runs (a second register operand)
 # instead of decode, MMA, wait in turn. Measured on an H200 (results/h200_ab_fp4_rows_16_*.json,
@@ -507,7 +509,7 @@ def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.co
         # columns a register pair), converted two at a time (cvt.rn.f16x2.e4m3x2)
         weights = w_bufs.index(index).slice(HALF * 64, 64, dim=0).load(DOT).to(gl.float16)
     else:
-        if C == 16 and BN == 64:
+        if C == 16 and w_bufs.type.shape[0] > STAGES:
             # (one 64-row buffer a consumer, see _rows_of)
             packed = _rows_of(w_bufs, index, HALF, STAGES).reshape([64, 128]).load(
                 packed_layout(16))
@@ -1049,7 +1051,9 @@ def tma_box_rows(consumers: int) -> int:
 def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0,
                   gemm: Optional[int] = None, n: Optional[int] = None,
                   experts: Optional[int] = None, programs: Optional[int] = None) -> int:
-    """Consumer warpgroups of a launch: the prefill forms' 2; decode's CONSUMERS when forced
+    """Consumer warpgroups of a launch: the 64-slot form's 2, the 128-slot form's WIDE_CONSUMERS
+    (2 where its 192-row tiles would leave a partial last tile of n rows and PARTIAL_N_OK is
+    off); decode's CONSUMERS when forced
     (for GEMM `gemm`, 1 or 2, where it names one a GEMM), else, where partial last tiles are
     allowed, four for nvfp4 calls of FOUR_CONSUMERS_MIN_PAIRS routed pairs or more, three for
     calls of THREE_CONSUMERS_MIN_PAIRS or more (see CONSUMERS) and, below that, three where the GEMM's tiles (n weight rows of each of at most
@@ -1057,7 +1061,9 @@ def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0,
     (_row_waves), else two. (gemm() counts the routing's pairs; applies() without `consumers`
     knows none: experts.py passes the same counts to both.)"""
     if slots != BLOCK_M:
-        return WIDE_CONSUMERS if slots == WIDE_SLOTS else 2
+        if slots == WIDE_SLOTS and (PARTIAL_N_OK or n is None or n % block_n(3) == 0):
+            return WIDE_CONSUMERS
+        return 2
     if quant == "fp8":
         return 2 if FP8_CONSUMERS == "auto" else int(FP8_CONSUMERS)
     if CONSUMERS != "auto":
@@ -1175,6 +1181,14 @@ def narrow_three(slots: int, consumers: int) -> bool:
     return slots == WIDE_SLOTS and consumers == 3
 
 
+def small_boxes(slots: int, consumers: int, quant: str, num_pairs: int,
+                num_experts: int) -> bool:
+    """SMALL_X_BOXES' choice for a launch (narrow_blocks), never for three consumers on the
+    128-slot form (narrow_three: its tile's weight rows come in three boxes)."""
+    return (not narrow_three(slots, consumers)
+            and narrow_blocks(SMALL_X_BOXES, quant, num_pairs, num_experts))
+
+
 def _early(slots: int, consumers: int, early: Optional[bool]) -> bool:
     """The early epilogue of a launch: `early`, else EARLY_EPILOGUE; never for three consumers
     on the 128-slot form (narrow_three: its shared memory holds the late one's pieces)."""
@@ -1242,22 +1256,22 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
          split: int = 1, tail: Optional[bool] = None,
          quarter_blocks: Optional[bool] = None, small_x_boxes: Optional[bool] = None) -> None:
     """One nvfp4 / mxfp4 / fp8 GEMM over the dispatch's live blocks of `slots` rows (16:
-    decode's form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers, 4-bit only; see the
-    module docstring). 4-bit: a bf16 rows; w_global_scale the layout's row scale [E, N]
-    (nvfp4's global scale, mxfp4's fold). fp8: a [slots, K] f16 holding e4m3 values
-    (act_quant's, out_dtype=float16) with a_scale [slots] fp32, w [E, N, K] e4m3 with w_scale
-    the layout's per-row scale [E, N] (w_global_scale unused). pipeline: the pipelined
-    consumers (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide
-    form's). early: the epilogue's operands loaded before each tile's K loop (default:
-    EARLY_EPILOGUE). half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other
-    forms never); quarter_blocks: with them its quarter blocks (default: QUARTER_BLOCKS's
-    choice, narrow_blocks); small_x_boxes: with them the activations in 32-row boxes (default:
-    SMALL_X_BOXES's). split:
-    GEMM2's K steps in `split` parts (SPLIT_K; decode's form, serial consumers, the early
-    epilogue), out [split * num_pairs, N] then holds part p's rows from
-    row p * num_pairs (combine_pair_rows(..., splits=split) sums them). tail: the last K
-    step's padding skipped where it can be (default: TAIL's rule; the 4-bit formats' plain
-    consumers without a split only)."""
+    decode's form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers (the 128-slot form: or
+    three, WIDE_CONSUMERS), 4-bit only; see the module docstring). 4-bit: a bf16 rows;
+    w_global_scale the layout's row scale [E, N] (nvfp4's global scale, mxfp4's fold). fp8: a
+    [slots, K] f16 holding e4m3 values (act_quant's, out_dtype=float16) with a_scale [slots]
+    fp32, w [E, N, K] e4m3 with w_scale the layout's per-row scale [E, N] (w_global_scale
+    unused). pipeline: the pipelined consumers (default: PIPELINE, or PREFILL_PIPELINE for the
+    64-slot form; never the wide form's). early: the epilogue's operands loaded before each
+    tile's K loop (default: EARLY_EPILOGUE; never for three consumers on the 128-slot form).
+    half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other forms never);
+    quarter_blocks: with them its quarter blocks (default: QUARTER_BLOCKS's choice,
+    narrow_blocks); small_x_boxes: with them the activations in 32-row boxes (default:
+    small_boxes). split: GEMM2's K steps in `split` parts (SPLIT_K; decode's form, serial
+    consumers, the early epilogue), out [split * num_pairs, N] then holds part p's rows from row
+    p * num_pairs (combine_pair_rows(..., splits=split) sums them). tail: the last K step's
+    padding skipped where it can be (default: TAIL's rule; the 4-bit formats' plain consumers
+    without a split only)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if slots not in SLOTS:
@@ -1341,8 +1355,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     if quarter_blocks is None:
         quarter_blocks = narrow_blocks(QUARTER_BLOCKS, quant, routing.num_pairs, w.shape[0])
     if small_x_boxes is None:
-        small_x_boxes = (not narrow_three(slots, consumers)
-                         and narrow_blocks(SMALL_X_BOXES, quant, routing.num_pairs, w.shape[0]))
+        small_x_boxes = small_boxes(slots, consumers, quant, routing.num_pairs, w.shape[0])
     x_rows = x_box_rows(slots, half_blocks, small_x_boxes)    # (fp8's 16-slot form: slots)
     w_layout, s_layout, x_layout = _layouts(slots, quant, box, x_rows)
     if fp8:
@@ -1362,7 +1375,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     if programs is None:    # (after the checks: the refusals come before any device query)
         programs = device_properties(a.device).multi_processor_count
     if tail is None:
-        tail = TAIL == "1" or (TAIL == "auto" and consumers == 2)
+        tail = TAIL == "1" or (TAIL == "auto" and (consumers == 2 or slots == WIDE_SLOTS))
     slices = (tail_slices(a.shape[1], kp) if tail and not fp8 and not pipelined and split == 1
               else 16)
     dummy = routing.topk_weights
@@ -1392,6 +1405,8 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     box = tma_box_rows(consumers)
+    if small_x_boxes is None and narrow_three(slots, consumers):
+        small_x_boxes = False       # (as gemm(): one weight box a slot only)
     x_rows = x_box_rows(slots, half_blocks, small_x_boxes)
     w_layout, s_layout, x_layout = _layouts(slots, quant, box, x_rows)
     if quant == "fp8":
