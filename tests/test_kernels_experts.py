@@ -307,10 +307,10 @@ def test_act_quant(quant, K, split_k):
     assert (q[2].float() == 0).all()
 
 
-def test_act_quant_splits_by_live_rows(monkeypatch):
-    """The form act_quant picks: SPLIT_K up to SPLIT_K_MAX_ROWS live rows, counted as num_pairs
-    when sentinel rows are skipped (a decode intermediate's padded buffer is mostly
-    sentinels), and for fp8 only rows of at most WHOLE_ROW_MAX_K columns."""
+@pytest.fixture
+def act_quant_grids(monkeypatch):
+    """The grid of each act_quant launch from here on, in order (one axis: the looped form,
+    two: SPLIT_K)."""
     from moe_ops.kernels import act_quant as aq
     grids = []
     real = aq._act_quant_kernel
@@ -321,6 +321,15 @@ def test_act_quant_splits_by_live_rows(monkeypatch):
             return real[grid]
 
     monkeypatch.setattr(aq, "_act_quant_kernel", Recorder())
+    return grids
+
+
+def test_act_quant_splits_by_live_rows(monkeypatch, act_quant_grids):
+    """The form act_quant picks: SPLIT_K up to SPLIT_K_MAX_ROWS live rows, counted as num_pairs
+    when sentinel rows are skipped (a decode intermediate's padded buffer is mostly
+    sentinels), and for fp8 only rows of at most WHOLE_ROW_MAX_K columns."""
+    from moe_ops.kernels import act_quant as aq
+    grids = act_quant_grids
     monkeypatch.setattr(aq, "SPLIT_K_MAX_ROWS", {"fp8": 4, "fp8_block": 4})
     x = torch.randn(12, 256).to(torch.bfloat16).to(DEVICE)
     ids = torch.full((12,), 3, dtype=torch.int32)
@@ -338,53 +347,47 @@ def test_act_quant_splits_by_live_rows(monkeypatch):
 def test_act_quant_skips_padding_rows(quant, split_k, poisoned_empty):
     """With sorted_pair_ids, rows whose pair id is the sentinel (>= num_pairs) are left as they
     were (GEMM2 masks them), live rows equal the unskipped quantization, bit for bit."""
-    g = torch.Generator().manual_seed(7)
-    M, K, num_pairs = 37, 300, 20
-    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEVICE)
-    ids = torch.randint(0, num_pairs, (M,), generator=g)
-    ids[torch.randperm(M, generator=g)[:15]] = num_pairs  # padding rows
-    ids = ids.to(torch.int32).to(DEVICE)
+    num_pairs = 20
+    x, ids = rows_with_padding(7, 37, 300, num_pairs, 15)
     q, s = act_quant(x, quant, ids, num_pairs, split_k=split_k)
-    q_all, s_all = act_quant(x, quant, split_k=not split_k)
-    live = ids < num_pairs
-    assert torch.equal(q[live].view(torch.uint8), q_all[live].view(torch.uint8))
-    assert torch.equal(s[live], s_all[live])
-    # poisoned (NaN) by poisoned_empty: never written
-    assert torch.isnan(s[~live]).all() and torch.isnan(q[~live].float()).all()
+    assert_live_rows_equal(q, s, *act_quant(x, quant, split_k=not split_k), ids, num_pairs)
 
 
-def test_act_quant_short_rows_read_whole(monkeypatch, poisoned_empty):
-    """SHORT_ROW_K: fp8 rows of at most that many columns are read whole, one a program,
-    however many rows (the row's load beside its pair id's: LOAD_FIRST), bit for bit the
-    looped form's, sentinel rows left unwritten; wider rows and fp8_block keep their forms."""
-    from moe_ops.kernels import act_quant as aq
-    grids = []
-    real = aq._act_quant_kernel
-
-    class Recorder:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    g = torch.Generator().manual_seed(11)
-    M, K, num_pairs = 37, 300, 30
+def rows_with_padding(seed, M, K, num_pairs, padding):
+    """Random bf16 rows x [M, K] and their pair ids, `padding` of them the sentinel."""
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEVICE)
     ids = torch.randint(0, num_pairs, (M,), generator=g)
-    ids[torch.randperm(M, generator=g)[:9]] = num_pairs  # padding rows
-    ids = ids.to(torch.int32).to(DEVICE)
-    q_ref, s_ref = act_quant(x, "fp8", ids, num_pairs, split_k=False)
-    monkeypatch.setattr(aq, "SPLIT_K_MAX_ROWS", {"fp8": 4, "fp8_block": 4})
-    monkeypatch.setattr(aq, "SHORT_ROW_K", 512)
-    monkeypatch.setattr(aq, "_act_quant_kernel", Recorder())
-    q, s = aq.act_quant(x, "fp8", ids, num_pairs)
+    ids[torch.randperm(M, generator=g)[:padding]] = num_pairs  # padding rows
+    return x, ids.to(torch.int32).to(DEVICE)
+
+
+def assert_live_rows_equal(q, s, q_ref, s_ref, ids, num_pairs):
+    """act_quant's live rows equal the reference's bit for bit; its sentinel rows left as
+    poisoned_empty made them (NaN): never written."""
     live = ids < num_pairs
     assert torch.equal(q[live].view(torch.uint8), q_ref[live].view(torch.uint8))
     assert torch.equal(s[live], s_ref[live])
     assert torch.isnan(s[~live]).all() and torch.isnan(q[~live].float()).all()
+
+
+def test_act_quant_short_rows_read_whole(monkeypatch, poisoned_empty, act_quant_grids):
+    """SHORT_ROW_K: fp8 rows of at most that many columns are read whole, one a program,
+    however many rows (the row's load beside its pair id's: LOAD_FIRST), bit for bit the
+    looped form's, sentinel rows left unwritten; wider rows and fp8_block keep their forms."""
+    from moe_ops.kernels import act_quant as aq
+    num_pairs = 30
+    x, ids = rows_with_padding(11, 37, 300, num_pairs, 9)
+    q_ref, s_ref = act_quant(x, "fp8", ids, num_pairs, split_k=False)
+    del act_quant_grids[:]
+    monkeypatch.setattr(aq, "SPLIT_K_MAX_ROWS", {"fp8": 4, "fp8_block": 4})
+    monkeypatch.setattr(aq, "SHORT_ROW_K", 512)
+    q, s = aq.act_quant(x, "fp8", ids, num_pairs)
+    assert_live_rows_equal(q, s, q_ref, s_ref, ids, num_pairs)
     aq.act_quant(x, "fp8_block", ids, num_pairs)         # fp8_block: looped
     monkeypatch.setattr(aq, "SHORT_ROW_K", 256)
     aq.act_quant(x, "fp8", ids, num_pairs)               # 300 > 256: looped
-    assert [len(grid) for grid in grids] == [2, 1, 1], grids
+    assert [len(grid) for grid in act_quant_grids] == [2, 1, 1], act_quant_grids
 
 
 # ---------------------------------------------------------------- experts: every mode
