@@ -11,7 +11,6 @@ and at decode sizes they are most of the buffer.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -21,6 +20,7 @@ import triton.language as tl
 from moe_ops.kernels.common import (
     FP8_BLOCK, cdiv, fp8_quantize, next_power_of_2, pdl_launch_options, pdl_prologue, use_pdl,
 )
+from moe_ops.kernels.env import env_int
 
 
 # fp8_quantize divides (v * 448) by amax: rows (or groups) with an amax below 2^-96 are first
@@ -30,6 +30,13 @@ from moe_ops.kernels.common import (
 # amax < 2^-96.
 _TINY_AMAX = tl.constexpr(1.262177448353619e-29)  # 2^-96
 _TINY_SCALE = tl.constexpr(1.8446744073709552e+19)  # 2^64
+
+
+@triton.jit
+def amax_factor(amax):
+    """What a row's (or group's) values and amax are scaled by before fp8_quantize: 2^64 below
+    an amax of 2^-96, else 1 (see _TINY_AMAX)."""
+    return tl.where(amax < _TINY_AMAX, _TINY_SCALE, 1.0)
 
 
 @triton.jit
@@ -48,7 +55,7 @@ def _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K: tl.constexpr, BLOCK_K: tl
     x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.reshape(x, (GROUPS, GROUP_K))
     amax = tl.max(tl.abs(x2), axis=1)
-    factor = tl.where(amax < _TINY_AMAX, _TINY_SCALE, 1.0)[:, None]
+    factor = amax_factor(amax)[:, None]
     q, scale = fp8_quantize(x2 * factor, amax[:, None] * factor)
     tl.store(q_row + k0 + offs, tl.reshape(q, (BLOCK_K,)), mask=mask)
     g = k0 // GROUP_K + tl.arange(0, GROUPS)
@@ -93,7 +100,7 @@ def _act_quant_kernel(
                 if tl.load(sorted_pair_ids_ptr + row) >= num_pairs:
                     return
             row_amax = tl.max(tl.abs(x), axis=0)
-            factor = tl.where(row_amax < _TINY_AMAX, _TINY_SCALE, 1.0)
+            factor = amax_factor(row_amax)
             q, scale = fp8_quantize(x * factor, row_amax * factor)
             tl.store(q_row + offs, q, mask=mask)
         else:
@@ -143,11 +150,7 @@ WHOLE_ROW_MAX_K = 16384
 # dependent loads (pair id, the row, the row again) with little in flight; packing several
 # rows to a program measured slower (h200_act_quant_rows_ab.json). Not yet measured: 0 (off)
 # unless MOE_OPS_ACT_QUANT_SHORT_ROW_K=n.
-SHORT_ROW_K = os.environ.get("MOE_OPS_ACT_QUANT_SHORT_ROW_K", "0")
-if not SHORT_ROW_K.isdigit():
-    raise ValueError(f"MOE_OPS_ACT_QUANT_SHORT_ROW_K must be a non-negative integer, got "
-                     f"{SHORT_ROW_K!r}")
-SHORT_ROW_K = int(SHORT_ROW_K)
+SHORT_ROW_K = env_int("MOE_OPS_ACT_QUANT_SHORT_ROW_K", 0)
 
 
 def act_quant(
@@ -164,8 +167,9 @@ def act_quant(
     rows whose pair id is the sentinel (>= num_pairs) are skipped and left unwritten. split_k:
     the kernel's form (None: SPLIT_K for at most SPLIT_K_MAX_ROWS[quant] live rows: num_pairs
     with sorted_pair_ids, whose padded buffer is mostly sentinels at decode sizes, else M; and
-    fp8 rows of at most SHORT_ROW_K columns); the same bytes either way. out_dtype float16: q holds the same e4m3 values as f16 (exact; the
-    fp8 decode kernel multiplies them as f16, ws_fp4's fp8 form).
+    fp8 rows of at most SHORT_ROW_K columns); the same bytes either way. out_dtype float16: q
+    holds the same e4m3 values as f16 (exact; the fp8 decode kernel multiplies them as f16,
+    ws_fp4's fp8 form).
     """
     if out_dtype not in (torch.float8_e4m3fn, torch.float16):
         raise ValueError(f"out_dtype: float8_e4m3fn or float16, got {out_dtype}")

@@ -32,6 +32,7 @@ from moe_ops.kernels.act_quant import act_quant
 from moe_ops.kernels.align import SMALL_PATH_MAX_PAIRS, moe_align, moe_align_gather
 from moe_ops.kernels import ws_fp4, ws_gemm
 from moe_ops.kernels.combine import combine_pair_rows
+from moe_ops.kernels.env import env_choice, env_int
 from moe_ops.kernels.common import (
     FP8_BLOCK, device_properties, is_gated, pdl_early_launch, upcast_dots)
 from moe_ops.quant import FP4_K_ALIGN
@@ -104,7 +105,7 @@ FP8_SWAP_AB = False
 # the rule's form).
 # (It governs the fp8-per-tensor launches of WS_FP8 alike.) While tuning, the tuner times what
 # runs: a persistent fp8_block candidate on Hopper is timed on this kernel.
-WS_FP8_BLOCK_TILE: Optional[str] = ws_gemm.env_choice(
+WS_FP8_BLOCK_TILE: Optional[str] = env_choice(
     "MOE_OPS_WS_FP8_BLOCK_TILE", "auto", ("auto", "rows", "cols", "wide", "none"))
 WS_ROWS_TILE_MIN_ROWS = 256
 WS_WIDE_MIN_ROWS = 512
@@ -115,7 +116,7 @@ WS_WIDE_MIN_ROWS = 512
 # fp8_block T = 2048 4402 -> 3664, T = 4096 5156 -> 5318 eager: no one threshold wins, and the
 # re-tuned tables (the persistent candidates timed on this kernel) take it where it wins (Qwen3
 # fp8 T = 16384 2293 us in results/h200.json); so unset.
-WS_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_MIN_ROWS", 0)
+WS_MIN_ROWS = env_int("MOE_OPS_WS_MIN_ROWS", 0)
 # fp8_block GEMM1 on the "wide" tile writes GEMM2's activations requantized (e4m3 and a scale
 # a row per 128 columns: ws_gemm.gemm's out_scale) instead of a 16-bit intermediate that
 # act_quant then reads back. Why: at DeepSeek-V3 T = 16384 that act_quant takes ~0.46 ms of a
@@ -123,12 +124,12 @@ WS_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_MIN_ROWS", 0)
 # where 1 would do. Its cost: each tile's epilogue grows by the amax and the conversion (~1150
 # SASS instructions a consumer's epilogue) while the tensor cores wait. Not yet measured: off
 # unless MOE_OPS_WS_FUSED_QUANT=1.
-WS_FUSED_QUANT = ws_gemm.env_choice("MOE_OPS_WS_FUSED_QUANT", "0", ("0", "1")) == "1"
+WS_FUSED_QUANT = env_choice("MOE_OPS_WS_FUSED_QUANT", "0", ("0", "1")) == "1"
 # fp8 per tensor on the same kernel (its partial sums promoted every K step, the scales in the
 # epilogue). Measured on an H200 (results/h200_ws_fp8_profile_*.json, 2026-12-01), the experts
 # call's kernels without PDL: Mixtral-8x7B T = 4096 / 16384 3.04 -> 2.79 / 12.34 -> 11.10 ms,
 # Llama 4 Scout 1.34 -> 1.28 / 4.39 -> 4.16 ms; so on (MOE_OPS_WS_FP8=0: the Triton kernels).
-WS_FP8 = ws_gemm.env_choice("MOE_OPS_WS_FP8", "1", ("0", "1")) == "1"
+WS_FP8 = env_choice("MOE_OPS_WS_FP8", "1", ("0", "1")) == "1"
 # nvfp4 decode (up to WS_FP4_MAX_ROWS routed rows an expert on average) on the warp-specialized
 # Gluon kernel of ws_fp4 (the packed weights decoded straight into wgmma's register operand).
 # Measured on an H200 (results/h200_ws_fp4_layer_*.json, 2026-12-01), DeepSeek-V3 nvfp4 layer,
@@ -143,7 +144,7 @@ WS_FP8 = ws_gemm.env_choice("MOE_OPS_WS_FP8", "1", ("0", "1")) == "1"
 # 3660; gpt-oss-120b mxfp4 T = 512 / 768 1159 / 1309 -> 1075 / 1107 (up to 4 / from 4: T = 256
 # 2625 -> 3029). So up to 8. MOE_OPS_WS_FP4=gemm1: GEMM1 only,
 # 0: never. Calls it takes need a dispatch (16-row blocks), so never use direct mode.
-WS_FP4 = ws_gemm.env_choice("MOE_OPS_WS_FP4", "1", ("0", "gemm1", "1"))
+WS_FP4 = env_choice("MOE_OPS_WS_FP4", "1", ("0", "gemm1", "1"))
 # mxfp4 on the same kernel (its e8m0 scales decoded by a shift; gpt-oss-120b's GEMM2, N = 2880,
 # 22.5 tiles, through ws_fp4.PARTIAL_N_OK). Its first GPU run stopped on an illegal instruction
 # (scale loads at 8-byte TMA coordinates; fixed). Measured on an H200 with the fix
@@ -151,9 +152,9 @@ WS_FP4 = ws_gemm.env_choice("MOE_OPS_WS_FP4", "1", ("0", "gemm1", "1"))
 # Triton / this kernel: T = 1 57.5 / 55.0 us, 4 120.0 / 130.6, 16 352.5 / 353.5, 64 744.3 /
 # 729.7, 128 848.7 / 817.8; with the prefill form below, T = 1024-16384 1335 / 3319 / 11218 ->
 # 1155 / 2841 / 10735 us. So on (MOE_OPS_WS_MXFP4=0: nvfp4 only).
-WS_FP4_QUANTS = ("nvfp4", "mxfp4") if ws_gemm.env_choice(
+WS_FP4_QUANTS = ("nvfp4", "mxfp4") if env_choice(
     "MOE_OPS_WS_MXFP4", "1", ("0", "1")) == "1" else ("nvfp4", )
-WS_FP4_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_MAX_ROWS", 8)
+WS_FP4_MAX_ROWS = env_int("MOE_OPS_WS_FP4_MAX_ROWS", 8)
 # 4-bit prefill on the same kernel's 64-slot form (ws_fp4.PREFILL_SLOTS) from this many routed
 # rows an expert on average. Measured on an H200 (results/h200_ab_fp4_prefill_*.json,
 # 2026-12-01), graph replays, Triton W4A16 / this form: DeepSeek-V3 nvfp4 T = 1024 5204 ->
@@ -163,7 +164,7 @@ WS_FP4_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_MAX_ROWS", 8)
 # From 32 then; from 8 since the decode form hands over at 8 (WS_FP4_MAX_ROWS above: the
 # 16-32 rows an expert that ran on Triton now run here). MOE_OPS_WS_FP4_PREFILL_MIN_ROWS=0:
 # never.
-WS_FP4_PREFILL_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", 8)
+WS_FP4_PREFILL_MIN_ROWS = env_int("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", 8)
 # ... and its 128-slot wide form (ws_fp4.WIDE_SLOTS: twice the MMA work a decoded weight tile,
 # the dispatch padded to 128 rows an expert) from this many. Measured on an H200
 # (results/h200_ab_fp4_wide_*.json, 2026-12-01), graph replays, 64-slot / 128-slot form:
@@ -174,7 +175,7 @@ WS_FP4_PREFILL_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", 8)
 # 548 TFLOP/s (GEMM1's shape), 385 -> 495 (GEMM2's; h200_gluon_fp4_prefill_128.json). From
 # 128 then; from 64 with its half blocks (ws_fp4.HALF_BLOCKS: T = 2048 5694 -> 5231 us,
 # gpt-oss 1632 -> 1571). MOE_OPS_WS_FP4_WIDE_MIN_ROWS=0: never.
-WS_FP4_WIDE_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 64)
+WS_FP4_WIDE_MIN_ROWS = env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 64)
 # Up to this many routed pairs the 4-bit Gluon GEMM1's gathered token rows come from the
 # dispatch's launch (align.moe_align_gather) instead of a launch of their own
 # (grouped_gemm.gather_rows). Measured on an H200, the decode layers as graph replays in two
@@ -201,9 +202,9 @@ WS_FP4_WIDE_MIN_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 64)
 # at T = 1 but does not close it (results/h200_ab_splitk_fp8_*.json: Mixtral 119.3 -> 108.6 us,
 # Llama 4 64.9 -> 53.9); what is left: GEMM1's 128-row tiles in waves (a split of its K with the
 # activation moved into act_quant of the intermediate), a 32- or 64-slot block past 16 rows.
-WS_FP8_DECODE = ws_gemm.env_choice("MOE_OPS_WS_FP8_DECODE", "0", ("0", "1")) == "1"
-WS_FP8_DECODE_MAX_ROWS = ws_gemm.env_int("MOE_OPS_WS_FP8_DECODE_MAX_ROWS", 16)
-ALIGN_GATHER_MAX_PAIRS = min(ws_gemm.env_int("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", 128),
+WS_FP8_DECODE = env_choice("MOE_OPS_WS_FP8_DECODE", "0", ("0", "1")) == "1"
+WS_FP8_DECODE_MAX_ROWS = env_int("MOE_OPS_WS_FP8_DECODE_MAX_ROWS", 16)
+ALIGN_GATHER_MAX_PAIRS = min(env_int("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", 128),
                              SMALL_PATH_MAX_PAIRS)
 
 
@@ -384,9 +385,9 @@ def triton_experts(
     ws2 = tile2 is not None and (config2.persistent or rows_ok) and ws_gemm.applies(
         quant, "none", H, I, x, w2, tile2, activations_quantized=False,
         has_bias=b2 is not None)
+    # (see WS_FUSED_QUANT) GEMM2's activations straight from GEMM1's epilogue
     fused_quant = (WS_FUSED_QUANT and ws1 and tile1 == "wide" and quant == "fp8_block"
-                   and activation in ("swiglu", "geglu", "swiglu_oai")
-                   and x.dtype in (torch.bfloat16, torch.float16))
+                   and is_gated(activation) and x.dtype in (torch.bfloat16, torch.float16))
     gathered = None  # GEMM1's gathered token rows, when the dispatch launch made them
     flat_ids = topk_ids.reshape(-1).contiguous()
     flat_weights = topk_weights.reshape(-1).contiguous()
@@ -416,8 +417,8 @@ def triton_experts(
         a1, a1_scale = x, None
     else:
         a1, a1_scale = act_quant(x, quant)
-    if not fused_quant:
-        intermediate = torch.empty((routing.num_slots, I), dtype=x.dtype, device=x.device)
+    intermediate = torch.empty((routing.num_slots, I), device=x.device,
+                               dtype=torch.float8_e4m3fn if fused_quant else x.dtype)
     if fp8_ws:
         # the token rows in dispatch order, quantized there (padding slots skipped) as f16
         # e4m3 values, one scale a slot
@@ -436,21 +437,13 @@ def triton_experts(
                     activation=activation, alpha=alpha, limit=limit, quant=quant,
                     slots=fp4_slots, consumers=fp4_consumers[0])
         del rows
-    elif fused_quant:
-        # (see WS_FUSED_QUANT) GEMM2's activations straight from GEMM1's epilogue
-        rows, row_scales = gather_rows(a1, a1_scale, routing)
-        intermediate = torch.empty((routing.num_slots, I), dtype=torch.float8_e4m3fn,
-                                   device=x.device)
-        a2_scale = torch.empty((routing.num_slots, I // FP8_BLOCK), dtype=torch.float32,
-                               device=x.device)
-        ws_gemm.gemm(rows, row_scales, w13, w13_scale, b13, intermediate, routing, gemm=1,
-                     activation=activation, alpha=alpha, limit=limit, tile=tile1, quant=quant,
-                     out_scale=a2_scale, rounding=x.dtype)
-        del rows, row_scales
     elif ws1:
         rows, row_scales = gather_rows(a1, a1_scale, routing)
+        a2_scale = (torch.empty((routing.num_slots, I // FP8_BLOCK), dtype=torch.float32,
+                                device=x.device) if fused_quant else None)
         ws_gemm.gemm(rows, row_scales, w13, w13_scale, b13, intermediate, routing, gemm=1,
-                     activation=activation, alpha=alpha, limit=limit, tile=tile1, quant=quant)
+                     activation=activation, alpha=alpha, limit=limit, tile=tile1, quant=quant,
+                     out_scale=a2_scale, rounding=x.dtype if fused_quant else None)
         del rows, row_scales
     else:
         gemm1(a1, a1_scale, w13, w13_scale, b13, intermediate, routing, config1,

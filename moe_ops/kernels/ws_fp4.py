@@ -4,8 +4,8 @@ slower than grouped_gemm's tiles: experts.WS_FP8_DECODE). Run for both GEMMs of
 4-bit decode calls up to 8 routed rows an expert (experts.WS_FP4, WS_FP4_MAX_ROWS) and of
 prefill calls, in a 64-slot form from 8 rows an expert (experts.WS_FP4_PREFILL_MIN_ROWS) and a
 128-slot form from 64 (WS_FP4_WIDE_MIN_ROWS, with HALF_BLOCKS, and for nvfp4 below 128 rows
-an expert QUARTER_BLOCKS and SMALL_X_BOXES: DeepSeek-V3 T = 2048 5-8% faster): measured on an H200,
-DeepSeek-V3's nvfp4 layer 8-15% faster than on grouped_gemm's Triton kernels at T = 4-128,
+an expert QUARTER_BLOCKS and SMALL_X_BOXES: DeepSeek-V3 T = 2048 5-8% faster): measured on an
+H200, DeepSeek-V3's nvfp4 layer 8-15% faster than on grouped_gemm's Triton kernels at T = 4-128,
 21% / 6% at T = 256 / 512 with up to 16 rows an expert against up to 4 (and 512 13% faster
 again with the 64-slot form from 8 rows), 24% at T = 1024 with the 64-slot form and 27-24%
 at T = 4096-16384 with the 128-slot one (a further 6-8% with the early epilogue and half
@@ -70,7 +70,8 @@ from moe_ops.kernels.common import device_properties, round_to_dtype
 from moe_ops.kernels.fp4_decode import MXFP4_FAST_BIAS, _E2M1_BF16_ASM, _E4M3_TO_BF16_P117
 from moe_ops.kernels.grouped_gemm import _launcher
 from moe_ops.kernels.ws_gemm import (
-    ACTIVATIONS, release_steps, available, env_choice, ring_barriers, ring_next, write_rows)
+    ACTIVATIONS, release_steps, available, ring_barriers, ring_next, write_rows)
+from moe_ops.kernels.env import env_choice
 
 QUANTS = ("nvfp4", "mxfp4", "fp8")
 FMT = {"nvfp4": 0, "mxfp4": 1, "fp8": 2}    # the kernel's weight format switch
@@ -507,10 +508,11 @@ def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.co
     if FMT == 2:
         # fp8: the step's [64, 128] e4m3 bytes read in the operand's layout (2 consecutive
         # columns a register pair), converted two at a time (cvt.rn.f16x2.e4m3x2)
-        weights = w_bufs.index(index).slice(HALF * 64, 64, dim=0).load(DOT).to(gl.float16)
+        weights = _rows_of(w_bufs, index, HALF, STAGES).load(DOT).to(gl.float16)
     else:
         if C == 16 and w_bufs.type.shape[0] > STAGES:
-            # (one 64-row buffer a consumer, see _rows_of)
+            # (one 64-row buffer a consumer, see _rows_of; a slice of a slot's buffer cannot be
+            # reshaped, so the other form reshapes first)
             packed = _rows_of(w_bufs, index, HALF, STAGES).reshape([64, 128]).load(
                 packed_layout(16))
         elif C == 16:
@@ -628,9 +630,10 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                                                     k_width=2)
     gl.static_assert(HALF_BLOCKS == 0 or (BM == 128 and PIPELINE == 0))
     gl.static_assert(FMT != 2 or (BM == 16 and PIPELINE == 0))    # fp8: decode's serial form
-    # three consumers on 128-slot tiles (WIDE_CONSUMERS): the late epilogue in 32-slot pieces,
-    # within a block's shared memory with the three consumers' layout exchanges
-    PIECE: gl.constexpr = 32 if (BN == 192 and BM == 128) else 64
+    # three consumers on 128-slot tiles (WIDE_CONSUMERS, the weight ring's buffers a consumer's
+    # each: see _ws_fp4_kernel): the late epilogue in 32-slot pieces, within a block's shared
+    # memory with the three consumers' layout exchanges
+    PIECE: gl.constexpr = 32 if w_bufs.type.shape[0] > STAGES else 64
     gl.static_assert(PIECE == 64 or EARLY == 0)
     # SPLIT_K: GEMM2's decode form, serial consumers, the early epilogue
     gl.static_assert(SPLIT == 1 or (ACTIVATION == 0 and BM == 16 and PIPELINE == 0 and EARLY == 1))
@@ -1023,10 +1026,12 @@ def _layouts(slots: int = BLOCK_M, quant: str = "nvfp4", box: int = ROWS,
 
 
 def x_box_rows(slots: int, half_blocks: Optional[bool] = None,
-               small_x_boxes: Optional[bool] = None) -> int:
+               small_x_boxes: Optional[bool] = None, consumers: int = 2) -> int:
     """Rows of a 4-bit form's activation TMA box: the tile's slots, or X_BOX_ROWS for the
-    128-slot form with half blocks and SMALL_X_BOXES."""
-    small = SMALL_X_BOXES == "1" if small_x_boxes is None else small_x_boxes
+    128-slot form with half blocks and SMALL_X_BOXES (by default "1" only, never with three
+    consumers: narrow_three)."""
+    small = (SMALL_X_BOXES == "1" and not narrow_three(slots, consumers)
+             if small_x_boxes is None else small_x_boxes)
     if small and _half_blocks_level(slots, half_blocks, None) > 0:
         return X_BOX_ROWS
     return slots
@@ -1356,7 +1361,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
         quarter_blocks = narrow_blocks(QUARTER_BLOCKS, quant, routing.num_pairs, w.shape[0])
     if small_x_boxes is None:
         small_x_boxes = small_boxes(slots, consumers, quant, routing.num_pairs, w.shape[0])
-    x_rows = x_box_rows(slots, half_blocks, small_x_boxes)    # (fp8's 16-slot form: slots)
+    x_rows = x_box_rows(slots, half_blocks, small_x_boxes, consumers)   # (fp8's form: slots)
     w_layout, s_layout, x_layout = _layouts(slots, quant, box, x_rows)
     if fp8:
         w_desc = TensorDescriptor(w.view(E * N, K), [E * N, K], [K, 1], [box, FP8_BLOCK_K],
@@ -1405,9 +1410,7 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     box = tma_box_rows(consumers)
-    if small_x_boxes is None and narrow_three(slots, consumers):
-        small_x_boxes = False       # (as gemm(): one weight box a slot only)
-    x_rows = x_box_rows(slots, half_blocks, small_x_boxes)
+    x_rows = x_box_rows(slots, half_blocks, small_x_boxes, consumers)
     w_layout, s_layout, x_layout = _layouts(slots, quant, box, x_rows)
     if quant == "fp8":
         w_type = s_type = f"tensordesc<fp8e4nv[{box}, {FP8_BLOCK_K}],{w_layout!r}>"

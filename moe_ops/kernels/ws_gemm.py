@@ -39,7 +39,6 @@ tests compare it with the reference.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -50,10 +49,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from moe_ops.kernels.act_quant import group_scale
+from moe_ops.kernels.act_quant import amax_factor, group_scale
 from moe_ops.kernels.common import (
     FP8_BLOCK, apply_activation, device_properties, round_to_dtype)
+from moe_ops.kernels.env import env_choice, env_int
 from moe_ops.kernels.grouped_gemm import _launcher
+from moe_ops.layout import is_gated
 
 # Each consumer warpgroup's share of a tile: 64 rows x 128 columns (one m64n128k32 wgmma per 32
 # columns of K; its fp32 accumulator and partial take 2 x 64 registers a thread).
@@ -97,24 +98,6 @@ GROUP_M = 8
 # Registers a thread: consumers 232 (two fp32 tiles and the addressing), the producer 40 (the
 # minimum that holds its loop); the launch's budget of 168 x 12 warps fits one program an SM.
 CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168
-
-
-def env_choice(name: str, default: str, choices: tuple) -> str:
-    """The value of environment variable `name` (default when unset), one of `choices`."""
-    value = os.environ.get(name, default)
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-    return value
-
-
-def env_int(name: str, default: int) -> int:
-    """The value of environment variable `name` as a non-negative integer (default when unset)."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    if not value.isdigit():
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)
 
 
 # Staggered consumers (measured slower, so off): both warpgroups of a tile finish it together,
@@ -550,9 +533,8 @@ def _epilogue_quant(acc, acc_hi, slots, col0, expert, ptrs, sizes, strides,
     h = round_to_dtype(activate(acc, alpha, limit, ACTIVATION), ROUND).to(gl.float32)
     h_hi = round_to_dtype(activate(acc_hi, alpha, limit, ACTIVATION), ROUND).to(gl.float32)
     amax = gl.maximum(gl.max(gl.abs(h), axis=1), gl.max(gl.abs(h_hi), axis=1))
-    # act_quant's guard: a group whose amax is below 2^-96 is scaled by 2^64 first (the same
-    # quotients, none of them rounded subnormal); a zero group gets 0
-    factor = gl.where(amax < 1.262177448353619e-29, 1.8446744073709552e+19, 1.0)
+    # act_quant's guard (a zero group gets 0)
+    factor = amax_factor(amax)
     rows = slots.to(gl.int64)
     first = col0 // 2
     _store_rows(out_ptr, _quantize(h, amax, factor), rows, row_ok, first, stride_om, COALESCED)
@@ -802,8 +784,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     E, N, K = w.shape
     quant_out = 0
     if out_scale is not None:
-        if not (gemm == 1 and quant == "fp8_block" and tile == "wide"
-                and activation in ("swiglu", "geglu", "swiglu_oai")):
+        if not (gemm == 1 and quant == "fp8_block" and tile == "wide" and is_gated(activation)):
             raise ValueError(f"out_scale: fp8_block's gated GEMM1 on the 'wide' tile only, got "
                              f"gemm={gemm}, quant={quant!r}, tile={tile!r}, "
                              f"activation={activation!r}")
@@ -825,9 +806,9 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     _launcher((programs, ), _ws_fp8_block_kernel)(
         a_desc, w_desc, a_scale, w_scale, bias if bias is not None else dummy, out,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
-        routing.topk_weights, out_scale if out_scale is not None else dummy, N, K, routing.num_pairs, a_scale.stride(0), w_scale.stride(0),
-        w_scale.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
-        alpha, limit,
+        routing.topk_weights, out_scale if out_scale is not None else dummy, N, K,
+        routing.num_pairs, a_scale.stride(0), w_scale.stride(0), w_scale.stride(1),
+        bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
         ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=ring_stages(tile),
         FORM=FORMS[tile], ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMER_REGS=CONSUMER_REGS,
