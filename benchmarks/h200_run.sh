@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|fquant|aqshort|c3w|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -126,21 +126,11 @@
 # quartera: DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 2048 / 4096 / 8192 / 16384 with
 # MOE_OPS_WS_FP4_QUARTER_BLOCKS / MOE_OPS_WS_FP4_SMALL_X_BOXES 0,0 / 1,0 / 1,1 (QUARTER_ARMS
 # "q:s:pass ..." others), the off arm twice; about 7 minutes.
-# fquant: fp8_block GEMM1's requantized output (experts.WS_FUSED_QUANT, written without a GPU):
-# its GPU tests (against act_quant of the 16-bit intermediate, the experts call against the
-# oracle), compute-sanitizer on one; then DeepSeek-V3 fp8_block at T = 8192 / 16384 with
-# MOE_OPS_WS_FUSED_QUANT 0 / 1 (T = 8192 on the wide tile too: MOE_OPS_WS_FP8_BLOCK_TILE=wide),
-# two alternated passes; then the layer kernel by kernel with it on; about 6 minutes.
-# aqshort: act_quant's whole-row form for short fp8 rows (act_quant.SHORT_ROW_K, written without
-# a GPU): benchmarks/dev_act_quant.py (bit-exactness against the reference, TB/s) with
+# aqshort: act_quant's whole-row form for short fp8 rows (act_quant.SHORT_ROW_K, on at 2048 since
+# its run): benchmarks/dev_act_quant.py (bit-exactness against the reference, TB/s) with
 # MOE_OPS_ACT_QUANT_SHORT_ROW_K 0 and 2048, then Qwen3-30B-A3B fp8 (its 768-wide
 # intermediate) and Mixtral-8x7B fp8 at T = 4096 / 16384 with 0 / 2048, two alternated passes;
 # about 4 minutes.
-# c3w: three consumer warpgroups on the 128-slot 4-bit form (ws_fp4.WIDE_CONSUMERS, written
-# without a GPU): its GPU tests (bit for bit against two consumers, the experts call against
-# the oracle), compute-sanitizer on one; DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 2048
-# / 4096 / 8192 / 16384 with MOE_OPS_WS_FP4_WIDE_CONSUMERS 2 / 3, two alternated passes; then
-# Nsight Compute's tensor pipe on DeepSeek-V3's T = 16384 GEMMs with three; about 8 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
@@ -676,20 +666,6 @@ if [[ "$what" == quartera ]]; then
     grep -i "fail\|error" "$out/ab_quarter_${q}${sx}_$pass.log" | head -n 3
   done
 fi
-if [[ "$what" == fquant ]]; then
-  tests_then_sanitize fquant tests/test_ws_gemm.py fused "fused_quant_matches and 3-False-bf16" \
-    200
-  for arm in 0:a 1:a 0:b 1:b; do
-    layer_arm "ab_fquant_${arm%%:*}_${arm#*:}" 60 3 MOE_OPS_WS_FUSED_QUANT=${arm%%:*} -- \
-      --models deepseek_v3 --quant fp8_block --tokens 16384
-    layer_arm "ab_fquant_wide_${arm%%:*}_${arm#*:}" 60 3 MOE_OPS_WS_FUSED_QUANT=${arm%%:*} \
-      MOE_OPS_WS_FP8_BLOCK_TILE=wide -- --models deepseek_v3 --quant fp8_block --tokens 8192
-  done
-  MOE_OPS_WS_FUSED_QUANT=1 timeout 100 python3 benchmarks/profile_layer.py --models deepseek_v3 \
-    --quant fp8_block --tokens 16384 --calls 3 --deadline-s 80 \
-    --out "$out/profile_layer_fquant.json" > "$out/profile_layer_fquant.log" 2>&1 || status=1
-  grep -A6 '^model' "$out/profile_layer_fquant.log" | cut -c1-200
-fi
 if [[ "$what" == aqshort ]]; then
   for k in 0 2048; do
     MOE_OPS_ACT_QUANT_SHORT_ROW_K=$k timeout 150 python3 benchmarks/dev_act_quant.py \
@@ -700,17 +676,6 @@ if [[ "$what" == aqshort ]]; then
     layer_arm "ab_aqshort_${arm%%:*}_${arm#*:}" 50 5 MOE_OPS_ACT_QUANT_SHORT_ROW_K=${arm%%:*} \
       -- --models qwen3_30b_a3b mixtral_8x7b --quant fp8 --tokens 4096 16384
   done
-fi
-if [[ "$what" == c3w ]]; then
-  tests_then_sanitize c3w tests/test_ws_fp4.py three_consumers \
-    "three_consumers_are_bit_equal and mxfp4-True" 240
-  for arm in 2:a 3:a 2:b 3:b; do
-    layer_arm "ab_wide_consumers_${arm%%:*}_${arm#*:}" 80 9 \
-      MOE_OPS_WS_FP4_WIDE_CONSUMERS=${arm%%:*} -- "${FP4_DECODE[@]}" --tokens 2048 4096 8192 16384
-  done
-  MOE_OPS_WS_FP4_WIDE_CONSUMERS=3 NCU_TAG=c3 NCU_TOKENS=16384 \
-    NCU_CASES="deepseek_v3:nvfp4:_ws_fp4" MOE_OPS_RESULTS_DIR="$out" \
-    bash benchmarks/h200_run.sh ncu4l
 fi
 if [[ "$what" == tune4 ]]; then
   SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \

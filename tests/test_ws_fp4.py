@@ -710,75 +710,6 @@ def test_quarter_blocks_do_take_the_quarter_path():
                              dict(half_blocks=True, quarter_blocks=True))
 
 
-WIDE_THREE_BUILDS = """
-import sys
-sys.path.insert(0, "benchmarks")
-from aot_sm90 import loops
-from moe_ops.kernels import ws_fp4
-for gemm, act, bias, quant, tail, quarter in ((1, "swiglu", False, "nvfp4", 16, True),
-                                               (2, "none", False, "nvfp4", 16, False),
-                                               (1, "swiglu_oai", True, "mxfp4", 4, False)):
-    kernel = ws_fp4.compile_sm90(gemm=gemm, activation=act, has_bias=bias, quant=quant,
-                                 slots=128, consumers=3, partial_n=True, half_blocks=True,
-                                 quarter_blocks=quarter, tail=tail)
-    # every consumer's K loops of each wgmma shape (whole, half and, with quarter blocks,
-    # quarter blocks): the loops holding that shape's wgmmas
-    found, counts = [], []
-    for shape in ("64x128x16", "64x64x16") + (("64x32x16", ) if quarter else ()):
-        with_shape = [b for b in loops(kernel) if any("HGMMA." + shape in i for i in b)]
-        counts.append(len(with_shape))
-        found += sorted(with_shape, key=len)[:3]
-    local = max(sum(i.split()[0].startswith(("LDL", "STL")) for i in b) for b in found)
-    print(gemm, quant, min(counts), local, kernel.metadata.shared)
-"""
-
-
-def test_wide_three_consumers_build():
-    """WIDE_CONSUMERS=3 builds for sm_90 (nvfp4's GEMM1 with quarter blocks and GEMM2, gpt-oss's
-    mxfp4 GEMM1 with its bias and tail step): three consumers' whole- and half-block (and
-    quarter-block) K loops, none with a local access, within a block's shared memory (the
-    64-row weight buffers and 32-slot epilogue pieces that make it fit)."""
-    rows, done = sm90_script_rows(WIDE_THREE_BUILDS)
-    assert len(rows) == 3, done.stdout
-    for gemm, quant, loops, local, shared in rows:
-        assert int(loops) >= 3 and local == "0", rows
-        assert int(shared) <= 227 * 1024, rows
-
-
-def test_wide_three_consumers_rules(monkeypatch):
-    """Three consumers on the 128-slot form: chosen by WIDE_CONSUMERS alone, never with the early
-    epilogue or the small activation boxes (refused before any launch; by default off), and no
-    other count for that form."""
-    import types
-    monkeypatch.setattr(ws_fp4, "WIDE_CONSUMERS", 3)
-    assert ws_fp4.consumers_for(ws_fp4.WIDE_SLOTS, "nvfp4", 10 ** 6) == 3
-    assert ws_fp4.consumers_for(ws_fp4.PREFILL_SLOTS, "nvfp4", 10 ** 6) == 2
-    assert ws_fp4._early(ws_fp4.WIDE_SLOTS, 3, None) is False
-    assert ws_fp4._early(ws_fp4.WIDE_SLOTS, 2, None) == ws_fp4.EARLY_EPILOGUE
-    monkeypatch.setattr(ws_fp4, "SMALL_X_BOXES", "1")
-    assert not ws_fp4.small_boxes(ws_fp4.WIDE_SLOTS, 3, "nvfp4", 4096, 256)
-    assert ws_fp4.small_boxes(ws_fp4.WIDE_SLOTS, 2, "nvfp4", 4096, 256)
-    # with partial last tiles off, N = 4096 is no whole number of 192-row tiles: two
-    monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", False)
-    assert ws_fp4.consumers_for(ws_fp4.WIDE_SLOTS, "nvfp4", 10 ** 6, 1, 4096) == 2
-    assert ws_fp4.consumers_for(ws_fp4.WIDE_SLOTS, "nvfp4", 10 ** 6, 1, 3072) == 3
-    monkeypatch.setattr(ws_fp4, "PARTIAL_N_OK", True)
-    routing = types.SimpleNamespace(num_pairs=4096, direct=False, align_block_m=128)
-    E, N, K = 4, 384, 512
-    a = torch.zeros(512, K, dtype=torch.bfloat16)
-    w = torch.zeros(E, N, K // 2, dtype=torch.uint8)
-    scale = torch.zeros(E, N, K // 16, dtype=torch.uint8)
-    out = torch.empty(512, N // 2, dtype=torch.bfloat16)
-    common = dict(gemm=1, activation="swiglu", slots=ws_fp4.WIDE_SLOTS, programs=4)
-    with pytest.raises(ValueError, match="early"):
-        ws_fp4.gemm(a, w, scale, None, None, out, routing, consumers=3, early=True, **common)
-    with pytest.raises(ValueError, match="small_x_boxes"):
-        ws_fp4.gemm(a, w, scale, None, None, out, routing, consumers=3, small_x_boxes=True,
-                    **common)
-    with pytest.raises(ValueError, match="consumers"):
-        ws_fp4.gemm(a, w, scale, None, None, out, routing, consumers=4, **common)
-
-
 def test_narrow_blocks_rule():
     """QUARTER_BLOCKS / SMALL_X_BOXES "auto": nvfp4 launches of fewer than 128 routed rows an
     expert (DeepSeek-V3's T = 2048: 64 an expert), never mxfp4 (measured slower); "1" / "0"
@@ -813,49 +744,6 @@ def test_experts_with_quarter_blocks(quant, activation, bias, H, I, small, monke
     assert ((last > 0) & (last <= 32)).any(), last
     run_and_check(quant, ckpt, kernel, x, ids, weights, activation=activation, offset=1)
     assert calls == [128] * 2, calls
-
-
-@needs_hopper
-@pytest.mark.parametrize("quant,quarter,H,seed", [
-    ("nvfp4", True, 512, 43), ("mxfp4", False, 512, 40), ("nvfp4", False, 320, 43),
-    ("mxfp4", True, 320, 31)])
-def test_wide_three_consumers_are_bit_equal(quant, quarter, H, seed):
-    """WIDE_CONSUMERS=3: both GEMMs (GEMM1 with swiglu_oai and its bias) on 192-row tiles of
-    three consumers equal the two-consumer form's bit for bit (the same k16 wgmmas a value and
-    the late epilogue's float32 operations, written in 32-slot pieces), the same rows written
-    (NaN-poisoned outputs, one row past the pairs), on dispatches whose experts end in whole,
-    half and quarter blocks; N is no multiple of 192 (partial last tiles: a consumer past N
-    idles), H = 320 runs GEMM1 with the tail step (both forms)."""
-    T = 576 if seed != 31 else 700
-    ids, runs = gemms_both_ways(quant, T, 128, seed, [
-        dict(consumers=2, early=False, half_blocks=True, quarter_blocks=quarter,
-             small_x_boxes=False, tail=True),
-        dict(consumers=3, half_blocks=True, quarter_blocks=quarter, tail=True)], H=H)
-    if seed != 31:
-        assert_narrow_blocks(ids, T)
-    assert_bit_equal(runs, T)
-
-
-@needs_hopper
-@pytest.mark.parametrize("quant,activation,bias,H,I", [
-    ("nvfp4", "swiglu", False, 768, 256), ("mxfp4", "swiglu_oai", True, 832, 512)])
-def test_experts_with_wide_three_consumers(quant, activation, bias, H, I, monkeypatch,
-                                           gemm_calls, poisoned_empty):
-    """The experts call on the 128-slot form with three consumers (WIDE_CONSUMERS=3), against
-    the oracle (720 tokens routed to 2 of 10 experts, 8 local: ~144 rows an expert, blocks
-    whole, half and narrower; mxfp4 with GEMM1's tail step)."""
-    monkeypatch.setattr(experts_mod, "WS_FP4", "1")
-    monkeypatch.setattr(experts_mod, "WS_FP4_WIDE_MIN_ROWS", 32)
-    monkeypatch.setattr(ws_fp4, "WIDE_CONSUMERS", 3)
-    if quant == "mxfp4":
-        monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))
-    calls = gemm_calls(ws_fp4, "gemm", record="slots")
-    consumers = gemm_calls(ws_fp4, "gemm", record="consumers")
-    ckpt, kernel, x, ids, weights = make_case(quant, 720, H, I, 8, 2, activation=activation,
-                                              bias=bias, seed=53, offset=1, num_global=10,
-                                              invalid_ids=True)
-    run_and_check(quant, ckpt, kernel, x, ids, weights, activation=activation, offset=1)
-    assert calls == [128] * 2 and consumers == [3] * 2, (calls, consumers)
 
 
 @needs_hopper

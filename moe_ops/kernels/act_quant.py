@@ -148,9 +148,12 @@ WHOLE_ROW_MAX_K = 16384
 # 768-wide intermediate at T = 16384 (273 us of a 2166 us call, results/
 # h200_profile_layer_issue3.json; h200_act_quant.json), as if each program waited out its
 # dependent loads (pair id, the row, the row again) with little in flight; packing several
-# rows to a program measured slower (h200_act_quant_rows_ab.json). Not yet measured: 0 (off)
-# unless MOE_OPS_ACT_QUANT_SHORT_ROW_K=n.
-SHORT_ROW_K = env_int("MOE_OPS_ACT_QUANT_SHORT_ROW_K", 0)
+# rows to a program measured slower (h200_act_quant_rows_ab.json). Measured on an H200
+# (results/h200_act_quant_short_*.json, h200_ab_aqshort_*.json, 2026-12-02): that intermediate
+# 249 -> 216 us (1.21 -> 1.40 TB/s), the Qwen3 fp8 layer at T = 16384 2220-2230 -> 2182-2188 us
+# in graph replays (two alternated passes), Mixtral's 4096- and 14336-wide rows untouched. So
+# up to 2048 columns (Qwen3's hidden rows too); MOE_OPS_ACT_QUANT_SHORT_ROW_K=0: off.
+SHORT_ROW_K = env_int("MOE_OPS_ACT_QUANT_SHORT_ROW_K", 2048)
 
 
 def act_quant(

@@ -12,8 +12,7 @@ Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
               launches run ws_gemm's warp-specialized kernel on Hopper; the 4-bit ones ws_fp4's,
               whose rows the dispatch's launch can gather itself up to
               ALIGN_GATHER_MAX_PAIRS pairs)
-  [fp8 modes] act_quant(intermediate)            padding slots skipped (WS_FUSED_QUANT:
-              fp8_block's "wide" GEMM1 writes it quantized instead)
+  [fp8 modes] act_quant(intermediate)            padding slots skipped
   GEMM2       routing weight in the epilogue -> one row per pair
   combine     sum of each token's k rows in fp32; for large batches on the tile kernel instead
               fp32 atomics in GEMM2's epilogue + a cast (COMBINE, measured choice; summation
@@ -33,8 +32,7 @@ from moe_ops.kernels.align import SMALL_PATH_MAX_PAIRS, moe_align, moe_align_gat
 from moe_ops.kernels import ws_fp4, ws_gemm
 from moe_ops.kernels.combine import combine_pair_rows
 from moe_ops.kernels.env import env_choice, env_int
-from moe_ops.kernels.common import (
-    FP8_BLOCK, device_properties, is_gated, pdl_early_launch, upcast_dots)
+from moe_ops.kernels.common import device_properties, is_gated, pdl_early_launch, upcast_dots
 from moe_ops.quant import FP4_K_ALIGN
 from moe_ops.kernels.grouped_gemm import (
     FP4_QUANTS, PERSISTENT_QUANTS, GemmConfig, GemmProblem, Routing, gather_rows, gemm1, gemm2,
@@ -117,14 +115,6 @@ WS_WIDE_MIN_ROWS = 512
 # re-tuned tables (the persistent candidates timed on this kernel) take it where it wins (Qwen3
 # fp8 T = 16384 2293 us in results/h200.json); so unset.
 WS_MIN_ROWS = env_int("MOE_OPS_WS_MIN_ROWS", 0)
-# fp8_block GEMM1 on the "wide" tile writes GEMM2's activations requantized (e4m3 and a scale
-# a row per 128 columns: ws_gemm.gemm's out_scale) instead of a 16-bit intermediate that
-# act_quant then reads back. Why: at DeepSeek-V3 T = 16384 that act_quant takes ~0.46 ms of a
-# ~14.4 ms call (results/h200_profile_layer_issue3.json) and GEMM1 stores 2 bytes a value
-# where 1 would do. Its cost: each tile's epilogue grows by the amax and the conversion (~1150
-# SASS instructions a consumer's epilogue) while the tensor cores wait. Not yet measured: off
-# unless MOE_OPS_WS_FUSED_QUANT=1.
-WS_FUSED_QUANT = env_choice("MOE_OPS_WS_FUSED_QUANT", "0", ("0", "1")) == "1"
 # fp8 per tensor on the same kernel (its partial sums promoted every K step, the scales in the
 # epilogue). Measured on an H200 (results/h200_ws_fp8_profile_*.json, 2026-12-01), the experts
 # call's kernels without PDL: Mixtral-8x7B T = 4096 / 16384 3.04 -> 2.79 / 12.34 -> 11.10 ms,
@@ -385,9 +375,6 @@ def triton_experts(
     ws2 = tile2 is not None and (config2.persistent or rows_ok) and ws_gemm.applies(
         quant, "none", H, I, x, w2, tile2, activations_quantized=False,
         has_bias=b2 is not None)
-    # (see WS_FUSED_QUANT) GEMM2's activations straight from GEMM1's epilogue
-    fused_quant = (WS_FUSED_QUANT and ws1 and tile1 == "wide" and quant == "fp8_block"
-                   and is_gated(activation) and x.dtype in (torch.bfloat16, torch.float16))
     gathered = None  # GEMM1's gathered token rows, when the dispatch launch made them
     flat_ids = topk_ids.reshape(-1).contiguous()
     flat_weights = topk_weights.reshape(-1).contiguous()
@@ -417,8 +404,7 @@ def triton_experts(
         a1, a1_scale = x, None
     else:
         a1, a1_scale = act_quant(x, quant)
-    intermediate = torch.empty((routing.num_slots, I), device=x.device,
-                               dtype=torch.float8_e4m3fn if fused_quant else x.dtype)
+    intermediate = torch.empty((routing.num_slots, I), dtype=x.dtype, device=x.device)
     if fp8_ws:
         # the token rows in dispatch order, quantized there (padding slots skipped) as f16
         # e4m3 values, one scale a slot
@@ -439,11 +425,8 @@ def triton_experts(
         del rows
     elif ws1:
         rows, row_scales = gather_rows(a1, a1_scale, routing)
-        a2_scale = (torch.empty((routing.num_slots, I // FP8_BLOCK), dtype=torch.float32,
-                                device=x.device) if fused_quant else None)
         ws_gemm.gemm(rows, row_scales, w13, w13_scale, b13, intermediate, routing, gemm=1,
-                     activation=activation, alpha=alpha, limit=limit, tile=tile1, quant=quant,
-                     out_scale=a2_scale, rounding=x.dtype if fused_quant else None)
+                     activation=activation, alpha=alpha, limit=limit, tile=tile1, quant=quant)
         del rows, row_scales
     else:
         gemm1(a1, a1_scale, w13, w13_scale, b13, intermediate, routing, config1,
@@ -452,8 +435,6 @@ def triton_experts(
 
     if quant == "none" or fp4:
         a2, a2_scale = intermediate, None
-    elif fused_quant:
-        a2 = intermediate       # (a2_scale: GEMM1's)
     else:
         a2, a2_scale = act_quant(intermediate, quant, routing.sorted_pair_ids, routing.num_pairs,
                                  out_dtype=torch.float16 if fp8_ws else torch.float8_e4m3fn)

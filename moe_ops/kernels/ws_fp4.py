@@ -141,15 +141,6 @@ FP8_CONSUMERS = env_choice("MOE_OPS_WS_FP8_DECODE_CONSUMERS", "auto", ("auto", "
 REGISTERS = {2: (232, 40, 168), 3: (160, 24, 128), 4: (112, 24, 96)}
 CONSUMERS = env_choice("MOE_OPS_WS_FP4_CONSUMERS", "auto", ("auto", "2", "3", "4") + tuple(
     f"{a},{b}" for a in REGISTERS for b in REGISTERS))
-# The 128-slot form's consumer warpgroups: 2, or 3 (tiles of 192 weight rows, 160 registers a
-# consumer thread, whole-block K loops without local memory at sm_90; the weight ring in one
-# 64-row buffer a consumer and the late epilogue in 32-slot pieces, to fit a block's shared
-# memory: no early epilogue, no small activation boxes). Why: at two, each consumer's decode,
-# HGMMA issue and data waits outlast the other's wgmmas, so the tensor pipe idles 23-31% of
-# DeepSeek-V3's T = 16384 GEMMs (NOTES, fifteenth session); a third queues its wgmmas while
-# another decodes, and each activation step feeds 1.5 times the MMA work. Not yet measured:
-# 2 unless MOE_OPS_WS_FP4_WIDE_CONSUMERS=3.
-WIDE_CONSUMERS = int(env_choice("MOE_OPS_WS_FP4_WIDE_CONSUMERS", "2", ("2", "3")))
 THREE_CONSUMERS_MIN_PAIRS = 32
 FOUR_CONSUMERS_MIN_PAIRS = {"nvfp4": 128}
 # GEMM2's K steps split over SPLIT work items a tile at decode (the 16-slot form, serial
@@ -185,9 +176,7 @@ SPLIT_ITEM_STEPS = 1
 # without, and the tail step adds two shared-memory exchanges of its block scales a consumer;
 # the cause of the ~0.5 us a tile is not known). Then on the final rule (results/h200_ab_tailc_*.json): T = 4
 # 102.1 -> 100.1-100.7, T = 4096 / 16384 2134-2168 / 6795-6869 -> 2051-2107 / 6699-6733. So
-# "auto" (the default): on for launches of two consumers and of the 128-slot form (three
-# consumers there, WIDE_CONSUMERS, unmeasured either way: the 16-slot three-consumer loss was a
-# per-tile cost at decode's short tiles); "1" always, "0" never.
+# "auto" (the default): on for launches of two consumers; "1" always, "0" never.
 TAIL = env_choice("MOE_OPS_WS_FP4_TAIL", "auto", ("auto", "0", "1"))
 # A consumer's decode of K step k + 1 while its wgmma of step k runs (a second register operand)
 # instead of decode, MMA, wait in turn. Measured on an H200 (results/h200_ab_fp4_rows_16_*.json,
@@ -347,19 +336,6 @@ def _first_slices(factor, C: gl.constexpr):
 
 
 @gluon.jit
-def _rows_of(bufs, index, part: gl.constexpr, STAGES: gl.constexpr):
-    """Ring slot `index`'s 64 weight rows (or their block scales) of consumer `part`: a slice
-    of the slot's buffer, or (bufs holding PARTS buffers a slot, see _ws_fp4_kernel) the part's
-    own buffer."""
-    PARTS: gl.constexpr = bufs.type.shape[0] // STAGES
-    if PARTS > 1:
-        rows = bufs.index(index * PARTS + part)
-    else:
-        rows = bufs.index(index).slice(part * 64, 64, dim=0)
-    return rows
-
-
-@gluon.jit
 def live_block(sorted_pair_ids_ptr, pid_m, num_pairs, BM: gl.constexpr):
     """Whether dispatch block pid_m (BM slots) holds a routed pair: each expert's padding comes
     after its pairs, so a block whose first slot holds none is padding throughout. Such blocks
@@ -416,7 +392,7 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
     block_expert_ptr = ptrs[5]
     num_padded_ptr = ptrs[6]
     N, KP, num_pairs = sizes[0], sizes[1], sizes[2]
-    STAGES: gl.constexpr = ready.type.shape[0]
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
     BN: gl.constexpr = TILE_N
     BM: gl.constexpr = x_bufs.type.shape[1]
     BOX: gl.constexpr = w_desc.block_type.shape[0]
@@ -485,10 +461,9 @@ def _producer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                         if boxes_live == live:
                             mbarrier.expect(bar, live * BOX_BYTES + x_desc.block_type.nbytes)
                             for b in gl.static_range(live):
-                                # (three consumers' boxes are 64 rows: _rows_of)
                                 _load_rows(w_desc, s_desc, row0 + b * BOX, kb, bar,
-                                           _rows_of(w_bufs, index, b, STAGES),
-                                           _rows_of(s_bufs, index, b, STAGES), FMT)
+                                           w_bufs.index(index).slice(b * BOX, BOX, dim=0),
+                                           s_bufs.index(index).slice(b * BOX, BOX, dim=0), FMT)
                 if X_BOX == BM:
                     tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kb * STEP], bar,
                                                     x_bufs.index(index))
@@ -503,33 +478,27 @@ def _decoded(w_bufs, s_bufs, ready, index, phase, HALF: gl.constexpr, DOT: gl.co
     16-column slices only (C < 16: a tail step, see TAIL)."""
     BN: gl.constexpr = w_bufs.type.shape[1]
     SCALES: gl.constexpr = SCALES_LAYOUT
-    STAGES: gl.constexpr = ready.type.shape[0]
     mbarrier.wait(ready.index(index), phase)
     if FMT == 2:
         # fp8: the step's [64, 128] e4m3 bytes read in the operand's layout (2 consecutive
         # columns a register pair), converted two at a time (cvt.rn.f16x2.e4m3x2)
-        weights = _rows_of(w_bufs, index, HALF, STAGES).load(DOT).to(gl.float16)
+        weights = w_bufs.index(index).slice(HALF * 64, 64, dim=0).load(DOT).to(gl.float16)
     else:
-        if C == 16 and w_bufs.type.shape[0] > STAGES:
-            # (one 64-row buffer a consumer, see _rows_of; a slice of a slot's buffer cannot be
-            # reshaped, so the other form reshapes first)
-            packed = _rows_of(w_bufs, index, HALF, STAGES).reshape([64, 128]).load(
-                packed_layout(16))
-        elif C == 16:
+        if C == 16:
             packed = w_bufs.index(index).reshape([BN, 128]).slice(HALF * 64, 64, dim=0).load(
                 packed_layout(16))
         else:
             # each run's first 2C bytes: [64, 4, 2C] as [64, 8C]
-            packed = _rows_of(w_bufs, index, HALF, STAGES).slice(0, 2 * C, dim=2).load(
+            packed = w_bufs.index(index).slice(HALF * 64, 64, dim=0).slice(0, 2 * C, dim=2).load(
                 packed_layout_3d(C))
             packed = gl.convert_layout(gl.reshape(packed, [64, 8 * C]), packed_layout(C),
                                        assert_trivial=True)
         if FMT == 1:
             # the row's 16 loaded bytes are two K steps' scales: this step's half
-            scales = _rows_of(s_bufs, index, HALF, STAGES).slice(
+            scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).slice(
                 8 * ODD, 8, dim=1).load(MX_SCALES_LAYOUT)
         else:
-            scales = _rows_of(s_bufs, index, HALF, STAGES).load(SCALES)
+            scales = s_bufs.index(index).slice(HALF * 64, 64, dim=0).load(SCALES)
         weights = decode_step(packed, scales, C, DOT, FMT)
     return weights
 
@@ -541,7 +510,7 @@ def _mma_step(acc, w_bufs, s_bufs, x_bufs, ready, empty, index, phase, HALF: gl.
     until the MMA has read it), the slot released; the wgmma takes the slot's first
     acc.shape[1] slots (HALF_BLOCKS: 64 of 128) and its first 16C columns (C < 16: a tail
     step, see TAIL). Returns the accumulator and next slot."""
-    STAGES: gl.constexpr = ready.type.shape[0]
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
     USED: gl.constexpr = acc.shape[1]
     weights = _decoded(w_bufs, s_bufs, ready, index, phase, HALF, DOT, FMT, ODD, C)
     x = x_bufs.index(index)
@@ -592,7 +561,7 @@ def _mma_then_decode_next(acc, weights, w_bufs, s_bufs, x_bufs, ready, empty, in
     tile decoded meanwhile (NEXT_ODD: whether that is an odd K step), then the wait (the
     register operand stays live until the MMA has read it) and the slot released. Returns the
     accumulator, the next step's operand and slot."""
-    STAGES: gl.constexpr = ready.type.shape[0]
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
     acc = warpgroup_mma(weights, x_bufs.index(index).permute((1, 0)), acc, is_async=True)
     nxt, nxt_phase = ring_next(index, phase, STAGES)
     upcoming = _decoded(w_bufs, s_bufs, ready, nxt, nxt_phase, HALF, DOT, FMT, NEXT_ODD)
@@ -613,7 +582,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
      num_padded_ptr, a_scale_ptr) = ptrs
     N, KP, num_pairs, alpha, limit = sizes
     stride_ge, stride_be, stride_om = strides
-    STAGES: gl.constexpr = ready.type.shape[0]
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
     BN: gl.constexpr = TILE_N
     BM: gl.constexpr = x_bufs.type.shape[1]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -630,11 +599,6 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                                                     k_width=2)
     gl.static_assert(HALF_BLOCKS == 0 or (BM == 128 and PIPELINE == 0))
     gl.static_assert(FMT != 2 or (BM == 16 and PIPELINE == 0))    # fp8: decode's serial form
-    # three consumers on 128-slot tiles (WIDE_CONSUMERS, the weight ring's buffers a consumer's
-    # each: see _ws_fp4_kernel): the late epilogue in 32-slot pieces, within a block's shared
-    # memory with the three consumers' layout exchanges
-    PIECE: gl.constexpr = 32 if w_bufs.type.shape[0] > STAGES else 64
-    gl.static_assert(PIECE == 64 or EARLY == 0)
     # SPLIT_K: GEMM2's decode form, serial consumers, the early epilogue
     gl.static_assert(SPLIT == 1 or (ACTIVATION == 0 and BM == 16 and PIPELINE == 0 and EARLY == 1))
     # TAIL: the plain consumers of 4-bit tiles whose K runs whole (no split)
@@ -736,7 +700,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                                         alpha, limit, ACTIVATION, HAS_BIAS, FMT)
                     else:
                         _epilogue_late(acc, expert, pid_m * BM, n0, ptrs, sizes, strides, mma,
-                                       ACTIVATION, HAS_BIAS, FMT, PIECE)
+                                       ACTIVATION, HAS_BIAS, FMT)
                 else:
                     if HALF_BLOCKS == 2:
                         # (see QUARTER_BLOCKS) slot 32 padding: a quarter block
@@ -756,7 +720,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                                             strides, alpha, limit, ACTIVATION, HAS_BIAS, FMT)
                         else:
                             _epilogue_late(half_acc, expert, pid_m * BM, n0, ptrs, sizes,
-                                           strides, mma_half, ACTIVATION, HAS_BIAS, FMT, PIECE)
+                                           strides, mma_half, ACTIVATION, HAS_BIAS, FMT)
                     else:
                         quarter_acc = gl.zeros([64, 32], gl.float32, mma_quarter)
                         if EARLY:
@@ -779,12 +743,9 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
 
 @gluon.jit
 def _epilogue_late(acc, expert, slot0, n0, ptrs, sizes, strides, mma: gl.constexpr,
-                   ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, FMT: gl.constexpr,
-                   PIECE: gl.constexpr = 64):
+                   ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, FMT: gl.constexpr):
     """The epilogue with its operands loaded after the K loop (EARLY_EPILOGUE off): acc
-    [64 weight rows, slots slot0...] (128 slots: two pieces of 64; PIECE 32: each written in
-    two 32-slot pieces, halving the layout exchange's shared memory, for three consumers on
-    128-slot tiles)."""
+    [64 weight rows, slots slot0...] (128 slots: two pieces of 64)."""
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
      num_padded_ptr, a_scale_ptr) = ptrs
     N, KP, num_pairs, alpha, limit = sizes
@@ -799,26 +760,9 @@ def _epilogue_late(acc, expert, slot0, n0, ptrs, sizes, strides, mma: gl.constex
         acc += gl.load(bias_ptr + expert * stride_be + w_rows).to(gl.float32)[:, None]
     if acc.shape[1] > 64:
         first, second = _slot_halves(acc)
-        _store_pieces(first, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
-                      num_pairs, stride_om, alpha, limit, ACTIVATION, PIECE)
-        _store_pieces(second, slot0 + 64, n0, sorted_pair_ids_ptr, topk_weights_ptr,
-                      out_ptr, num_pairs, stride_om, alpha, limit, ACTIVATION, PIECE)
-    else:
-        _store_pieces(acc, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
-                      num_pairs, stride_om, alpha, limit, ACTIVATION, PIECE)
-
-
-@gluon.jit
-def _store_pieces(acc, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr, num_pairs,
-                  stride_om, alpha, limit, ACTIVATION: gl.constexpr, PIECE: gl.constexpr):
-    """_store_slots on acc [64 weight rows, up to 64 slots], whole or (PIECE 32 of 64) in two
-    32-slot pieces: slot 32h + j -> [64, j, h], h a register bit of the MMA layouts (the
-    64-slot wgmma's and a 128-slot one's halves alike), so the split moves no data."""
-    if PIECE < acc.shape[1]:
-        first, second = gl.split(gl.permute(gl.reshape(acc, [64, 2, PIECE]), [0, 2, 1]))
         _store_slots(first, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
                      num_pairs, stride_om, alpha, limit, ACTIVATION)
-        _store_slots(second, slot0 + PIECE, n0, sorted_pair_ids_ptr, topk_weights_ptr,
+        _store_slots(second, slot0 + 64, n0, sorted_pair_ids_ptr, topk_weights_ptr,
                      out_ptr, num_pairs, stride_om, alpha, limit, ACTIVATION)
     else:
         _store_slots(acc, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
@@ -935,22 +879,10 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
     # rows (the whole tile's but for three consumers: a TMA box is a power of two)
     TILE_N: gl.constexpr = CONSUMERS * 64
     BUF_N: gl.constexpr = 256 if CONSUMERS == 3 else TILE_N
-    # ... but for three consumers on 128-slot tiles (WIDE_CONSUMERS), whose shared memory the
-    # padding would overrun: one 64-row buffer a consumer a ring slot (PARTS of them, slot i's
-    # rows of consumer c at buffer i * PARTS + c, see _rows_of)
-    PARTS: gl.constexpr = 3 if (CONSUMERS == 3
-                                and X_BOXES * x_desc.block_type.shape[0] == 128) else 1
-    if PARTS > 1:
-        w_bufs = gl.allocate_shared_memory(
-            w_desc.dtype, [STAGES * PARTS] + w_desc.block_type.shape, w_desc.layout)
-    else:
-        w_bufs = gl.allocate_shared_memory(
-            w_desc.dtype, [STAGES, BUF_N] + w_desc.block_type.shape[1:], w_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BUF_N] + w_desc.block_type.shape[1:],
+                                       w_desc.layout)
     if FMT == 2:
         s_bufs = w_bufs     # (fp8 has no block scales: never read)
-    elif PARTS > 1:
-        s_bufs = gl.allocate_shared_memory(
-            s_desc.dtype, [STAGES * PARTS] + s_desc.block_type.shape, s_desc.layout)
     else:
         s_bufs = gl.allocate_shared_memory(s_desc.dtype,
                                            [STAGES, BUF_N] + s_desc.block_type.shape[1:],
@@ -1026,12 +958,10 @@ def _layouts(slots: int = BLOCK_M, quant: str = "nvfp4", box: int = ROWS,
 
 
 def x_box_rows(slots: int, half_blocks: Optional[bool] = None,
-               small_x_boxes: Optional[bool] = None, consumers: int = 2) -> int:
+               small_x_boxes: Optional[bool] = None) -> int:
     """Rows of a 4-bit form's activation TMA box: the tile's slots, or X_BOX_ROWS for the
-    128-slot form with half blocks and SMALL_X_BOXES (by default "1" only, never with three
-    consumers: narrow_three)."""
-    small = (SMALL_X_BOXES == "1" and not narrow_three(slots, consumers)
-             if small_x_boxes is None else small_x_boxes)
+    128-slot form with half blocks and SMALL_X_BOXES."""
+    small = SMALL_X_BOXES == "1" if small_x_boxes is None else small_x_boxes
     if small and _half_blocks_level(slots, half_blocks, None) > 0:
         return X_BOX_ROWS
     return slots
@@ -1056,9 +986,7 @@ def tma_box_rows(consumers: int) -> int:
 def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0,
                   gemm: Optional[int] = None, n: Optional[int] = None,
                   experts: Optional[int] = None, programs: Optional[int] = None) -> int:
-    """Consumer warpgroups of a launch: the 64-slot form's 2, the 128-slot form's WIDE_CONSUMERS
-    (2 where its 192-row tiles would leave a partial last tile of n rows and PARTIAL_N_OK is
-    off); decode's CONSUMERS when forced
+    """Consumer warpgroups of a launch: the prefill forms' 2; decode's CONSUMERS when forced
     (for GEMM `gemm`, 1 or 2, where it names one a GEMM), else, where partial last tiles are
     allowed, four for nvfp4 calls of FOUR_CONSUMERS_MIN_PAIRS routed pairs or more, three for
     calls of THREE_CONSUMERS_MIN_PAIRS or more (see CONSUMERS) and, below that, three where the GEMM's tiles (n weight rows of each of at most
@@ -1066,8 +994,8 @@ def consumers_for(slots: int, quant: str = "nvfp4", num_pairs: int = 0,
     (_row_waves), else two. (gemm() counts the routing's pairs; applies() without `consumers`
     knows none: experts.py passes the same counts to both.)"""
     if slots != BLOCK_M:
-        if slots == WIDE_SLOTS and (PARTIAL_N_OK or n is None or n % block_n(3) == 0):
-            return WIDE_CONSUMERS
+        # (three consumers on the 128-slot form were measured slower: DeepSeek-V3 nvfp4 2-8%,
+        # gpt-oss mxfp4 ~20%; benchmarks/NOTES.md, sixteenth session)
         return 2
     if quant == "fp8":
         return 2 if FP8_CONSUMERS == "auto" else int(FP8_CONSUMERS)
@@ -1175,34 +1103,9 @@ def _constants(*, gemm: int, activation: str, has_bias: bool, consumers: int, qu
                 HAS_BIAS=has_bias, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs,
                 PRODUCER_REGS=producer_regs, PIPELINE=int(pipelined), FMT=FMT[quant],
                 PARTIAL_N=int(partial_n),
-                EARLY=int(_early(slots, consumers, early)),
+                EARLY=int(EARLY_EPILOGUE if early is None else early),
                 HALF_BLOCKS=_half_blocks_level(slots, half_blocks, quarter_blocks), SPLIT=split,
                 TAIL=tail, X_BOXES=slots // (x_rows or slots))
-
-
-def narrow_three(slots: int, consumers: int) -> bool:
-    """Three consumers on the 128-slot form (WIDE_CONSUMERS): the kernel's 64-row weight
-    buffers and 32-slot epilogue pieces, no early epilogue, no small activation boxes."""
-    return slots == WIDE_SLOTS and consumers == 3
-
-
-def small_boxes(slots: int, consumers: int, quant: str, num_pairs: int,
-                num_experts: int) -> bool:
-    """SMALL_X_BOXES' choice for a launch (narrow_blocks), never for three consumers on the
-    128-slot form (narrow_three: its tile's weight rows come in three boxes)."""
-    return (not narrow_three(slots, consumers)
-            and narrow_blocks(SMALL_X_BOXES, quant, num_pairs, num_experts))
-
-
-def _early(slots: int, consumers: int, early: Optional[bool]) -> bool:
-    """The early epilogue of a launch: `early`, else EARLY_EPILOGUE; never for three consumers
-    on the 128-slot form (narrow_three: its shared memory holds the late one's pieces)."""
-    if narrow_three(slots, consumers):
-        if early:
-            raise ValueError("early: three consumers on the 128-slot form run the late "
-                             "epilogue only")
-        return False
-    return EARLY_EPILOGUE if early is None else early
 
 
 def narrow_blocks(setting: str, quant: str, num_pairs: int, num_experts: int) -> bool:
@@ -1261,18 +1164,17 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
          split: int = 1, tail: Optional[bool] = None,
          quarter_blocks: Optional[bool] = None, small_x_boxes: Optional[bool] = None) -> None:
     """One nvfp4 / mxfp4 / fp8 GEMM over the dispatch's live blocks of `slots` rows (16:
-    decode's form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers (the 128-slot form: or
-    three, WIDE_CONSUMERS), 4-bit only; see the module docstring). 4-bit: a bf16 rows;
-    w_global_scale the layout's row scale [E, N] (nvfp4's global scale, mxfp4's fold). fp8: a
-    [slots, K] f16 holding e4m3 values (act_quant's, out_dtype=float16) with a_scale [slots]
-    fp32, w [E, N, K] e4m3 with w_scale the layout's per-row scale [E, N] (w_global_scale
-    unused). pipeline: the pipelined consumers (default: PIPELINE, or PREFILL_PIPELINE for the
-    64-slot form; never the wide form's). early: the epilogue's operands loaded before each
-    tile's K loop (default: EARLY_EPILOGUE; never for three consumers on the 128-slot form).
-    half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other forms never);
-    quarter_blocks: with them its quarter blocks (default: QUARTER_BLOCKS's choice,
-    narrow_blocks); small_x_boxes: with them the activations in 32-row boxes (default:
-    small_boxes). split: GEMM2's K steps in `split` parts (SPLIT_K; decode's form, serial
+    decode's form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers, 4-bit only; see the
+    module docstring). 4-bit: a bf16 rows; w_global_scale the layout's row scale [E, N]
+    (nvfp4's global scale, mxfp4's fold). fp8: a [slots, K] f16 holding e4m3 values
+    (act_quant's, out_dtype=float16) with a_scale [slots] fp32, w [E, N, K] e4m3 with w_scale
+    the layout's per-row scale [E, N] (w_global_scale unused). pipeline: the pipelined
+    consumers (default: PIPELINE, or PREFILL_PIPELINE for the 64-slot form; never the wide
+    form's). early: the epilogue's operands loaded before each tile's K loop (default:
+    EARLY_EPILOGUE). half_blocks: the 128-slot form's half blocks (default: HALF_BLOCKS; other
+    forms never); quarter_blocks: with them its quarter blocks (default: QUARTER_BLOCKS's
+    choice, narrow_blocks); small_x_boxes: with them the activations in 32-row boxes (default:
+    SMALL_X_BOXES's). split: GEMM2's K steps in `split` parts (SPLIT_K; decode's form, serial
     consumers, the early epilogue), out [split * num_pairs, N] then holds part p's rows from row
     p * num_pairs (combine_pair_rows(..., splits=split) sums them). tail: the last K step's
     padding skipped where it can be (default: TAIL's rule; the 4-bit formats' plain consumers
@@ -1298,14 +1200,10 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     if consumers not in REGISTERS:
         raise ValueError(f"consumers: {', '.join(map(str, sorted(REGISTERS)[:-1]))} or "
                          f"{max(REGISTERS)} warpgroups, got {consumers}")
-    if slots != BLOCK_M and consumers != 2 and not (slots == WIDE_SLOTS and consumers == 3):
-        raise ValueError(f"consumers: the {slots}-slot form runs 2"
-                         f"{' or 3' if slots == WIDE_SLOTS else ''}, got {consumers}")
+    if slots != BLOCK_M and consumers != 2:
+        raise ValueError(f"consumers: the {slots}-slot form runs 2, got {consumers}")
     bn = block_n(consumers)
-    early = _early(slots, consumers, early)
-    if narrow_three(slots, consumers) and small_x_boxes:
-        raise ValueError("small_x_boxes: not with three consumers on the 128-slot form (its "
-                         "tile's weight rows come in three boxes)")
+    early = EARLY_EPILOGUE if early is None else early
     if split not in SPLITS:
         raise ValueError(f"split: one of {SPLITS}, got {split}")
     if split > 1 and (gemm != 2 or slots != BLOCK_M or pipelined or not early):
@@ -1360,8 +1258,8 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     if quarter_blocks is None:
         quarter_blocks = narrow_blocks(QUARTER_BLOCKS, quant, routing.num_pairs, w.shape[0])
     if small_x_boxes is None:
-        small_x_boxes = small_boxes(slots, consumers, quant, routing.num_pairs, w.shape[0])
-    x_rows = x_box_rows(slots, half_blocks, small_x_boxes, consumers)   # (fp8's form: slots)
+        small_x_boxes = narrow_blocks(SMALL_X_BOXES, quant, routing.num_pairs, w.shape[0])
+    x_rows = x_box_rows(slots, half_blocks, small_x_boxes)    # (fp8's 16-slot form: slots)
     w_layout, s_layout, x_layout = _layouts(slots, quant, box, x_rows)
     if fp8:
         w_desc = TensorDescriptor(w.view(E * N, K), [E * N, K], [K, 1], [box, FP8_BLOCK_K],
@@ -1380,7 +1278,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     if programs is None:    # (after the checks: the refusals come before any device query)
         programs = device_properties(a.device).multi_processor_count
     if tail is None:
-        tail = TAIL == "1" or (TAIL == "auto" and (consumers == 2 or slots == WIDE_SLOTS))
+        tail = TAIL == "1" or (TAIL == "auto" and consumers == 2)
     slices = (tail_slices(a.shape[1], kp) if tail and not fp8 and not pipelined and split == 1
               else 16)
     dummy = routing.topk_weights
@@ -1410,7 +1308,7 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     box = tma_box_rows(consumers)
-    x_rows = x_box_rows(slots, half_blocks, small_x_boxes, consumers)
+    x_rows = x_box_rows(slots, half_blocks, small_x_boxes)
     w_layout, s_layout, x_layout = _layouts(slots, quant, box, x_rows)
     if quant == "fp8":
         w_type = s_type = f"tensordesc<fp8e4nv[{box}, {FP8_BLOCK_K}],{w_layout!r}>"

@@ -49,12 +49,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from moe_ops.kernels.act_quant import amax_factor, group_scale
 from moe_ops.kernels.common import (
     FP8_BLOCK, apply_activation, device_properties, round_to_dtype)
 from moe_ops.kernels.env import env_choice, env_int
 from moe_ops.kernels.grouped_gemm import _launcher
-from moe_ops.layout import is_gated
 
 # Each consumer warpgroup's share of a tile: 64 rows x 128 columns (one m64n128k32 wgmma per 32
 # columns of K; its fp32 accumulator and partial take 2 x 64 registers a thread).
@@ -348,11 +346,11 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
               SCALES_AFTER_MMA: gl.constexpr, STAGGER: gl.constexpr, EARLY: gl.constexpr,
-              QUANT_OUT: gl.constexpr, HALF: gl.constexpr):
+              HALF: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty, go = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
-     num_padded_ptr, topk_weights_ptr, out_scale_ptr) = ptrs
+     num_padded_ptr, topk_weights_ptr) = ptrs
     N, K, num_pairs, alpha, limit = sizes
     stride_as, stride_wse, stride_wsn, stride_be, stride_om = strides
     BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -414,14 +412,10 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                     BLOCK_SCALES, ROW0, ROWS, COLS)
             else:
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
-            if QUANT_OUT:
-                _epilogue_quant(acc, acc_hi, slots, col0, expert, ptrs, sizes, strides,
-                                ACTIVATION, HAS_BIAS, COALESCED, terms, EARLY, QUANT_OUT)
-            else:
-                _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
-                          ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY)
-                _epilogue(acc_hi, slots, col0 + COLS, expert, a_scale_rows, ptrs, sizes,
-                          strides, ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY)
+            _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
+                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY)
+            _epilogue(acc_hi, slots, col0 + COLS, expert, a_scale_rows, ptrs, sizes, strides,
+                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY)
         else:
             acc = gl.zeros([ROWS, COLS], gl.float32, mma)
             if live:
@@ -476,7 +470,7 @@ def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
     routing weight into out[pair]; padding slots (pair id >= num_pairs) are not written.
     EARLY: the slots' operands are `terms` (_epilogue_terms, loaded before the K loop)."""
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
-     num_padded_ptr, topk_weights_ptr, out_scale_ptr) = ptrs
+     num_padded_ptr, topk_weights_ptr) = ptrs
     N, K, num_pairs, alpha, limit = sizes
     stride_as, stride_wse, stride_wsn, stride_be, stride_om = strides
     COLS: gl.constexpr = acc.type.shape[1]
@@ -502,67 +496,6 @@ def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
     else:
         write_rows(acc, slots, pair_ids, row_ok, col0, topk_weights_ptr, out_ptr, stride_om,
                    alpha, limit, ACTIVATION, COALESCED)
-
-
-@gluon.jit
-def _epilogue_quant(acc, acc_hi, slots, col0, expert, ptrs, sizes, strides,
-                    ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
-                    terms, EARLY: gl.constexpr, QUANT_OUT: gl.constexpr):
-    """fp8_block GEMM1's "wide" epilogue with the requantization of its output (QUANT_OUT): a
-    warpgroup's two [64, 128] halves from weight row col0 (gate/up interleaved: intermediate
-    columns col0 / 2 ... + 128, one 128-column group of GEMM2's K) -> the activation, rounded
-    to the 16-bit type the intermediate would have (QUANT_OUT 1: bfloat16, 2: float16), then
-    quantized as act_quant quantizes that intermediate, bit for bit: the group's amax a row, the
-    scale amax / 448 into out_scale[slot, col0 / 256] (out_scale [slots, N / 256] contiguous),
-    the values' e4m3 codes (_quantize) into out[slot]. Padding slots are not written."""
-    bias_ptr, out_ptr, sorted_pair_ids_ptr, out_scale_ptr = ptrs[2], ptrs[3], ptrs[4], ptrs[8]
-    N, num_pairs, alpha, limit = sizes[0], sizes[2], sizes[3], sizes[4]
-    stride_be, stride_om = strides[3], strides[4]
-    COLS: gl.constexpr = acc.type.shape[1]
-    col_l: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
-    ROUND: gl.constexpr = gl.bfloat16 if QUANT_OUT == 1 else gl.float16
-    # (GEMM1: the slots' rows written or not; see _epilogue_terms)
-    if EARLY:
-        row_ok = terms[1]
-    else:
-        row_ok = gl.load(sorted_pair_ids_ptr + slots) < num_pairs
-    if HAS_BIAS:
-        cols = col0 + gl.arange(0, COLS, layout=col_l)
-        acc += gl.load(bias_ptr + expert * stride_be + cols)[None, :]
-        acc_hi += gl.load(bias_ptr + expert * stride_be + COLS + cols)[None, :]
-    h = round_to_dtype(activate(acc, alpha, limit, ACTIVATION), ROUND).to(gl.float32)
-    h_hi = round_to_dtype(activate(acc_hi, alpha, limit, ACTIVATION), ROUND).to(gl.float32)
-    amax = gl.maximum(gl.max(gl.abs(h), axis=1), gl.max(gl.abs(h_hi), axis=1))
-    # act_quant's guard (a zero group gets 0)
-    factor = amax_factor(amax)
-    rows = slots.to(gl.int64)
-    first = col0 // 2
-    _store_rows(out_ptr, _quantize(h, amax, factor), rows, row_ok, first, stride_om, COALESCED)
-    _store_rows(out_ptr, _quantize(h_hi, amax, factor), rows, row_ok, first + h.shape[1],
-                stride_om, COALESCED)
-    amax = gl.convert_layout(amax, slots.type.layout)
-    gl.store(out_scale_ptr + rows * (N // 256) + col0 // 256, group_scale(amax), mask=row_ok)
-
-
-@gluon.jit
-def _quantize(h, amax, factor):
-    """act_quant's e4m3 codes of values h [R, C] whose group amax a row is amax [R] (factor:
-    its tiny-amax scale): (h * 448) / amax correctly rounded, then rounded to e4m3 (nearest,
-    ties to even, saturating at 448: the hardware conversion, Gluon never running in the
-    interpreter whose conversion act_quant works around), -0 as +0 as act_quant gives it.
-    The quotient without a division a value (the tensor cores wait for this epilogue): the
-    reciprocal of the row's amax, correctly rounded, then one residual step (the exact
-    remainder by a fused multiply-add, added back times the reciprocal), which rounds the
-    quotient as the division does."""
-    a = (amax * factor)[:, None]
-    live = a > 0
-    r = gl.where(live, gl.div_rn(gl.full(a.shape, 1.0, gl.float32, a.type.layout),
-                                 gl.where(live, a, 1.0)), 0.0)
-    y = h * factor[:, None] * 448.0        # (exact: a 16-bit value times a power of two and 7 * 64)
-    q = y * r
-    q = gl.fma(gl.fma(-q, a, y), r, q)
-    q = gl.where(q == 0.0, 0.0, q)
-    return q.to(gl.float8e4nv)
 
 
 @gluon.jit
@@ -666,13 +599,13 @@ def _store_rows(out_ptr, values, rows, row_ok, first_col, stride_om, COALESCED: 
 @gluon.jit
 def _ws_fp8_block_kernel(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr,
-    block_expert_ptr, num_padded_ptr, topk_weights_ptr, out_scale_ptr,
+    block_expert_ptr, num_padded_ptr, topk_weights_ptr,
     N, K, num_pairs, stride_as, stride_wse, stride_wsn, stride_be, stride_om, alpha, limit,
     ALIGN_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, FORM: gl.constexpr,
     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
     BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
-    STAGGER: gl.constexpr, EARLY: gl.constexpr, QUANT_OUT: gl.constexpr,
+    STAGGER: gl.constexpr, EARLY: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
@@ -682,10 +615,6 @@ def _ws_fp8_block_kernel(
     # (a skipped half would never arrive on `go`, and the wide K loop has no arrive: the host
     # never builds those with a stagger, see stagger_steps)
     gl.static_assert(STAGGER == 0 or (SKIP_PADDING == 0 and FORM != 2))
-    # (the requantized output: fp8_block GEMM1, gated, on the "wide" form)
-    gl.static_assert(QUANT_OUT == 0 or (QUANT_OUT <= 2 and FORM == 2 and BLOCK_SCALES == 1
-                                        and ACTIVATION >= 1 and ACTIVATION <= 3
-                                        and out_ptr.dtype.element_ty == gl.float8e4nv))
     if STAGGER > 0:
         go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(go, count=1)
@@ -694,7 +623,7 @@ def _ws_fp8_block_kernel(
     descs = (a_desc, w_desc)
     smem = (a_bufs, w_bufs, ready, empty, go)
     ptrs = (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
-            num_padded_ptr, topk_weights_ptr, out_scale_ptr)
+            num_padded_ptr, topk_weights_ptr)
     sizes = (N, K, num_pairs, alpha, limit)
     strides = (stride_as, stride_wse, stride_wsn, stride_be, stride_om)
     # (the constexprs are spelled out in each tuple: a tuple held in a variable would turn them
@@ -702,10 +631,10 @@ def _ws_fp8_block_kernel(
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, EARLY, QUANT_OUT, 0)),
+                     STAGGER, EARLY, 0)),
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, EARLY, QUANT_OUT, 1)),
+                     STAGGER, EARLY, 1)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -755,20 +684,14 @@ def _descriptors(a: torch.Tensor, w: torch.Tensor, tile: str):
 
 def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: str,
          alpha: float = 0.0, limit: float = 0.0, tile: str = "cols", quant: str = "fp8_block",
-         programs: Optional[int] = None, early: Optional[bool] = None,
-         out_scale: Optional[torch.Tensor] = None,
-         rounding: Optional[torch.dtype] = None) -> None:
+         programs: Optional[int] = None, early: Optional[bool] = None) -> None:
     """One GEMM over the dispatch's live slots (see the module docstring).
 
     a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
     [E, N/128, K/128]; fp8: a_scale [slots], w_scale [E, N]. w [E, N, K] e4m3; bias [E, N] or
     None. GEMM1 (gemm=1): out = intermediate [slots, N/2 gated, N otherwise],
     act(a @ w^T + bias); GEMM2: out [pairs, N] = topk_weight * (a @ w^T + bias). early: the
-    slots' epilogue operands loaded before each tile's K loop (default: EARLY_EPILOGUE).
-    out_scale: GEMM2's activations written requantized (fp8_block, a gated GEMM1 on the "wide"
-    tile; see experts.WS_FUSED_QUANT): out e4m3 [slots, N/2] and out_scale fp32 [slots, N/256],
-    both contiguous, bit for bit what act_quant(intermediate, "fp8_block") gives for the
-    16-bit intermediate, whose type `rounding` (bfloat16 or float16) must then name."""
+    slots' epilogue operands loaded before each tile's K loop (default: EARLY_EPILOGUE)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if gemm == 1 and activation == "none":
@@ -782,21 +705,6 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     if routing.direct or routing.align_block_m % bm:
         raise ValueError(f"the warp-specialized GEMM needs a dispatch aligned to {bm} rows")
     E, N, K = w.shape
-    quant_out = 0
-    if out_scale is not None:
-        if not (gemm == 1 and quant == "fp8_block" and tile == "wide" and is_gated(activation)):
-            raise ValueError(f"out_scale: fp8_block's gated GEMM1 on the 'wide' tile only, got "
-                             f"gemm={gemm}, quant={quant!r}, tile={tile!r}, "
-                             f"activation={activation!r}")
-        if (out.dtype != torch.float8_e4m3fn or out.shape[1:] != (N // 2, )
-                or not out.is_contiguous() or out_scale.dtype != torch.float32
-                or out_scale.shape != (out.shape[0], N // 256) or not out_scale.is_contiguous()):
-            raise ValueError(f"out / out_scale: contiguous e4m3 [slots, {N // 2}] and fp32 "
-                             f"[slots, {N // 256}], got {out.dtype} {tuple(out.shape)} and "
-                             f"{out_scale.dtype} {tuple(out_scale.shape)}")
-        if rounding not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"rounding: bfloat16 or float16, got {rounding}")
-        quant_out = 1 if rounding == torch.bfloat16 else 2
     a_desc, w_desc = _descriptors(a, w, tile)
     if programs is None:
         programs = device_properties(a.device).multi_processor_count
@@ -806,26 +714,23 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     _launcher((programs, ), _ws_fp8_block_kernel)(
         a_desc, w_desc, a_scale, w_scale, bias if bias is not None else dummy, out,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
-        routing.topk_weights, out_scale if out_scale is not None else dummy, N, K,
-        routing.num_pairs, a_scale.stride(0), w_scale.stride(0), w_scale.stride(1),
-        bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
+        routing.topk_weights, N, K, routing.num_pairs, a_scale.stride(0), w_scale.stride(0),
+        w_scale.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
+        alpha, limit,
         ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=ring_stages(tile),
         FORM=FORMS[tile], ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
         BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
         SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
-        EARLY=int(EARLY_EPILOGUE if early is None else early), QUANT_OUT=quant_out,
-        num_warps=4, maxnreg=MAXNREG)
+        EARLY=int(EARLY_EPILOGUE if early is None else early), num_warps=4, maxnreg=MAXNREG)
 
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
                  has_bias: bool = False, out_dtype: str = "bf16", quant: str = "fp8_block",
-                 early: Optional[bool] = None, quant_out: int = 0):
+                 early: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
-    run, Gluon having no interpreter. quant_out: the requantized GEMM1 output (gemm()'s
-    out_scale; 1 rounded through bfloat16, 2 float16; out_dtype then fp8e4nv). Returns triton's
-    CompiledKernel."""
+    run, Gluon having no interpreter. Returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     bm, bn = TILES[tile]
@@ -836,7 +741,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "w_desc": f"tensordesc<fp8e4nv[{bn}, {FP8_BLOCK}],{w_layout!r}>",
         "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32",
         "out_ptr": f"*{out_dtype}", "sorted_pair_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-        "num_padded_ptr": "*i32", "topk_weights_ptr": "*fp32", "out_scale_ptr": "*fp32",
+        "num_padded_ptr": "*i32", "topk_weights_ptr": "*fp32",
         "N": "i32", "K": "i32", "num_pairs": "i32", "stride_as": "i32", "stride_wse": "i32",
         "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32",
         "alpha": "fp32", "limit": "fp32"}
@@ -846,7 +751,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                   PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
                   BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
                   SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
-                  EARLY=int(EARLY_EPILOGUE if early is None else early), QUANT_OUT=quant_out)
+                  EARLY=int(EARLY_EPILOGUE if early is None else early))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om")}
