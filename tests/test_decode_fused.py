@@ -1,0 +1,102 @@
+"""The one-launch decode (kernels/decode_fused.py) against the float64 oracle: every activation,
+16- and 32-bit activations, biases, pairs routed to no local expert, an expert-parallel shard,
+several tokens; outputs and the intermediate NaN-poisoned (poisoned_empty), so an element left
+unwritten or a pair's row read before it was written shows. Also its sm_90 build and the
+experts call's switch (experts.FUSED_DECODE)."""
+import pytest
+import torch
+
+from moe_ops.kernels import decode_fused, experts as experts_mod
+from test_kernels_experts import TOL, experts_f64, make_problem, rel_err
+from test_ws_gemm import sm90_script_rows
+
+
+def check_fused(T, H, I, E, k, *, activation="swiglu", dtype=torch.bfloat16, bias=False,
+                seed=0, programs=None, **problem):
+    tensors, kwargs = make_problem(T, H, I, E, k, activation=activation, dtype=dtype,
+                                   bias=bias, seed=seed, **problem)
+    x, ids, weights, w13, w2, w13_scale, w2_scale, b13, b2 = tensors
+    out = decode_fused.fused_decode(
+        x, ids, weights, w13, w2, b13, b2, activation=activation,
+        alpha=kwargs.get("alpha", 1.702), limit=kwargs.get("limit", 7.0),
+        local_expert_offset=kwargs.get("local_expert_offset", 0), programs=programs)
+    ref = experts_f64(*tensors, **kwargs)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output elements"
+    err = rel_err(out, ref)
+    assert err <= TOL[dtype], f"relative Frobenius error {err:.3e} > {TOL[dtype]}"
+    return out
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "swiglu_oai", "relu2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_decode_matches_oracle(activation, dtype, poisoned_empty):
+    # (H, I not multiples of the blocks: partial row and K blocks; 3 programs share the items)
+    check_fused(3, 200, 72, 6, 2, activation=activation, dtype=dtype,
+                bias=activation in ("geglu", "swiglu_oai"), seed=len(activation), programs=3)
+
+
+def test_fused_decode_invalid_ids_and_shard(poisoned_empty):
+    """Pairs routed outside the local experts (id -1, ids past every shard, another shard's)
+    add nothing; the shard's ids are offset."""
+    check_fused(4, 128, 64, 4, 3, bias=True, local_expert_offset=4, num_global_experts=12,
+                invalid_ids=True, seed=5)
+
+
+def test_fused_decode_one_token_fp16(poisoned_empty):
+    check_fused(1, 96, 40, 8, 4, dtype=torch.float16, seed=7)
+
+
+def test_fused_decode_refuses_what_it_does_not_run():
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w13 = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
+    w2 = torch.zeros(2, 64, 32, dtype=torch.bfloat16)
+    ids, weights = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+    assert not decode_fused.applies(x, "fp8", "swiglu", w13, w2)
+    with pytest.raises(ValueError, match="fused_decode"):
+        decode_fused.fused_decode(x, ids, weights, w13.float(), w2, activation="swiglu")
+    with pytest.raises(ValueError, match="w13"):
+        decode_fused.fused_decode(x, ids, weights, w13, w2[:, :32], activation="swiglu")
+
+
+def test_experts_call_takes_the_fused_launch(monkeypatch, poisoned_empty):
+    """experts.FUSED_DECODE: a quant none call of a few pairs runs the one launch (and matches
+    the oracle): one token, or at most one pair for two experts; fp8 and calls past
+    FUSED_DECODE_MAX_PAIRS keep the usual launches."""
+    calls = []
+    real = decode_fused.fused_decode
+    monkeypatch.setattr(decode_fused, "fused_decode",
+                        lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(experts_mod, "FUSED_DECODE", True)
+    monkeypatch.setattr(experts_mod, "FUSED_DECODE_MAX_PAIRS", 8)
+    for T, quant in ((1, "none"), (3, "none"), (1, "fp8"), (6, "none")):
+        tensors, kwargs = make_problem(T, 256, 128, 16, 2, quant=quant, seed=T)
+        out = experts_mod.triton_experts(*tensors, **kwargs)
+        ref = experts_f64(*tensors, **kwargs)
+        assert torch.isfinite(out).all() and rel_err(out, ref) <= 1.5e-2
+    assert calls == [1, 3], calls
+
+
+SM90_BUILDS = """
+import sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import sass
+from moe_ops.kernels import decode_fused
+for kw in (dict(), dict(activation="swiglu_oai", bias=True), dict(activation="relu2", dtype="fp32")):
+    kernel = decode_fused.compile_sm90(**kw)
+    ops = [i.split()[0] for i in sass(kernel)]
+    local = sum(op.startswith(("LDL", "STL")) for op in ops)
+    mma = sum(op.startswith("HMMA") for op in ops)
+    print(len(kw), local, mma, kernel.metadata.shared)
+"""
+
+
+def test_fused_decode_builds_for_sm90():
+    """The kernel builds for sm_90 (what the interpreter cannot check): its 16-bit builds on
+    the tensor cores, none with local memory, within a block's shared memory."""
+    rows, done = sm90_script_rows(SM90_BUILDS)
+    rows = [row for row in rows if row]
+    assert len(rows) == 3, done.stdout
+    for i, (_, local, mma, shared) in enumerate(rows):
+        assert local == "0" and int(shared) <= 227 * 1024, done.stdout
+        assert (int(mma) > 0) == (i < 2), done.stdout
