@@ -7,24 +7,25 @@ import pytest
 import torch
 
 from moe_ops.kernels import decode_fused, experts as experts_mod
-from test_kernels_experts import TOL, experts_f64, make_problem, rel_err
+from test_kernels_experts import FP8_TOL, TOL, experts_f64, make_problem, rel_err
 from test_ws_gemm import sm90_script_rows
 
 
 def check_fused(T, H, I, E, k, *, activation="swiglu", dtype=torch.bfloat16, bias=False,
-                seed=0, programs=None, **problem):
+                seed=0, programs=None, quant="none", **problem):
     tensors, kwargs = make_problem(T, H, I, E, k, activation=activation, dtype=dtype,
-                                   bias=bias, seed=seed, **problem)
+                                   bias=bias, seed=seed, quant=quant, **problem)
     x, ids, weights, w13, w2, w13_scale, w2_scale, b13, b2 = tensors
     out = decode_fused.fused_decode(
-        x, ids, weights, w13, w2, b13, b2, activation=activation,
+        x, ids, weights, w13, w2, b13, b2, w13_scale=w13_scale, w2_scale=w2_scale, quant=quant,
+        activation=activation,
         alpha=kwargs.get("alpha", 1.702), limit=kwargs.get("limit", 7.0),
         local_expert_offset=kwargs.get("local_expert_offset", 0), programs=programs)
     ref = experts_f64(*tensors, **kwargs)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output elements"
-    err = rel_err(out, ref)
-    assert err <= TOL[dtype], f"relative Frobenius error {err:.3e} > {TOL[dtype]}"
+    err, tol = rel_err(out, ref), FP8_TOL if quant == "fp8" else TOL[dtype]
+    assert err <= tol, f"relative Frobenius error {err:.3e} > {tol}"
     return out
 
 
@@ -34,6 +35,14 @@ def test_fused_decode_matches_oracle(activation, dtype, poisoned_empty):
     # (H, I not multiples of the blocks: partial row and K blocks; 3 programs share the items)
     check_fused(3, 200, 72, 6, 2, activation=activation, dtype=dtype,
                 bias=activation in ("geglu", "swiglu_oai"), seed=len(activation), programs=3)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "swiglu_oai", "relu2"])
+def test_fused_decode_fp8_matches_oracle(activation, poisoned_empty):
+    """fp8 per tensor: x and each pair's intermediate quantized a row at a time inside the
+    items (act_quant's rule), e4m3 products scaled by the row and weight scales."""
+    check_fused(3, 256, 136, 6, 2, activation=activation, quant="fp8",
+                bias=activation == "swiglu_oai", seed=11 + len(activation), programs=3)
 
 
 def test_fused_decode_invalid_ids_and_shard(poisoned_empty):
@@ -52,29 +61,34 @@ def test_fused_decode_refuses_what_it_does_not_run():
     w13 = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
     w2 = torch.zeros(2, 64, 32, dtype=torch.bfloat16)
     ids, weights = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
-    assert not decode_fused.applies(x, "fp8", "swiglu", w13, w2)
+    assert not decode_fused.applies(x, "fp8", "swiglu", w13, w2)     # (16-bit weights)
+    assert not decode_fused.applies(x, "fp8_block", "swiglu", w13, w2)
     with pytest.raises(ValueError, match="fused_decode"):
         decode_fused.fused_decode(x, ids, weights, w13.float(), w2, activation="swiglu")
     with pytest.raises(ValueError, match="w13"):
         decode_fused.fused_decode(x, ids, weights, w13, w2[:, :32], activation="swiglu")
+    e4m3 = torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="w13_scale"):
+        decode_fused.fused_decode(x, ids, weights, w13.to(e4m3), w2.to(e4m3), quant="fp8",
+                                  w13_scale=torch.ones(2, 64), activation="swiglu")
 
 
 def test_experts_call_takes_the_fused_launch(monkeypatch, poisoned_empty):
-    """experts.FUSED_DECODE: a quant none call of a few pairs runs the one launch (and matches
-    the oracle): one token, or at most one pair for two experts; fp8 and calls past
-    FUSED_DECODE_MAX_PAIRS keep the usual launches."""
+    """experts.FUSED_DECODE: a quant none or fp8 call of a few pairs runs the one launch (and
+    matches the oracle): one token, or at most one pair for two experts; fp8_block and calls
+    past FUSED_DECODE_MAX_PAIRS keep the usual launches."""
     calls = []
     real = decode_fused.fused_decode
     monkeypatch.setattr(decode_fused, "fused_decode",
                         lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     monkeypatch.setattr(experts_mod, "FUSED_DECODE", True)
     monkeypatch.setattr(experts_mod, "FUSED_DECODE_MAX_PAIRS", 8)
-    for T, quant in ((1, "none"), (3, "none"), (1, "fp8"), (6, "none")):
+    for T, quant in ((1, "none"), (3, "none"), (1, "fp8"), (1, "fp8_block"), (6, "none")):
         tensors, kwargs = make_problem(T, 256, 128, 16, 2, quant=quant, seed=T)
         out = experts_mod.triton_experts(*tensors, **kwargs)
         ref = experts_f64(*tensors, **kwargs)
         assert torch.isfinite(out).all() and rel_err(out, ref) <= 1.5e-2
-    assert calls == [1, 3], calls
+    assert calls == [1, 3, 1], calls
 
 
 SM90_BUILDS = """
@@ -82,21 +96,22 @@ import sys
 sys.path.insert(0, "benchmarks")
 from aot_sm90 import sass
 from moe_ops.kernels import decode_fused
-for kw in (dict(), dict(activation="swiglu_oai", bias=True), dict(activation="relu2", dtype="fp32")):
+for kw in (dict(), dict(activation="swiglu_oai", bias=True), dict(fp8=True),
+           dict(activation="relu2", dtype="fp32")):
     kernel = decode_fused.compile_sm90(**kw)
     ops = [i.split()[0] for i in sass(kernel)]
     local = sum(op.startswith(("LDL", "STL")) for op in ops)
-    mma = sum(op.startswith("HMMA") for op in ops)
+    mma = sum(op.startswith(("HMMA", "QMMA", "HGMMA", "QGMMA")) for op in ops)
     print(len(kw), local, mma, kernel.metadata.shared)
 """
 
 
 def test_fused_decode_builds_for_sm90():
-    """The kernel builds for sm_90 (what the interpreter cannot check): its 16-bit builds on
-    the tensor cores, none with local memory, within a block's shared memory."""
+    """The kernel builds for sm_90 (what the interpreter cannot check): its 16-bit and fp8
+    builds on the tensor cores, none with local memory, within a block's shared memory."""
     rows, done = sm90_script_rows(SM90_BUILDS)
     rows = [row for row in rows if row]
-    assert len(rows) == 3, done.stdout
+    assert len(rows) == 4, done.stdout
     for i, (_, local, mma, shared) in enumerate(rows):
         assert local == "0" and int(shared) <= 227 * 1024, done.stdout
-        assert (int(mma) > 0) == (i < 2), done.stdout
+        assert (int(mma) > 0) == (i < 3), done.stdout

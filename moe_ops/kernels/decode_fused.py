@@ -32,9 +32,10 @@ import triton
 import triton.language as tl
 
 from moe_ops.kernels.common import (
-    apply_activation, cdiv, device_properties, is_gated, pdl_launch_options, pdl_prologue,
-    round_to_dtype, upcast_dots, use_pdl,
+    apply_activation, cdiv, device_properties, fp8_quantize, is_gated, pdl_launch_options,
+    pdl_prologue, round_to_dtype, upcast_dots, use_pdl,
 )
+from moe_ops.kernels.act_quant import amax_factor, group_scale
 
 ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai", "relu2")
 # w13 rows an item (gated: half as many intermediate columns), w2 rows an item (16: a token's
@@ -50,28 +51,56 @@ H_ROW_ALIGN = 64
 
 
 @triton.jit
-def _gemv_rows(w_ptr, v_ptr, bias_ptr, rows, row_ok, K, stride_wn, HAS_BIAS: tl.constexpr,
-               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISE: tl.constexpr):
-    """fp32 [R]: sum over k < K of w[rows, k] * v[k], plus bias[rows]. On the tensor cores as the swap-AB decode
-    tiles do it: the weight rows [R, BLOCK_K] times a [BLOCK_K, 16] tile whose column 0 is v
-    (the others masked off, never read), so that the weight loads are the pipelined operand of
-    a dot (NUM_STAGES deep). PRECISE: fp32 products (fp32 activations, and the interpreter,
-    whose bf16 dot is wrong)."""
+def _row_amax(v_ptr, K, BLOCK_K: tl.constexpr):
+    """max |v[k]| over k < K (fp32)."""
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        amax = tl.maximum(amax, tl.abs(tl.load(v_ptr + cols, mask=cols < K, other=0.0)
+                                       .to(tl.float32)))
+    return tl.max(amax, axis=0)
+
+
+@triton.jit
+def _expert_rows(w_ptr, v_ptr, w_scale_ptr, bias_ptr, rows, row_ok, K, stride_wn,
+                 FP8: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, PRECISE: tl.constexpr):
+    """fp32 [R]: an expert's rows `rows` times the vector v [K], plus bias[rows]. On the tensor
+    cores as the swap-AB decode tiles do it: the weight rows [R, BLOCK_K] times a [BLOCK_K, 16]
+    tile whose column 0 is v (the others masked off, never read), so that the weight loads are
+    the pipelined operand of a dot (NUM_STAGES deep). FP8 (per tensor): v is quantized as
+    act_quant quantizes its row (amax / 448 a row, the same e4m3 codes: act_quant's rounding and
+    tiny-amax guard), the e4m3 product scaled by v's scale and the rows' weight scales
+    w_scale[rows]. PRECISE: fp32 products of 16-bit values (fp32 activations, and the
+    interpreter, whose 16-bit dot is wrong)."""
     R: tl.constexpr = rows.shape[0]
     lanes = tl.arange(0, 16)
+    if FP8:
+        amax = _row_amax(v_ptr, K, BLOCK_K)
+        factor = amax_factor(amax)
     acc = tl.zeros([R, 16], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
         w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :],
                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + cols[:, None] + lanes[None, :] * 0,
-                    mask=col_ok[:, None] & (lanes[None, :] == 0), other=0.0)
-        if PRECISE:
-            acc = tl.dot(w.to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+        if FP8:
+            # (the row's values quantized once, then placed in column 0 of the tile: exact)
+            v = tl.load(v_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            q, _ = fp8_quantize(v * factor, amax * factor)
+            q = tl.where(lanes[None, :] == 0, q[:, None],
+                         tl.zeros([BLOCK_K, 16], dtype=tl.float8e4nv))
+            acc = tl.dot(w, q, acc)
         else:
-            acc = tl.dot(w, v, acc)
+            v = tl.load(v_ptr + cols[:, None] + lanes[None, :] * 0,
+                        mask=col_ok[:, None] & (lanes[None, :] == 0), other=0.0)
+            if PRECISE:
+                acc = tl.dot(w.to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, v, acc)
     out = tl.sum(tl.where(lanes[None, :] == 0, acc, 0.0), axis=1)
+    if FP8:
+        out *= group_scale(amax) * tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     return out
@@ -79,12 +108,12 @@ def _gemv_rows(w_ptr, v_ptr, bias_ptr, rows, row_ok, K, stride_wn, HAS_BIAS: tl.
 
 @triton.jit
 def _fused_decode_kernel(
-    x_ptr, topk_ids_ptr, topk_weights_ptr, w13_ptr, w2_ptr, b13_ptr, b2_ptr, h_ptr, out_ptr,
-    counters_ptr,
+    x_ptr, topk_ids_ptr, topk_weights_ptr, w13_ptr, w2_ptr, w13_scale_ptr, w2_scale_ptr,
+    b13_ptr, b2_ptr, h_ptr, out_ptr, counters_ptr,
     T, H, I, num_experts, local_expert_offset, alpha, limit,
-    stride_xt, stride_w13e, stride_w13n, stride_w2e, stride_w2n, stride_b13e, stride_b2e,
-    stride_hp, stride_ot,
-    TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, GATED: tl.constexpr,
+    stride_xt, stride_w13e, stride_w13n, stride_w2e, stride_w2n, stride_w13se, stride_w2se,
+    stride_b13e, stride_b2e, stride_hp, stride_ot,
+    TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, GATED: tl.constexpr, FP8: tl.constexpr,
     HAS_B13: tl.constexpr, HAS_B2: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -106,10 +135,10 @@ def _fused_decode_kernel(
             if (expert >= 0) & (expert < num_experts):
                 rows = block * BLOCK_N1 + tl.arange(0, BLOCK_N1)
                 row_ok = rows < N13
-                acc = _gemv_rows(w13_ptr + expert.to(tl.int64) * stride_w13e,
-                                 x_ptr + token * stride_xt, b13_ptr + expert * stride_b13e,
-                                 rows, row_ok, H, stride_w13n, HAS_B13, BLOCK_K, NUM_STAGES,
-                                 PRECISE)
+                acc = _expert_rows(w13_ptr + expert.to(tl.int64) * stride_w13e,
+                                   x_ptr + token * stride_xt, w13_scale_ptr + expert * stride_w13se,
+                                   b13_ptr + expert * stride_b13e, rows, row_ok, H, stride_w13n,
+                                   FP8, HAS_B13, BLOCK_K, NUM_STAGES, PRECISE)
                 if GATED:
                     # (w13's gate and up rows alternate: row 2c gate, 2c + 1 up of column c)
                     gate, up = tl.split(tl.reshape(acc, [H_COLS, 2]))
@@ -133,14 +162,14 @@ def _fused_decode_kernel(
             rows = block * BLOCK_N2 + tl.arange(0, BLOCK_N2)
             row_ok = rows < H
             out = tl.zeros([BLOCK_N2], dtype=tl.float32)
-            for j in tl.static_range(TOP_K):
+            for j in range(TOP_K):
                 pair = token * TOP_K + j
                 expert = tl.load(topk_ids_ptr + pair) - local_expert_offset
                 if (expert >= 0) & (expert < num_experts):
-                    acc = _gemv_rows(w2_ptr + expert.to(tl.int64) * stride_w2e,
-                                     h_ptr + pair * stride_hp, b2_ptr + expert * stride_b2e,
-                                     rows, row_ok, I, stride_w2n, HAS_B2, BLOCK_K, NUM_STAGES,
-                                     PRECISE)
+                    acc = _expert_rows(w2_ptr + expert.to(tl.int64) * stride_w2e,
+                                       h_ptr + pair * stride_hp, w2_scale_ptr + expert * stride_w2se,
+                                       b2_ptr + expert * stride_b2e, rows, row_ok, I, stride_w2n,
+                                       FP8, HAS_B2, BLOCK_K, NUM_STAGES, PRECISE)
                     out += tl.load(topk_weights_ptr + pair).to(tl.float32) * acc
             tl.store(out_ptr + token * stride_ot + rows,
                      round_to_dtype(out, out_ptr.dtype.element_ty), mask=row_ok)
@@ -149,27 +178,36 @@ def _fused_decode_kernel(
 
 def applies(x: torch.Tensor, quant: str, activation: str, w13: torch.Tensor,
             w2: torch.Tensor) -> bool:
-    """Whether a call can run here: quant none, 16- or 32-bit activations of the weights' dtype,
-    the weights' rows contiguous."""
-    return (quant == "none" and activation in ACTIVATIONS
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and w13.dtype == x.dtype and w2.dtype == x.dtype
-            and w13.stride(-1) == 1 and w2.stride(-1) == 1)
+    """Whether a call can run here: quant none with 16- or 32-bit activations of the weights'
+    dtype, or fp8 (per tensor) with e4m3 weights and 16-bit activations; the weights' rows
+    contiguous."""
+    if quant == "none":
+        weights_ok = (x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+                      and w13.dtype == x.dtype and w2.dtype == x.dtype)
+    else:
+        weights_ok = (quant == "fp8" and x.dtype in (torch.bfloat16, torch.float16)
+                      and w13.dtype == w2.dtype == torch.float8_e4m3fn)
+    return (weights_ok and activation in ACTIVATIONS and w13.stride(-1) == 1
+            and w2.stride(-1) == 1)
 
 
 def fused_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor] = None,
-                 b2: Optional[torch.Tensor] = None, *, activation: str = "swiglu",
-                 alpha: float = 1.702, limit: float = 7.0, local_expert_offset: int = 0,
-                 programs: Optional[int] = None) -> torch.Tensor:
+                 b2: Optional[torch.Tensor] = None, *, w13_scale: Optional[torch.Tensor] = None,
+                 w2_scale: Optional[torch.Tensor] = None, quant: str = "none",
+                 activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0,
+                 local_expert_offset: int = 0, programs: Optional[int] = None) -> torch.Tensor:
     """out [T, H] (x.dtype) = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t) in one
     launch (see the module docstring). Weights in kernel layout as experts.triton_experts
-    takes them (w13 [E, N13, H], gate/up rows interleaved when gated; w2 [E, H, I]). programs:
-    the persistent grid (default: PROGRAMS_PER_SM an SM, at most one an item)."""
-    if not applies(x, "none", activation, w13, w2):
-        raise ValueError(f"fused_decode: quant none, activation in {ACTIVATIONS}, x, w13, w2 of "
-                         f"one 16/32-bit dtype with contiguous rows; got activation="
-                         f"{activation!r}, x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}")
+    takes them (w13 [E, N13, H], gate/up rows interleaved when gated; w2 [E, H, I]; fp8: e4m3
+    weights and their row scales w13_scale [E, N13], w2_scale [E, H]; x and the intermediate
+    quantized a row at a time as act_quant does). programs: the persistent grid (default:
+    PROGRAMS_PER_SM an SM, at most one an item)."""
+    if not applies(x, quant, activation, w13, w2):
+        raise ValueError(f"fused_decode: quant none (x, w13, w2 of one 16/32-bit dtype) or fp8 "
+                         f"(e4m3 weights, 16-bit x), activation in {ACTIVATIONS}, contiguous "
+                         f"weight rows; got quant={quant!r}, activation={activation!r}, x "
+                         f"{x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}")
     T, H = x.shape
     E, N13 = w13.shape[0], w13.shape[1]
     gated = is_gated(activation)
@@ -178,6 +216,14 @@ def fused_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     if w13.shape[2] != H or tuple(w2.shape) != (E, H, I):
         raise ValueError(f"w13 [E, N13, {H}] and w2 [E, {H}, I]: got {tuple(w13.shape)} and "
                          f"{tuple(w2.shape)}")
+    fp8 = quant == "fp8"
+    if fp8 and (w13_scale is None or w2_scale is None or tuple(w13_scale.shape) != (E, N13)
+                or tuple(w2_scale.shape) != (E, H) or w13_scale.stride(-1) != 1
+                or w2_scale.stride(-1) != 1):
+        raise ValueError(f"w13_scale / w2_scale: fp8 needs [{E}, {N13}] and [{E}, {H}] with "
+                         f"contiguous rows, got "
+                         f"{None if w13_scale is None else tuple(w13_scale.shape)} and "
+                         f"{None if w2_scale is None else tuple(w2_scale.shape)}")
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
@@ -194,13 +240,14 @@ def fused_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     programs = max(1, min(programs, items))
     dummy = weights
     _fused_decode_kernel[(programs, )](
-        x, ids, weights, w13, w2, b13 if b13 is not None else dummy,
-        b2 if b2 is not None else dummy, h, out, counters,
+        x, ids, weights, w13, w2, w13_scale if fp8 else dummy, w2_scale if fp8 else dummy,
+        b13 if b13 is not None else dummy, b2 if b2 is not None else dummy, h, out, counters,
         T, H, I, E, local_expert_offset, alpha, limit,
         x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
+        w13_scale.stride(0) if fp8 else 0, w2_scale.stride(0) if fp8 else 0,
         b13.stride(0) if b13 is not None else 0, b2.stride(0) if b2 is not None else 0,
         h.stride(0), out.stride(0),
-        TOP_K=top_k, ACTIVATION=activation, GATED=gated, HAS_B13=b13 is not None,
+        TOP_K=top_k, ACTIVATION=activation, GATED=gated, FP8=fp8, HAS_B13=b13 is not None,
         HAS_B2=b2 is not None,
         BLOCK_N1=BLOCK_N1, BLOCK_N2=BLOCK_N2, BLOCK_K=BLOCK_K, NUM_STAGES=NUM_STAGES,
         PRECISE=x.dtype == torch.float32 or upcast_dots(x.dtype), USE_PDL=use_pdl(x.device),
@@ -209,7 +256,7 @@ def fused_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
 
 
 def compile_sm90(*, activation: str = "swiglu", dtype: str = "bf16", bias: bool = False,
-                 top_k: int = 8):
+                 top_k: int = 8, fp8: bool = False):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel), with the
     launcher's constexprs and, approximately, its specializations (16-byte aligned pointers,
     strides and H / I multiples of 16): what the CPU tests compile, the interpreter not
@@ -217,12 +264,15 @@ def compile_sm90(*, activation: str = "swiglu", dtype: str = "bf16", bias: bool 
     import inspect
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    consts = dict(TOP_K=top_k, ACTIVATION=activation, GATED=is_gated(activation),
+    consts = dict(TOP_K=top_k, ACTIVATION=activation, GATED=is_gated(activation), FP8=fp8,
                   HAS_B13=bias, HAS_B2=bias, BLOCK_N1=BLOCK_N1, BLOCK_N2=BLOCK_N2,
                   BLOCK_K=BLOCK_K, NUM_STAGES=NUM_STAGES, PRECISE=dtype == "fp32",
                   USE_PDL=True)
     types = {"topk_ids_ptr": "*i32", "topk_weights_ptr": "*fp32", "b13_ptr": "*fp32",
-             "b2_ptr": "*fp32", "counters_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
+             "b2_ptr": "*fp32", "counters_ptr": "*i32", "alpha": "fp32", "limit": "fp32",
+             "w13_scale_ptr": "*fp32", "w2_scale_ptr": "*fp32"}
+    if fp8:
+        types.update(w13_ptr="*fp8e4nv", w2_ptr="*fp8e4nv")
     signature = {}
     for name in inspect.signature(_fused_decode_kernel.fn).parameters:
         if name in consts:

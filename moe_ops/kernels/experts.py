@@ -196,12 +196,13 @@ WS_FP4_WIDE_MIN_ROWS = env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 64)
 # activation moved into act_quant of the intermediate), a 32- or 64-slot block past 16 rows.
 WS_FP8_DECODE = env_choice("MOE_OPS_WS_FP8_DECODE", "0", ("0", "1")) == "1"
 WS_FP8_DECODE_MAX_ROWS = env_int("MOE_OPS_WS_FP8_DECODE_MAX_ROWS", 16)
-# quant none calls of up to FUSED_DECODE_MAX_PAIRS routed pairs (one token, or at most one pair
-# for two experts: a pair's GEMVs read its expert's weights, shared or not) in one
-# launch (kernels/decode_fused.py: GEMM1, the activation, GEMM2 and the combine from one work
-# queue) instead of three. Why: at T = 1-4 the launches' starts, last waves and drains are most
-# of a small layer's call (Qwen3-30B-A3B bf16 T = 1: ~27 us for ~17 us of bytes). Not yet
-# measured: off unless MOE_OPS_FUSED_DECODE=1.
+# quant none and fp8 (per tensor) calls of up to FUSED_DECODE_MAX_PAIRS routed pairs (one
+# token, or at most one pair for two experts: a pair's GEMVs read its expert's weights, shared
+# or not) in one launch (kernels/decode_fused.py: GEMM1, the activation, GEMM2 and the combine
+# from one work queue, fp8's quantization of x and the intermediate inside) instead of three
+# (bf16) or five to six (fp8). Why: at T = 1-4 the launches' starts, last waves and drains are
+# most of a small layer's call (Qwen3-30B-A3B bf16 T = 1: ~27 us for ~17 us of bytes, fp8 ~24
+# for ~8). Not yet measured: off unless MOE_OPS_FUSED_DECODE=1.
 FUSED_DECODE = env_choice("MOE_OPS_FUSED_DECODE", "0", ("0", "1")) == "1"
 FUSED_DECODE_MAX_PAIRS = env_int("MOE_OPS_FUSED_DECODE_MAX_PAIRS", 32)
 ALIGN_GATHER_MAX_PAIRS = min(env_int("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", 128),
@@ -306,8 +307,9 @@ def triton_experts(
             and T * top_k <= FUSED_DECODE_MAX_PAIRS and (T == 1 or 2 * T * top_k <= E)
             and decode_fused.applies(x, quant, activation, w13, w2)):
         return decode_fused.fused_decode(
-            x, topk_ids, topk_weights, w13, w2, b13, b2, activation=activation, alpha=alpha,
-            limit=limit, local_expert_offset=local_expert_offset)
+            x, topk_ids, topk_weights, w13, w2, b13, b2, w13_scale=w13_scale,
+            w2_scale=w2_scale, quant=quant, activation=activation, alpha=alpha, limit=limit,
+            local_expert_offset=local_expert_offset)
     problem1, problem2 = gemm_problems(x, top_k, w13, w2, activation, quant)
     I = problem2.k
     config1, config2 = gemm1_config, gemm2_config
