@@ -43,7 +43,8 @@ ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai", "relu2")
 # and their pipeline depth: an item streams BLOCK_N x BLOCK_K 16-bit weights a step (8 KB at
 # 32 x 128), NUM_STAGES of them in flight. First choices, not tuned.
 BLOCK_N1, BLOCK_N2, BLOCK_K, NUM_STAGES = 32, 16, 128, 4
-# Programs an SM (4 warps each): with the stages above ~48 KB of shared memory a program.
+# Programs an SM (4 warps each): with the stages above 36 KB of shared memory a program (bf16;
+# fp8 14 KB, fp32 72 KB).
 PROGRAMS_PER_SM = 4
 # h's rows padded to this many values (128 bytes of 16-bit values): a cache line never holds
 # two pairs' rows, so GEMM2's cached reads of a finished row cannot have seen it unfinished.
@@ -125,7 +126,8 @@ def _fused_decode_kernel(
     items1 = T * TOP_K * blocks1
     total = items1 + T * blocks2
     H_COLS: tl.constexpr = BLOCK_N1 // 2 if GATED else BLOCK_N1
-    item = tl.atomic_add(counters_ptr, 1)
+    # (the queue's index carries no data: relaxed)
+    item = tl.atomic_add(counters_ptr, 1, sem="relaxed")
     while item < total:
         if item < items1:
             pair = (item // blocks1).to(tl.int64)
@@ -135,10 +137,10 @@ def _fused_decode_kernel(
             if (expert >= 0) & (expert < num_experts):
                 rows = block * BLOCK_N1 + tl.arange(0, BLOCK_N1)
                 row_ok = rows < N13
-                acc = _expert_rows(w13_ptr + expert.to(tl.int64) * stride_w13e,
-                                   x_ptr + token * stride_xt, w13_scale_ptr + expert * stride_w13se,
-                                   b13_ptr + expert * stride_b13e, rows, row_ok, H, stride_w13n,
-                                   FP8, HAS_B13, BLOCK_K, NUM_STAGES, PRECISE)
+                acc = _expert_rows(
+                    w13_ptr + expert.to(tl.int64) * stride_w13e, x_ptr + token * stride_xt,
+                    w13_scale_ptr + expert * stride_w13se, b13_ptr + expert * stride_b13e,
+                    rows, row_ok, H, stride_w13n, FP8, HAS_B13, BLOCK_K, NUM_STAGES, PRECISE)
                 if GATED:
                     # (w13's gate and up rows alternate: row 2c gate, 2c + 1 up of column c)
                     gate, up = tl.split(tl.reshape(acc, [H_COLS, 2]))
@@ -155,6 +157,9 @@ def _fused_decode_kernel(
             token = ((item - items1) // blocks2).to(tl.int64)
             block = (item - items1) % blocks2
             needed = TOP_K * blocks1
+            # (acquire polls, then the barrier that orders every thread's reads of h after
+            # the one that saw the count; an acquire after relaxed polls would be a read whose
+            # result is unused, which the compiler drops)
             done = tl.atomic_add(counters_ptr + 1 + token, 0, sem="acquire")
             while done < needed:
                 done = tl.atomic_add(counters_ptr + 1 + token, 0, sem="acquire")
@@ -166,14 +171,14 @@ def _fused_decode_kernel(
                 pair = token * TOP_K + j
                 expert = tl.load(topk_ids_ptr + pair) - local_expert_offset
                 if (expert >= 0) & (expert < num_experts):
-                    acc = _expert_rows(w2_ptr + expert.to(tl.int64) * stride_w2e,
-                                       h_ptr + pair * stride_hp, w2_scale_ptr + expert * stride_w2se,
-                                       b2_ptr + expert * stride_b2e, rows, row_ok, I, stride_w2n,
-                                       FP8, HAS_B2, BLOCK_K, NUM_STAGES, PRECISE)
+                    acc = _expert_rows(
+                        w2_ptr + expert.to(tl.int64) * stride_w2e, h_ptr + pair * stride_hp,
+                        w2_scale_ptr + expert * stride_w2se, b2_ptr + expert * stride_b2e,
+                        rows, row_ok, I, stride_w2n, FP8, HAS_B2, BLOCK_K, NUM_STAGES, PRECISE)
                     out += tl.load(topk_weights_ptr + pair).to(tl.float32) * acc
             tl.store(out_ptr + token * stride_ot + rows,
                      round_to_dtype(out, out_ptr.dtype.element_ty), mask=row_ok)
-        item = tl.atomic_add(counters_ptr, 1)
+        item = tl.atomic_add(counters_ptr, 1, sem="relaxed")
 
 
 def applies(x: torch.Tensor, quant: str, activation: str, w13: torch.Tensor,
@@ -288,4 +293,5 @@ def compile_sm90(*, activation: str = "swiglu", dtype: str = "bf16", bias: bool 
              and (name.endswith("_ptr") or name.startswith("stride") or name in ("H", "I"))}
     return triton.compile(ASTSource(fn=_fused_decode_kernel, signature=signature,
                                     constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4, num_stages=NUM_STAGES))
+                          target=GPUTarget("cuda", 90, 128),
+                          options=dict(num_warps=4, num_stages=NUM_STAGES))
