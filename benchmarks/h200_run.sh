@@ -131,11 +131,11 @@
 # MOE_OPS_ACT_QUANT_SHORT_ROW_K 0 and 2048, then Qwen3-30B-A3B fp8 (its 768-wide
 # intermediate) and Mixtral-8x7B fp8 at T = 4096 / 16384 with 0 / 2048, two alternated passes;
 # about 4 minutes.
-# fdec: the one-launch bf16 / fp8 decode (experts.FUSED_DECODE, kernels/decode_fused.py,
-# written without a GPU): its GPU tests and compute-sanitizer on one; gpu_check of the bf16 and
-# fp8 models at T = 1 / 4 / 7 with it on; then Qwen3-30B-A3B, Mixtral-8x7B and Llama 4 Scout
-# bf16 and fp8 at T = 1 / 4 with MOE_OPS_FUSED_DECODE 0 / 1, two alternated passes, and the
-# layers kernel by kernel with it on; about 7 minutes.
+# fdec: the one-launch bf16 / fp8 / fp8_block decode (experts.FUSED_DECODE,
+# kernels/decode_fused.py, written without a GPU): its GPU tests and compute-sanitizer on one;
+# gpu_check of those models at T = 1 / 4 / 7 with it on; then Qwen3-30B-A3B, Mixtral-8x7B and
+# Llama 4 Scout bf16 and fp8 and DeepSeek-V3 fp8_block at T = 1 / 4 with MOE_OPS_FUSED_DECODE
+# 0 / 1, two alternated passes, and the layers kernel by kernel with it on; about 8 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
@@ -685,18 +685,21 @@ fi
 if [[ "$what" == fdec ]]; then
   tests_then_sanitize fdec tests/test_decode_fused.py "fused" "one_token" 200
   MOE_OPS_FUSED_DECODE=1 timeout 120 python3 benchmarks/gpu_check.py \
-    --models qwen3_30b_a3b mixtral_8x7b llama4_scout --quant none fp8 --tokens 1 4 7 --no-large \
+    --models qwen3_30b_a3b mixtral_8x7b llama4_scout deepseek_v3 --quant none fp8 fp8_block \
+    --tokens 1 4 7 --no-large \
     --json "$out/gpu_check_fdec.json" > "$out/gpu_check_fdec.log" 2>&1 || status=1
   tail -n 2 "$out/gpu_check_fdec.log"
   for arm in 0:a 1:a 0:b 1:b; do
-    layer_arm "ab_fdec_${arm%%:*}_${arm#*:}" 50 12 MOE_OPS_FUSED_DECODE=${arm%%:*} -- \
-      --models qwen3_30b_a3b mixtral_8x7b llama4_scout --quant none fp8 --tokens 1 4
+    layer_arm "ab_fdec_${arm%%:*}_${arm#*:}" 50 14 MOE_OPS_FUSED_DECODE=${arm%%:*} -- \
+      --models qwen3_30b_a3b mixtral_8x7b llama4_scout deepseek_v3 --quant none fp8 fp8_block \
+      --tokens 1 4
   done
   MOE_OPS_FUSED_DECODE=1 timeout 100 python3 benchmarks/profile_layer.py \
-    --models qwen3_30b_a3b mixtral_8x7b llama4_scout --quant none fp8 --tokens 1 4 --calls 3 \
+    --models qwen3_30b_a3b mixtral_8x7b llama4_scout deepseek_v3 --quant none fp8 fp8_block \
+    --tokens 1 4 --calls 3 \
     --deadline-s 80 --out "$out/profile_layer_fdec.json" > "$out/profile_layer_fdec.log" 2>&1 \
     || status=1
-  grep -A13 '^model' "$out/profile_layer_fdec.log" | cut -c1-200
+  grep -A15 '^model' "$out/profile_layer_fdec.log" | cut -c1-200
 fi
 if [[ "$what" == tune4 ]]; then
   SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \

@@ -41,11 +41,13 @@ def test_fused_decode_matches_oracle(activation, dtype, poisoned_empty):
                 bias=activation in ("geglu", "swiglu_oai"), seed=len(activation), programs=3)
 
 
+@pytest.mark.parametrize("quant", ["fp8", "fp8_block"])
 @pytest.mark.parametrize("activation", ["swiglu", "swiglu_oai", "relu2"])
-def test_fused_decode_fp8_matches_oracle(activation, poisoned_empty):
-    """fp8 per tensor: x and each pair's intermediate quantized a row at a time inside the
-    items (act_quant's rule), e4m3 products scaled by the row and weight scales."""
-    check_fused(3, 256, 136, 6, 2, activation=activation, quant="fp8",
+def test_fused_decode_fp8_matches_oracle(activation, quant, poisoned_empty):
+    """fp8 per tensor / fp8_block: x and each pair's intermediate quantized a row / a
+    128-column group at a time inside the items (act_quant's rule), e4m3 products scaled by
+    the row (group) and weight (block) scales; I = 136: a partial last group and block."""
+    check_fused(3, 256, 136, 6, 2, activation=activation, quant=quant,
                 bias=activation == "swiglu_oai", seed=11 + len(activation), programs=3)
 
 
@@ -83,7 +85,7 @@ def test_fused_decode_refuses_what_it_does_not_run():
     w2 = torch.zeros(2, 64, 32, dtype=torch.bfloat16)
     ids, weights = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
     assert not decode_fused.applies(x, "fp8", "swiglu", w13, w2)     # (16-bit weights)
-    assert not decode_fused.applies(x, "fp8_block", "swiglu", w13, w2)
+    assert not decode_fused.applies(x, "nvfp4", "swiglu", w13, w2)
     with pytest.raises(ValueError, match="fused_decode"):
         decode_fused.fused_decode(x, ids, weights, w13.float(), w2, activation="swiglu")
     with pytest.raises(ValueError, match="w13"):
@@ -95,9 +97,9 @@ def test_fused_decode_refuses_what_it_does_not_run():
 
 
 def test_experts_call_takes_the_fused_launch(monkeypatch, poisoned_empty):
-    """experts.FUSED_DECODE: a quant none or fp8 call of a few pairs runs the one launch (and
-    matches the oracle): one token, or at most one pair for two experts; fp8_block and calls
-    past FUSED_DECODE_MAX_PAIRS keep the usual launches."""
+    """experts.FUSED_DECODE: a quant none, fp8 or fp8_block call of a few pairs runs the one
+    launch (and matches the oracle): one token, or at most one pair for two experts; calls past
+    FUSED_DECODE_MAX_PAIRS keep the usual launches."""
     calls = []
     real = decode_fused.fused_decode
     monkeypatch.setattr(decode_fused, "fused_decode",
@@ -109,7 +111,7 @@ def test_experts_call_takes_the_fused_launch(monkeypatch, poisoned_empty):
         out = experts_mod.triton_experts(*tensors, **kwargs)
         ref = experts_f64(*tensors, **kwargs)
         assert torch.isfinite(out).all() and rel_err(out, ref) <= 1.5e-2
-    assert calls == [1, 3, 1], calls
+    assert calls == [1, 3, 1, 1], calls
 
 
 SM90_BUILDS = """
@@ -117,8 +119,8 @@ import sys
 sys.path.insert(0, "benchmarks")
 from aot_sm90 import sass
 from moe_ops.kernels import decode_fused
-for kw in (dict(), dict(activation="swiglu_oai", bias=True), dict(fp8=True),
-           dict(activation="relu2", dtype="fp32")):
+for kw in (dict(), dict(activation="swiglu_oai", bias=True), dict(quant="fp8"),
+           dict(quant="fp8_block"), dict(activation="relu2", dtype="fp32")):
     kernel = decode_fused.compile_sm90(**kw)
     ops = [i.split()[0] for i in sass(kernel)]
     local = sum(op.startswith(("LDL", "STL")) for op in ops)
@@ -141,16 +143,16 @@ def test_fused_decode_builds_for_sm90():
     hand-off's instructions there (a barrier then one release increment, acquire polls)."""
     rows, done = sm90_script_rows(SM90_BUILDS)
     rows = [row for row in rows if row]
-    assert len(rows) == 4, done.stdout
+    assert len(rows) == 5, done.stdout
     for i, (_, local, mma, shared, releases, stores, acquires) in enumerate(rows):
         assert local == "0" and int(shared) <= 227 * 1024, done.stdout
-        assert (int(mma) > 0) == (i < 3), done.stdout
+        assert (int(mma) > 0) == (i < 4), done.stdout
         # one release increment after a barrier, the GEMM2 items' acquire polls
         assert releases == "1" and stores == "0" and int(acquires) >= 1, done.stdout
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the hand-off between programs runs on a GPU")
-@pytest.mark.parametrize("quant", ["none", "fp8"])
+@pytest.mark.parametrize("quant", ["none", "fp8", "fp8_block"])
 def test_fused_decode_repeats_bit_for_bit_across_grids(quant):
     """On a GPU GEMM2 items do wait for other programs' GEMM1 items: the output of a call of
     Qwen3's shapes (32 experts; random ids, -1 among them) is the same bit for bit over many

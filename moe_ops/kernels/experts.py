@@ -196,11 +196,11 @@ WS_FP4_WIDE_MIN_ROWS = env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 64)
 # activation moved into act_quant of the intermediate), a 32- or 64-slot block past 16 rows.
 WS_FP8_DECODE = env_choice("MOE_OPS_WS_FP8_DECODE", "0", ("0", "1")) == "1"
 WS_FP8_DECODE_MAX_ROWS = env_int("MOE_OPS_WS_FP8_DECODE_MAX_ROWS", 16)
-# quant none and fp8 (per tensor) calls of up to FUSED_DECODE_MAX_PAIRS routed pairs (one
-# token, or at most one pair for two experts: a pair's GEMVs read its expert's weights, shared
-# or not) in one launch (kernels/decode_fused.py: GEMM1, the activation, GEMM2 and the combine
-# from one work queue, fp8's quantization of x and the intermediate inside) instead of three
-# (bf16) or five to six (fp8). Why: at T = 1-4 the launches' starts, last waves and drains are
+# quant none, fp8 and fp8_block calls of up to FUSED_DECODE_MAX_PAIRS routed pairs (one token,
+# or at most one pair for two experts: a pair's GEMVs read its expert's weights, shared or not)
+# in one launch (kernels/decode_fused.py: GEMM1, the activation, GEMM2 and the combine from one
+# work queue, the fp8 modes' quantization of x and the intermediate inside) instead of three
+# (bf16) or five to six (fp8 modes). Why: at T = 1-4 the launches' starts, last waves and drains are
 # most of a small layer's call (Qwen3-30B-A3B bf16 T = 1: ~27 us for ~17 us of bytes, fp8 ~24
 # for ~8). Not yet measured: off unless MOE_OPS_FUSED_DECODE=1.
 FUSED_DECODE = env_choice("MOE_OPS_FUSED_DECODE", "0", ("0", "1")) == "1"
