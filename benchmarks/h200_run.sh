@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|fdec|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|fdec|tune8|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -137,6 +137,9 @@
 # Llama 4 Scout bf16 and fp8 and DeepSeek-V3 fp8_block at T = 1 / 4 with MOE_OPS_FUSED_DECODE
 # 0 / 1, two alternated passes, and the layers kernel by kernel with it on; about 8 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
+# tune8: the tuner on the fp8 / fp8_block pairs only (SHIP=1; the widened decode list of the
+# sixteenth session), the tables copied to the results dir's tuned/, then those layers at
+# T = 1 / 4 / 16 / 64 (graph replays, no baseline) on the new tables; about 6 minutes.
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
 set -uo pipefail
@@ -705,6 +708,13 @@ if [[ "$what" == tune4 ]]; then
   SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \
     deepseek_v3:nvfp4 gpt_oss_120b:mxfp4 || status=1
   mkdir -p "$out/tuned" && cp moe_ops/tuned/*.json "$out/tuned/"
+fi
+if [[ "$what" == tune8 ]]; then
+  SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \
+    qwen3_30b_a3b:fp8 mixtral_8x7b:fp8 llama4_scout:fp8 deepseek_v3:fp8_block || status=1
+  mkdir -p "$out/tuned" && cp moe_ops/tuned/*.json "$out/tuned/"
+  layer_arm "tune8_after" 60 16 -- --models qwen3_30b_a3b mixtral_8x7b llama4_scout \
+    deepseek_v3 --quant fp8 fp8_block --tokens 1 4 16 64
 fi
 if [[ "$what" == tune ]]; then
   pairs=$(python3 -c "import json; m = json.load(open('benchmarks/shapes.json'))['models']; print(' '.join(f'{n}:{q}' for n, e in m.items() for q in e['quant']))")
