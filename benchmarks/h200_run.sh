@@ -713,7 +713,7 @@ if [[ "$what" == tune8 ]]; then
   SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \
     qwen3_30b_a3b:fp8 mixtral_8x7b:fp8 llama4_scout:fp8 deepseek_v3:fp8_block || status=1
   mkdir -p "$out/tuned" && cp moe_ops/tuned/*.json "$out/tuned/"
-  layer_arm "tune8_after" 60 16 -- --models qwen3_30b_a3b mixtral_8x7b llama4_scout \
+  layer_arm "tune8_after" 60 16 MOE_OPS_PDL=1 -- --models qwen3_30b_a3b mixtral_8x7b llama4_scout \
     deepseek_v3 --quant fp8 fp8_block --tokens 1 4 16 64
 fi
 if [[ "$what" == tune ]]; then
