@@ -704,15 +704,18 @@ if [[ "$what" == fdec ]]; then
     || status=1
   grep -A15 '^model' "$out/profile_layer_fdec.log" | cut -c1-200
 fi
-if [[ "$what" == tune4 ]]; then
-  SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \
-    deepseek_v3:nvfp4 gpt_oss_120b:mxfp4 || status=1
+# ship_tables MODEL:QUANT...: the tuner on those pairs into the package's tables (SHIP=1), the
+# tables then copied to $out/tuned/ (they come back with the results)
+ship_tables() {
+  SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh "$@" \
+    || status=1
   mkdir -p "$out/tuned" && cp moe_ops/tuned/*.json "$out/tuned/"
+}
+if [[ "$what" == tune4 ]]; then
+  ship_tables deepseek_v3:nvfp4 gpt_oss_120b:mxfp4
 fi
 if [[ "$what" == tune8 ]]; then
-  SHIP=1 SKIP_TESTS=1 MOE_OPS_RESULTS_DIR="$out" bash benchmarks/gpu_tune_check.sh \
-    qwen3_30b_a3b:fp8 mixtral_8x7b:fp8 llama4_scout:fp8 deepseek_v3:fp8_block || status=1
-  mkdir -p "$out/tuned" && cp moe_ops/tuned/*.json "$out/tuned/"
+  ship_tables qwen3_30b_a3b:fp8 mixtral_8x7b:fp8 llama4_scout:fp8 deepseek_v3:fp8_block
   layer_arm "tune8_after" 60 16 MOE_OPS_PDL=1 -- --models qwen3_30b_a3b mixtral_8x7b llama4_scout \
     deepseek_v3 --quant fp8 fp8_block --tokens 1 4 16 64
 fi

@@ -17,8 +17,8 @@ Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
   combine     sum of each token's k rows in fp32; for large batches on the tile kernel instead
               fp32 atomics in GEMM2's epilogue + a cast (COMBINE, measured choice; summation
               order then varies); a persistent GEMM2 always writes rows
-With FUSED_DECODE, quant none calls of a few pairs run all of it in one launch instead
-(kernels/decode_fused.py).
+With FUSED_DECODE, bf16, fp8 and fp8_block calls of a few pairs run all of it in one launch
+instead (kernels/decode_fused.py).
 The caller (the package's op layer) has validated every argument; nothing is re-checked here.
 """
 from __future__ import annotations
@@ -200,9 +200,9 @@ WS_FP8_DECODE_MAX_ROWS = env_int("MOE_OPS_WS_FP8_DECODE_MAX_ROWS", 16)
 # or at most one pair for two experts: a pair's GEMVs read its expert's weights, shared or not)
 # in one launch (kernels/decode_fused.py: GEMM1, the activation, GEMM2 and the combine from one
 # work queue, the fp8 modes' quantization of x and the intermediate inside) instead of three
-# (bf16) or five to six (fp8 modes). Why: at T = 1-4 the launches' starts, last waves and drains are
-# most of a small layer's call (Qwen3-30B-A3B bf16 T = 1: ~27 us for ~17 us of bytes, fp8 ~24
-# for ~8). Not yet measured: off unless MOE_OPS_FUSED_DECODE=1.
+# (bf16) or five to six (fp8 modes). Why: at T = 1-4 the launches' starts, last waves and
+# drains are most of a small layer's call (Qwen3-30B-A3B bf16 T = 1: ~27 us for ~17 us of
+# bytes, fp8 ~24 for ~8). Not yet measured: off unless MOE_OPS_FUSED_DECODE=1.
 FUSED_DECODE = env_choice("MOE_OPS_FUSED_DECODE", "0", ("0", "1")) == "1"
 FUSED_DECODE_MAX_PAIRS = env_int("MOE_OPS_FUSED_DECODE_MAX_PAIRS", 32)
 ALIGN_GATHER_MAX_PAIRS = min(env_int("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", 128),

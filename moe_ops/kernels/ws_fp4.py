@@ -957,12 +957,10 @@ def _layouts(slots: int = BLOCK_M, quant: str = "nvfp4", box: int = ROWS,
     return w_layout, s_layout, x_layout
 
 
-def x_box_rows(slots: int, half_blocks: Optional[bool] = None,
-               small_x_boxes: Optional[bool] = None) -> int:
+def x_box_rows(slots: int, half_blocks: Optional[bool], small_x_boxes: bool) -> int:
     """Rows of a 4-bit form's activation TMA box: the tile's slots, or X_BOX_ROWS for the
-    128-slot form with half blocks and SMALL_X_BOXES."""
-    small = SMALL_X_BOXES == "1" if small_x_boxes is None else small_x_boxes
-    if small and _half_blocks_level(slots, half_blocks, None) > 0:
+    128-slot form with half blocks and small boxes."""
+    if small_x_boxes and _half_blocks_level(slots, half_blocks, False) > 0:
         return X_BOX_ROWS
     return slots
 
@@ -1093,8 +1091,7 @@ def default_pipeline(slots: int, quant: str = "nvfp4") -> bool:
 def _constants(*, gemm: int, activation: str, has_bias: bool, consumers: int, quant: str,
                slots: int, align_m: int, pipelined: bool, partial_n: bool,
                early: Optional[bool], half_blocks: Optional[bool], split: int,
-               tail: int, quarter_blocks: Optional[bool] = None,
-               x_rows: Optional[int] = None) -> dict:
+               tail: int, quarter_blocks: bool, x_rows: Optional[int] = None) -> dict:
     """The kernel's compile-time arguments of a launch (gemm() and compile_sm90 alike); x_rows:
     the activation TMA box's rows (x_box_rows; default the tile's slots)."""
     consumer_regs, producer_regs, _ = REGISTERS[consumers]
@@ -1117,15 +1114,13 @@ def narrow_blocks(setting: str, quant: str, num_pairs: int, num_experts: int) ->
     return quant == "nvfp4" and num_pairs < NARROW_BLOCKS_MAX_ROWS * num_experts
 
 
-def _half_blocks_level(slots: int, half_blocks: Optional[bool],
-                       quarter_blocks: Optional[bool]) -> int:
+def _half_blocks_level(slots: int, half_blocks: Optional[bool], quarter_blocks: bool) -> int:
     """The kernel's HALF_BLOCKS: 0 whole blocks always, 1 half blocks (HALF_BLOCKS), 2 half and
-    quarter blocks (QUARTER_BLOCKS, with the half ones); the 128-slot form only."""
+    quarter blocks (with the half ones); the 128-slot form only."""
     half = HALF_BLOCKS if half_blocks is None else half_blocks
-    quarter = QUARTER_BLOCKS == "1" if quarter_blocks is None else quarter_blocks
     if slots != WIDE_SLOTS or not half:
         return 0
-    return 2 if quarter else 1
+    return 2 if quarter_blocks else 1
 
 
 def applies(quant: str, activation: str, n: int, a: torch.Tensor, w: torch.Tensor,
@@ -1303,10 +1298,16 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                  half_blocks: Optional[bool] = None, split: int = 1, tail: int = 16,
                  quarter_blocks: Optional[bool] = None, small_x_boxes: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter).
-    tail: the last K step's slices (16, or 4 / 8: see TAIL)."""
+    tail: the last K step's slices (16, or 4 / 8: see TAIL). quarter_blocks / small_x_boxes
+    default to QUARTER_BLOCKS / SMALL_X_BOXES forced on ("auto" decides per launch, and a
+    build has none)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    if quarter_blocks is None:
+        quarter_blocks = QUARTER_BLOCKS == "1"
+    if small_x_boxes is None:
+        small_x_boxes = SMALL_X_BOXES == "1"
     box = tma_box_rows(consumers)
     x_rows = x_box_rows(slots, half_blocks, small_x_boxes)
     w_layout, s_layout, x_layout = _layouts(slots, quant, box, x_rows)

@@ -555,28 +555,19 @@ def write_rows(values, slots, pair_ids, row_ok, first_col, topk_weights_ptr, out
                     first_col, stride_om, COALESCED)
     else:
         C: gl.constexpr = values.type.shape[1]
-        h = activate(values, alpha, limit, ACTIVATION)
+        if ACTIVATION >= 1 and ACTIVATION <= 3:
+            gate, up = gl.split(gl.reshape(values, [values.type.shape[0], C // 2, 2]))
+            if ACTIVATION == 1:
+                h = apply_activation(gate, up, alpha, limit, "swiglu")
+            elif ACTIVATION == 2:
+                h = apply_activation(gate, up, alpha, limit, "geglu")
+            else:
+                h = apply_activation(gate, up, alpha, limit, "swiglu_oai")
+        else:
+            h = apply_activation(values, values, alpha, limit, "relu2")
         H_COLS: gl.constexpr = h.type.shape[1]
         _store_rows(out_ptr, round_to_dtype(h, out_ty), slots.to(gl.int64), row_ok,
                     first_col // (C // H_COLS), stride_om, COALESCED)
-
-
-@gluon.jit
-def activate(values, alpha, limit, ACTIVATION: gl.constexpr):
-    """GEMM1's activation (ACTIVATION 1-4) of a tile [R, C] of gate/up interleaved columns
-    ([R, C / 2]) or, relu2, of all of them ([R, C])."""
-    C: gl.constexpr = values.type.shape[1]
-    if ACTIVATION >= 1 and ACTIVATION <= 3:
-        gate, up = gl.split(gl.reshape(values, [values.type.shape[0], C // 2, 2]))
-        if ACTIVATION == 1:
-            h = apply_activation(gate, up, alpha, limit, "swiglu")
-        elif ACTIVATION == 2:
-            h = apply_activation(gate, up, alpha, limit, "geglu")
-        else:
-            h = apply_activation(gate, up, alpha, limit, "swiglu_oai")
-    else:
-        h = apply_activation(values, values, alpha, limit, "relu2")
-    return h
 
 
 @gluon.jit
