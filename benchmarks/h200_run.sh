@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|fdec|tune8|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -131,14 +131,9 @@
 # MOE_OPS_ACT_QUANT_SHORT_ROW_K 0 and 2048, then Qwen3-30B-A3B fp8 (its 768-wide
 # intermediate) and Mixtral-8x7B fp8 at T = 4096 / 16384 with 0 / 2048, two alternated passes;
 # about 4 minutes.
-# fdec: the one-launch bf16 / fp8 / fp8_block decode (experts.FUSED_DECODE,
-# kernels/decode_fused.py, written without a GPU): its GPU tests and compute-sanitizer on one;
-# gpu_check of those models at T = 1 / 4 / 7 with it on; then Qwen3-30B-A3B, Mixtral-8x7B and
-# Llama 4 Scout bf16 and fp8 and DeepSeek-V3 fp8_block at T = 1 / 4 with MOE_OPS_FUSED_DECODE
-# 0 / 1, two alternated passes, and the layers kernel by kernel with it on; about 8 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
-# tune8: the tuner on the fp8 / fp8_block pairs only (SHIP=1; the widened decode list of the
-# sixteenth session), the tables copied to the results dir's tuned/, then those layers at
+# tune8: the tuner on the fp8 / fp8_block pairs only (SHIP=1), the tables copied to the
+# results dir's tuned/, then those layers at
 # T = 1 / 4 / 16 / 64 (graph replays, no baseline) on the new tables; about 6 minutes.
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
@@ -684,25 +679,6 @@ if [[ "$what" == aqshort ]]; then
     layer_arm "ab_aqshort_${arm%%:*}_${arm#*:}" 50 5 MOE_OPS_ACT_QUANT_SHORT_ROW_K=${arm%%:*} \
       -- --models qwen3_30b_a3b mixtral_8x7b --quant fp8 --tokens 4096 16384
   done
-fi
-if [[ "$what" == fdec ]]; then
-  tests_then_sanitize fdec tests/test_decode_fused.py "fused" "one_token" 200
-  MOE_OPS_FUSED_DECODE=1 timeout 120 python3 benchmarks/gpu_check.py \
-    --models qwen3_30b_a3b mixtral_8x7b llama4_scout deepseek_v3 --quant none fp8 fp8_block \
-    --tokens 1 4 7 --no-large \
-    --json "$out/gpu_check_fdec.json" > "$out/gpu_check_fdec.log" 2>&1 || status=1
-  tail -n 2 "$out/gpu_check_fdec.log"
-  for arm in 0:a 1:a 0:b 1:b; do
-    layer_arm "ab_fdec_${arm%%:*}_${arm#*:}" 50 14 MOE_OPS_FUSED_DECODE=${arm%%:*} -- \
-      --models qwen3_30b_a3b mixtral_8x7b llama4_scout deepseek_v3 --quant none fp8 fp8_block \
-      --tokens 1 4
-  done
-  MOE_OPS_FUSED_DECODE=1 timeout 100 python3 benchmarks/profile_layer.py \
-    --models qwen3_30b_a3b mixtral_8x7b llama4_scout deepseek_v3 --quant none fp8 fp8_block \
-    --tokens 1 4 --calls 3 \
-    --deadline-s 80 --out "$out/profile_layer_fdec.json" > "$out/profile_layer_fdec.log" 2>&1 \
-    || status=1
-  grep -A15 '^model' "$out/profile_layer_fdec.log" | cut -c1-200
 fi
 # ship_tables MODEL:QUANT...: the tuner on those pairs into the package's tables (SHIP=1), the
 # tables then copied to $out/tuned/ (they come back with the results)

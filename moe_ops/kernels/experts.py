@@ -17,8 +17,6 @@ Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
   combine     sum of each token's k rows in fp32; for large batches on the tile kernel instead
               fp32 atomics in GEMM2's epilogue + a cast (COMBINE, measured choice; summation
               order then varies); a persistent GEMM2 always writes rows
-With FUSED_DECODE, bf16, fp8 and fp8_block calls of a few pairs run all of it in one launch
-instead (kernels/decode_fused.py).
 The caller (the package's op layer) has validated every argument; nothing is re-checked here.
 """
 from __future__ import annotations
@@ -31,7 +29,7 @@ import torch
 
 from moe_ops.kernels.act_quant import act_quant
 from moe_ops.kernels.align import SMALL_PATH_MAX_PAIRS, moe_align, moe_align_gather
-from moe_ops.kernels import decode_fused, ws_fp4, ws_gemm
+from moe_ops.kernels import ws_fp4, ws_gemm
 from moe_ops.kernels.combine import combine_pair_rows
 from moe_ops.kernels.env import env_choice, env_int
 from moe_ops.kernels.common import device_properties, is_gated, pdl_early_launch, upcast_dots
@@ -196,15 +194,6 @@ WS_FP4_WIDE_MIN_ROWS = env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 64)
 # activation moved into act_quant of the intermediate), a 32- or 64-slot block past 16 rows.
 WS_FP8_DECODE = env_choice("MOE_OPS_WS_FP8_DECODE", "0", ("0", "1")) == "1"
 WS_FP8_DECODE_MAX_ROWS = env_int("MOE_OPS_WS_FP8_DECODE_MAX_ROWS", 16)
-# quant none, fp8 and fp8_block calls of up to FUSED_DECODE_MAX_PAIRS routed pairs (one token,
-# or at most one pair for two experts: a pair's GEMVs read its expert's weights, shared or not)
-# in one launch (kernels/decode_fused.py: GEMM1, the activation, GEMM2 and the combine from one
-# work queue, the fp8 modes' quantization of x and the intermediate inside) instead of three
-# (bf16) or five to six (fp8 modes). Why: at T = 1-4 the launches' starts, last waves and
-# drains are most of a small layer's call (Qwen3-30B-A3B bf16 T = 1: ~27 us for ~17 us of
-# bytes, fp8 ~24 for ~8). Not yet measured: off unless MOE_OPS_FUSED_DECODE=1.
-FUSED_DECODE = env_choice("MOE_OPS_FUSED_DECODE", "0", ("0", "1")) == "1"
-FUSED_DECODE_MAX_PAIRS = env_int("MOE_OPS_FUSED_DECODE_MAX_PAIRS", 32)
 ALIGN_GATHER_MAX_PAIRS = min(env_int("MOE_OPS_ALIGN_GATHER_MAX_PAIRS", 128),
                              SMALL_PATH_MAX_PAIRS)
 
@@ -303,13 +292,6 @@ def triton_experts(
     top_k = topk_ids.shape[1]
     E = w13.shape[0]
     fp4 = quant in FP4_QUANTS
-    if (FUSED_DECODE and gemm1_config is None and gemm2_config is None
-            and T * top_k <= FUSED_DECODE_MAX_PAIRS and (T == 1 or 2 * T * top_k <= E)
-            and decode_fused.applies(x, quant, activation, w13, w2)):
-        return decode_fused.fused_decode(
-            x, topk_ids, topk_weights, w13, w2, b13, b2, w13_scale=w13_scale,
-            w2_scale=w2_scale, quant=quant, activation=activation, alpha=alpha, limit=limit,
-            local_expert_offset=local_expert_offset)
     problem1, problem2 = gemm_problems(x, top_k, w13, w2, activation, quant)
     I = problem2.k
     config1, config2 = gemm1_config, gemm2_config

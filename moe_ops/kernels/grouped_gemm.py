@@ -263,11 +263,6 @@ _DECODE_CANDIDATES = [  # (block_m, block_n, block_k, group_m, warps, stages, sw
     (16, 32, 128, 8, 4, 4, True), (16, 64, 128, 8, 4, 4, True), (16, 128, 128, 8, 4, 3, True),
     (16, 64, 256, 8, 4, 3, True), (16, 64, 256, 8, 4, 5, True), (16, 32, 256, 8, 4, 4, True),
     (16, 64, 128, 8, 4, 6, True), (16, 128, 64, 8, 4, 5, True), (32, 64, 128, 8, 4, 4, True),
-    # wider and deeper neighbours of the fp8 / fp8_block winners at the decode points within 2%
-    # of their bars (DeepSeek-V3 fp8_block T = 4: 16x128x128 at 3 stages; Mixtral fp8 T = 4:
-    # 16x32x256; benchmarks/NOTES.md "Where each unmet target stands"), added before a re-tune
-    (16, 128, 128, 8, 4, 4, True), (16, 128, 128, 8, 8, 4, True), (16, 256, 128, 8, 8, 3, True),
-    (16, 32, 256, 8, 4, 5, True), (16, 128, 256, 8, 8, 3, True),
 ]
 _MID_CANDIDATES = [
     (32, 64, 128, 8, 4, 4, True), (32, 128, 128, 8, 4, 3, False), (64, 64, 128, 8, 4, 3, False),
