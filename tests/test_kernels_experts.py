@@ -371,6 +371,32 @@ def assert_live_rows_equal(q, s, q_ref, s_ref, ids, num_pairs):
     assert torch.isnan(s[~live]).all() and torch.isnan(q[~live].float()).all()
 
 
+@pytest.mark.parametrize("K,slice_k", [(3000, 1024), (14336, 2048), (300, 128)])
+def test_act_quant_sliced_rows(monkeypatch, poisoned_empty, act_quant_grids, K, slice_k):
+    """SLICE_K: a few fp8 rows wider than SLICE_K columns, each quantized by cdiv(K, SLICE_K)
+    programs that read the whole row for its amax: bit for bit the one-program form (scales
+    included, written once), sentinel rows left unwritten; past SLICE_MAX_ROWS live rows, one
+    program a row again."""
+    from moe_ops.kernels import act_quant as aq
+    num_pairs = 6
+    x, ids = rows_with_padding(K, 9, K, num_pairs, 3)
+    x[int((ids < num_pairs).nonzero()[0])] *= 2.0 ** -105     # a tiny row: the 2^64 rescale
+    monkeypatch.setattr(aq, "SLICE_K", 0)
+    q_ref, s_ref = act_quant(x, "fp8", ids, num_pairs, split_k=True)
+    del act_quant_grids[:]
+    monkeypatch.setattr(aq, "SLICE_K", slice_k)
+    q, s = aq.act_quant(x, "fp8", ids, num_pairs)
+    assert_live_rows_equal(q, s, q_ref, s_ref, ids, num_pairs)
+    q, s = aq.act_quant(x, "fp8")
+    assert torch.equal(q.view(torch.uint8),
+                       act_quant(x, "fp8", split_k=False)[0].view(torch.uint8))
+    monkeypatch.setattr(aq, "SLICE_MAX_ROWS", 4)
+    aq.act_quant(x, "fp8", ids, num_pairs)                       # 6 live rows > 4
+    slices = -(-K // slice_k)
+    # (the third: the looped reference)
+    assert act_quant_grids == [(9, slices), (9, slices), (9,), (9, 1)], act_quant_grids
+
+
 def test_act_quant_short_rows_read_whole(monkeypatch, poisoned_empty, act_quant_grids):
     """SHORT_ROW_K: fp8 rows of at most that many columns are read whole, one a program,
     however many rows (the row's load beside its pair id's: LOAD_FIRST), bit for bit the

@@ -74,13 +74,16 @@ def _act_quant_kernel(
     SKIP_PAD_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
     LOAD_FIRST: tl.constexpr = False,
+    SLICE_K: tl.constexpr = 0,  # fp8 SPLIT_K: > 0, program (row, s) quantizes columns of slice s
 ):
     """One row a program (grid (M,)), stepping over its columns; with SPLIT_K (few rows: the
     steps' load latencies add up, 1 us or so each) one step a program (grid (M, K / BLOCK_K)):
     fp8_block's groups are independent, and fp8's row takes BLOCK_K >= K (the whole row read
     once, its amax from registers). LOAD_FIRST (fp8's whole rows, SHORT_ROW_K): the row's load
     issued before its pair id is known, so the two latencies overlap (a padding row is read
-    for nothing)."""
+    for nothing). SLICE_K (fp8, SPLIT_K): each of a row's cdiv(K, SLICE_K) programs reads the
+    whole row for its amax and quantizes one slice of SLICE_K columns (the divisions of a long
+    row spread over SMs; the same codes)."""
     pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     if SKIP_PAD_ROWS and not LOAD_FIRST:
@@ -101,8 +104,14 @@ def _act_quant_kernel(
                     return
             row_amax = tl.max(tl.abs(x), axis=0)
             factor = amax_factor(row_amax)
-            q, scale = fp8_quantize(x * factor, row_amax * factor)
-            tl.store(q_row + offs, q, mask=mask)
+            if SLICE_K > 0:
+                cols = tl.program_id(1) * SLICE_K + tl.arange(0, SLICE_K)
+                x_slice = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+                q, scale = fp8_quantize(x_slice * factor, row_amax * factor)
+                tl.store(q_row + cols, q, mask=cols < K)
+            else:
+                q, scale = fp8_quantize(x * factor, row_amax * factor)
+                tl.store(q_row + offs, q, mask=mask)
         else:
             amax = tl.zeros([BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -123,7 +132,8 @@ def _act_quant_kernel(
                     q, scale = fp8_quantize(x * _TINY_SCALE, row_amax * _TINY_SCALE)
                     tl.store(q_row + k0 + offs, q, mask=mask)
         # correctly rounded, as quant.py divides (Triton's `/` is approximate on the GPU)
-        tl.store(s_row, tl.div_rn(row_amax, 448.0))
+        if SLICE_K == 0 or tl.program_id(1) == 0:
+            tl.store(s_row, tl.div_rn(row_amax, 448.0))
     else:
         if SPLIT_K:
             _quant_groups(x_row, q_row, s_row, tl.program_id(1) * BLOCK_K, K, GROUP_K, BLOCK_K)
@@ -154,6 +164,18 @@ WHOLE_ROW_MAX_K = 16384
 # in graph replays (two alternated passes), Mixtral's 4096- and 14336-wide rows untouched. So
 # up to 2048 columns (Qwen3's hidden rows too); MOE_OPS_ACT_QUANT_SHORT_ROW_K=0: off.
 SHORT_ROW_K = env_int("MOE_OPS_ACT_QUANT_SHORT_ROW_K", 2048)
+# fp8 rows read whole (SPLIT_K) wider than SLICE_K columns, at most SLICE_MAX_ROWS live rows:
+# each row's columns quantized by cdiv(K, SLICE_K) programs, each reading the whole row for its
+# amax. Why: one program a row runs all of the row's correctly rounded divisions on one SM
+# (Llama 4 Scout's 5120-wide x: 5.6 us for one row, Mixtral's 14336-wide intermediate 6.1 us
+# for two; results/h200_act_quant_decode.log), against ~2 us for a short row. The rows' extra
+# reads come from the L2, hence the row bound. Measured on an H200 (results/
+# h200_ab_aqslice_*.json, 2026-12-02, graph replays, two alternated passes, 0 -> 2048): Mixtral
+# fp8 T = 1 104.0 -> 99.4 us, T = 4 238.2 -> 234.8, T = 16 347 -> 344; Llama 4 fp8 T = 1 49.6
+# -> 46.2, T = 4 132.3 -> 128.6, T = 16 316.2 -> 313.0; bit for bit the one-program form.
+# MOE_OPS_ACT_QUANT_SLICE_K=0: off.
+SLICE_K = env_int("MOE_OPS_ACT_QUANT_SLICE_K", 2048)
+SLICE_MAX_ROWS = 64
 
 
 def act_quant(
@@ -179,8 +201,8 @@ def act_quant(
     M, K = x.shape
     q = torch.empty((M, K), dtype=out_dtype, device=x.device)
     load_first = False
+    live_rows = min(M, num_pairs) if sorted_pair_ids is not None else M
     if split_k is None:
-        live_rows = min(M, num_pairs) if sorted_pair_ids is not None else M
         split_k = live_rows <= SPLIT_K_MAX_ROWS[quant]
         if not split_k and quant == "fp8" and K <= SHORT_ROW_K:
             split_k = load_first = True
@@ -192,22 +214,25 @@ def act_quant(
         # the whole row: about 32 values a thread
         num_warps = (min(16, max(4, block_k // 1024)) if split_k
                      else 4 if block_k >= 512 else 1)
+        slice_k = (SLICE_K if split_k and not load_first and 0 < SLICE_K < K
+                   and live_rows <= SLICE_MAX_ROWS else 0)
     else:
         scales = torch.empty((M, cdiv(K, FP8_BLOCK)), dtype=torch.float32, device=x.device)
         group_k = FP8_BLOCK
         block_k = FP8_BLOCK * min(next_power_of_2(cdiv(K, FP8_BLOCK)), 8)
         stride_sm = scales.stride(0)
         num_warps = 4 if block_k >= 512 else 1
+        slice_k = 0
     if M == 0:
         return q, scales
     skip = sorted_pair_ids is not None
-    grid = (M, cdiv(K, block_k)) if split_k else (M,)
+    grid = (M, cdiv(K, slice_k or block_k)) if split_k else (M,)
     _act_quant_kernel[grid](
         x, q, scales, sorted_pair_ids if skip else x,
         num_pairs, K,
         x.stride(0), q.stride(0), stride_sm,
         GROUP_K=group_k, BLOCK_K=block_k, SPLIT_K=split_k, SKIP_PAD_ROWS=skip,
-        num_warps=num_warps, LOAD_FIRST=load_first,
+        num_warps=num_warps, LOAD_FIRST=load_first, SLICE_K=slice_k,
         USE_PDL=use_pdl(x.device), **pdl_launch_options(x.device),
     )
     return q, scales
