@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moe_ops.kernels import grouped_gemm
+from moe_ops.kernels.grouped_gemm import GemmConfig
 from moe_ops.kernels.experts import triton_experts
 from test_kernels_experts import DEVICE, FP8_TOL, TOL, experts_f64, make_problem, rel_err
 from test_ws_gemm import sm90_script_rows
@@ -45,35 +46,46 @@ def test_prefetch_own_builds_for_sm90():
 
 def test_prefetch_own_k_rules(monkeypatch):
     """_prefetch_own_k: the bytes (rounded down to 16) only for fp8 / fp8_block 1-byte weights
-    with the early launch on; 0 otherwise (and always on a CPU: no PDL)."""
+    with the early launch on and 16-byte aligned rows and K steps; 0 otherwise (and always on a
+    CPU: no PDL)."""
     w8 = torch.zeros(2, 64, 256, dtype=torch.float8_e4m3fn)
     monkeypatch.setattr(grouped_gemm, "PREFETCH_OWN_K", 1000)
     monkeypatch.setattr(grouped_gemm, "pdl_launch_options", lambda device: {"launch_pdl": True})
-    assert grouped_gemm._prefetch_own_k("fp8", w8) == 992
-    assert grouped_gemm._prefetch_own_k("fp8_block", w8) == 992
-    assert grouped_gemm._prefetch_own_k("none", w8.to(torch.bfloat16)) == 0
-    assert grouped_gemm._prefetch_own_k("fp8", w8[:, :, 8:]) == 0        # rows not aligned
+    assert grouped_gemm._prefetch_own_k("fp8", w8, 128) == 992
+    assert grouped_gemm._prefetch_own_k("fp8_block", w8, 128) == 992
+    assert grouped_gemm._prefetch_own_k("none", w8.to(torch.bfloat16), 128) == 0
+    assert grouped_gemm._prefetch_own_k("fp8", w8[:, :, 8:], 128) == 0   # rows not aligned
+    assert grouped_gemm._prefetch_own_k("fp8", w8, 8) == 0                # split chunks not
     monkeypatch.setattr(grouped_gemm, "pdl_launch_options", lambda device: {})
-    assert grouped_gemm._prefetch_own_k("fp8", w8) == 0
+    assert grouped_gemm._prefetch_own_k("fp8", w8, 128) == 0
     monkeypatch.setattr(grouped_gemm, "PREFETCH_OWN_K", 0)
     monkeypatch.setattr(grouped_gemm, "pdl_launch_options", lambda device: {"launch_pdl": True})
-    assert grouped_gemm._prefetch_own_k("fp8", w8) == 0
+    assert grouped_gemm._prefetch_own_k("fp8", w8, 128) == 0
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the bulk prefetch is inline PTX (sm_90)")
 @pytest.mark.parametrize("quant", ["fp8", "fp8_block"])
 def test_prefetch_own_same_output(quant, monkeypatch):
-    """Qwen3-30B-A3B's shapes at T = 1, 4 and 40 (direct and dispatched, ids -1 among them):
-    the call with the prefetch equals the call without it bit for bit, and the oracle."""
+    """Qwen3-30B-A3B's shapes at T = 1, 4 and 40 (direct and dispatched, ids -1 among them;
+    T = 4 also with GEMM2 split over K, as the shipped decode tables do): the call with the
+    prefetch (taken: its launches get PREFETCH_K > 0) equals the call without it bit for bit,
+    and the oracle."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("sm_90 or later")
-    for T in (1, 4, 40):
+    taken, real = [], grouped_gemm._prefetch_own_k
+    monkeypatch.setattr(grouped_gemm, "_prefetch_own_k",
+                        lambda *a: taken.append(real(*a)) or taken[-1])
+    split = dict(gemm1_config=GemmConfig(16, 64, 128, 8, 4, 4),
+                 gemm2_config=GemmConfig(16, 64, 128, 8, 4, 4, False, 2))
+    for T, configs in ((1, {}), (4, {}), (4, split), (40, {})):
         tensors, kwargs = make_problem(T, 2048, 768, 128, 8, quant=quant, seed=T,
                                        invalid_ids=True)
         outs = []
         for prefetch_k in (0, 1024, 0, 4096):
             monkeypatch.setattr(grouped_gemm, "PREFETCH_OWN_K", prefetch_k)
-            outs.append(triton_experts(*tensors, **kwargs))
+            del taken[:]
+            outs.append(triton_experts(*tensors, **kwargs, **configs))
+            assert taken and all((k > 0) == (prefetch_k > 0) for k in taken), taken
         assert all(torch.equal(out, outs[0]) for out in outs)
         ref = experts_f64(*tensors, **kwargs)
         assert rel_err(outs[1], ref) <= (FP8_TOL if quant == "fp8" else TOL[torch.bfloat16])

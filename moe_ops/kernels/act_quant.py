@@ -175,6 +175,9 @@ SHORT_ROW_K = env_int("MOE_OPS_ACT_QUANT_SHORT_ROW_K", 2048)
 # -> 46.2, T = 4 132.3 -> 128.6, T = 16 316.2 -> 313.0; bit for bit the one-program form.
 # MOE_OPS_ACT_QUANT_SLICE_K=0: off.
 SLICE_K = env_int("MOE_OPS_ACT_QUANT_SLICE_K", 2048)
+if SLICE_K and (SLICE_K < 16 or SLICE_K & (SLICE_K - 1)):
+    raise ValueError(f"MOE_OPS_ACT_QUANT_SLICE_K must be 0 or a power of two >= 16, "
+                     f"got {SLICE_K}")
 SLICE_MAX_ROWS = 64
 
 

@@ -554,7 +554,8 @@ def _prefetch_own_weights(w_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, topk
     PREFETCH_K bytes of each of its weight rows (of its split's K chunk; 1-byte weights), so
     the DRAM, idle while a small kernel (act_quant) runs, starts on the GEMM's stream. Only a
     hint: the ids it reads were written two launches back, and a wrong or stale id fetches
-    lines nobody reads; the GEMM's own loads come after the wait."""
+    lines nobody reads; the GEMM's own loads come after the wait. The requests: LANES of them,
+    each row's bytes in LANES / BLOCK_N chunks, so that 128 threads issue no duplicates."""
     pid = tl.program_id(0)
     split = 0
     if SPLIT_K > 1:
@@ -572,12 +573,16 @@ def _prefetch_own_weights(w_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, topk
         k_start = 0
         if SPLIT_K > 1:
             k_start = split * tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-        rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-        size = tl.maximum(tl.minimum(K - k_start, PREFETCH_K) // 16 * 16, 0).to(tl.int32)
+        LANES: tl.constexpr = 128 if BLOCK_N <= 128 else BLOCK_N
+        CHUNK: tl.constexpr = max(16, PREFETCH_K // (LANES // BLOCK_N) // 16 * 16)
+        lane = tl.arange(0, LANES)
+        rows = (pid_n * BLOCK_N + lane % BLOCK_N) % N
+        start = k_start + (lane // BLOCK_N) * CHUNK
+        limit = tl.minimum(K, k_start + PREFETCH_K)
+        size = (tl.maximum(tl.minimum(limit - start, CHUNK), 0) // 16 * 16).to(tl.int32)
         tl.inline_asm_elementwise(
             _PREFETCH_L2_ASM, "=r,l,r",
-            [w_ptr + expert * stride_we + rows.to(tl.int64) * stride_wn + k_start,
-             tl.full([BLOCK_N], 0, tl.int32) + size],
+            [w_ptr + expert * stride_we + rows.to(tl.int64) * stride_wn + start, size],
             dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -1075,10 +1080,12 @@ def static_k_steps(quant: str, k: int, config: GemmConfig) -> int:
 PREFETCH_OWN_K = env_int("MOE_OPS_PREFETCH_OWN_K", 0)
 
 
-def _prefetch_own_k(quant: str, w: torch.Tensor) -> int:
+def _prefetch_own_k(quant: str, w: torch.Tensor, block_k: int) -> int:
     """PREFETCH_K of a tile launch (see PREFETCH_OWN_K): 0 unless quant is fp8 or fp8_block
-    with the early launch on and the weights' rows 16-byte aligned."""
+    with the early launch on and the weights' rows (and split-K's chunks, block_k apart)
+    16-byte aligned."""
     if (PREFETCH_OWN_K <= 0 or quant not in ("fp8", "fp8_block") or w.element_size() != 1
+            or block_k % 16
             or not pdl_launch_options(w.device) or w.stride(-1) != 1
             or w.stride(0) % 16 or w.stride(1) % 16 or w.data_ptr() % 16):
         return 0
@@ -1155,7 +1162,7 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
         SPLIT_K=config.split_k, USE_PDL=use_pdl(a.device),
         NUM_K_STEPS=static_k_steps(quant, k, config),
         PROMOTE_STEPS=max(1, FP8_PROMOTE_K // config.block_k) if quant == "fp8" else 1,
-        PREFETCH_K=_prefetch_own_k(quant, w),
+        PREFETCH_K=_prefetch_own_k(quant, w, config.block_k),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(a.device),
     )
 
