@@ -465,6 +465,21 @@ def _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _program_tile(N, num_m_blocks, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                  SPLIT_K: tl.constexpr):
+    """This program's (split, row block, column block) in the tile kernel's grid: neighbouring
+    programs take neighbouring K chunks (splits) of the same tile."""
+    pid = tl.program_id(0)
+    if SPLIT_K > 1:
+        split = pid % SPLIT_K
+        pid = pid // SPLIT_K
+    else:
+        split = 0
+    pid_m, pid_n = _tile_coords(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    return split, pid_m, pid_n
+
+
+@triton.jit
 def _fp8_dot(x, y, acc, part, step, PROMOTE_STEPS: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc (+ part) += x @ y for e4m3 operands, with the partial sum promoted into the fp32
     accumulator: Hopper's fp8 MMA keeps only about 14 bits while it accumulates (measured here:
@@ -556,12 +571,7 @@ def _prefetch_own_weights(w_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, topk
     hint: the ids it reads were written two launches back, and a wrong or stale id fetches
     lines nobody reads; the GEMM's own loads come after the wait. The requests: LANES of them,
     each row's bytes in LANES / BLOCK_N chunks, so that 128 threads issue no duplicates."""
-    pid = tl.program_id(0)
-    split = 0
-    if SPLIT_K > 1:
-        split = pid % SPLIT_K
-        pid = pid // SPLIT_K
-    pid_m, pid_n = _tile_coords(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    split, pid_m, pid_n = _program_tile(N, num_m_blocks, BLOCK_N, GROUP_M, SPLIT_K)
     if DIRECT:
         expert = tl.load(topk_ids_ptr + pid_m).to(tl.int64) - local_expert_offset
         live = (expert >= 0) & (expert < num_experts)
@@ -623,14 +633,7 @@ def _grouped_gemm_kernel(
                               stride_we, stride_wn, ALIGN_BLOCK_M, DIRECT, BLOCK_M, BLOCK_N,
                               BLOCK_K, GROUP_M, SPLIT_K, PREFETCH_K)
     pdl_prologue(USE_PDL)
-    pid = tl.program_id(0)
-    if SPLIT_K > 1:
-        # neighbouring programs take neighbouring K chunks of the same tile
-        split = pid % SPLIT_K
-        pid = pid // SPLIT_K
-    else:
-        split = 0
-    pid_m, pid_n = _tile_coords(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    split, pid_m, pid_n = _program_tile(N, num_m_blocks, BLOCK_N, GROUP_M, SPLIT_K)
 
     offs_r = tl.arange(0, BLOCK_M)
     if DIRECT:
