@@ -79,8 +79,7 @@ def parse_config(text: str) -> GemmConfig:
     return GemmConfig(bm, bn, bk, 8, int(warps), int(stages), "swap" in flags, split)
 
 
-def compile_config(quant: str, gemm: int, k: int, config: GemmConfig, direct: bool,
-                   prefetch_k: int = 0):
+def compile_config(quant: str, gemm: int, k: int, config: GemmConfig, direct: bool):
     atomic = config.split_k > 1
     fp4 = quant in gg.FP4_QUANTS
     consts = dict(
@@ -92,7 +91,7 @@ def compile_config(quant: str, gemm: int, k: int, config: GemmConfig, direct: bo
         FAST_FP4=fp4 and config.swap_ab and gg.FP4_FAST_DEQUANT,
         SPLIT_K=config.split_k, NUM_K_STEPS=gg.static_k_steps(quant, k, config),
         PROMOTE_STEPS=max(1, gg.FP8_PROMOTE_K // config.block_k) if quant == "fp8" else 1,
-        USE_PDL=True, PREFETCH_K=prefetch_k)
+        USE_PDL=True)
     operand = "*bf16" if quant == "none" or fp4 else "*fp8e4nv"
     signature = {}
     for name in inspect.signature(gg._grouped_gemm_kernel.fn).parameters:

@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|pown|aqslice|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|dram|aqslice|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -131,13 +131,13 @@
 # MOE_OPS_ACT_QUANT_SHORT_ROW_K 0 and 2048, then Qwen3-30B-A3B fp8 (its 768-wide
 # intermediate) and Mixtral-8x7B fp8 at T = 4096 / 16384 with 0 / 2048, two alternated passes;
 # about 4 minutes.
+# dram: how fast the DRAM streams a weight matrix read in the decode GEMMs' order (tiles of
+# BLOCK_N rows x BLOCK_K bytes a K step) beside a tile-ordered layout and a plain streaming read
+# (dev_dram_pattern.py), then Nsight Compute on Qwen3-30B-A3B bf16 and fp8 at T = 1 and
+# DeepSeek-V3 fp8_block at T = 4 (their two GEMMs); about 5 minutes.
 # aqslice: act_quant's sliced whole rows (MOE_OPS_ACT_QUANT_SLICE_K): its tests on the GPU (bit
 # for bit), then Mixtral-8x7B and Llama 4 Scout fp8 at T = 1 / 4 / 16 with
 # MOE_OPS_ACT_QUANT_SLICE_K 0, 2048, 0, 2048; about 1.5 minutes.
-# pown: the fp8 tile launches' pre-wait prefetch of their own weight rows
-# (grouped_gemm.PREFETCH_OWN_K, written without a GPU): its tests on the GPU (bit for bit with
-# and without), then Qwen3-30B-A3B, Mixtral-8x7B and Llama 4 Scout fp8 and DeepSeek-V3 fp8_block
-# at T = 1 / 4 / 16 with MOE_OPS_PREFETCH_OWN_K 0, 1024, 4096, 0, 1024; about 2.5 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # tune8: the tuner on the fp8 / fp8_block pairs only (SHIP=1), the tables copied to the
 # results dir's tuned/, then those layers at
@@ -687,6 +687,15 @@ if [[ "$what" == aqshort ]]; then
       -- --models qwen3_30b_a3b mixtral_8x7b --quant fp8 --tokens 4096 16384
   done
 fi
+if [[ "$what" == dram ]]; then
+  timeout 200 python3 benchmarks/dev_dram_pattern.py --out "$out/dram_pattern.json" \
+    > "$out/dram_pattern.log" 2>&1 || status=1
+  sed -n '/^best/,$p' "$out/dram_pattern.log"
+  NCU_TOKENS=1 NCU_CASES="qwen3_30b_a3b:none:grouped_gemm qwen3_30b_a3b:fp8:grouped_gemm" \
+    MOE_OPS_RESULTS_DIR="$out" bash benchmarks/h200_run.sh ncu4l || status=1
+  NCU_TOKENS=4 NCU_CASES="deepseek_v3:fp8_block:grouped_gemm" MOE_OPS_RESULTS_DIR="$out" \
+    bash benchmarks/h200_run.sh ncu4l || status=1
+fi
 if [[ "$what" == aqslice ]]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_experts.py \
     -k "sliced or (test_act_quant and 14336)" > "$out/pytest_aqslice.log" 2>&1 || status=1
@@ -694,16 +703,6 @@ if [[ "$what" == aqslice ]]; then
   for arm in 0:a 2048:a 0:b 2048:b; do
     layer_arm "ab_aqslice_${arm%%:*}_${arm#*:}" 25 6 MOE_OPS_ACT_QUANT_SLICE_K=${arm%%:*} -- \
       --models mixtral_8x7b llama4_scout --quant fp8 --tokens 1 4 16
-  done
-fi
-if [[ "$what" == pown ]]; then
-  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_own.py \
-    > "$out/pytest_pown.log" 2>&1 || status=1
-  tail -n 1 "$out/pytest_pown.log"
-  for arm in 0:a 1024:a 4096:a 0:b 1024:b; do
-    layer_arm "ab_pown_${arm%%:*}_${arm#*:}" 30 12 MOE_OPS_PREFETCH_OWN_K=${arm%%:*} -- \
-      --models qwen3_30b_a3b mixtral_8x7b llama4_scout deepseek_v3 --quant fp8 fp8_block \
-      --tokens 1 4 16
   done
 fi
 # ship_tables MODEL:QUANT...: the tuner on those pairs into the package's tables (SHIP=1), the

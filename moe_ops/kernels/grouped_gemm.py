@@ -67,7 +67,6 @@ from moe_ops.kernels.common import (
     pdl_launch_options, pdl_prologue, round_to_dtype, use_pdl,
 )
 from moe_ops.kernels import INTERPRET
-from moe_ops.kernels.env import env_int
 from moe_ops.kernels.fp4_decode import (  # noqa: F401  (the 4-bit decode's names, re-exported)
     MXFP4_FAST_BIAS, NVFP4_FAST_EPILOGUE, _E2M1_BF16_ASM, _E2M1_BF16_ASM_HEAD,
     _E4M3_TO_BF16_P117, _dequant_fp4_tile, _dequant_fp4_tile_bf16_asm,
@@ -465,21 +464,6 @@ def _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _program_tile(N, num_m_blocks, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                  SPLIT_K: tl.constexpr):
-    """This program's (split, row block, column block) in the tile kernel's grid: neighbouring
-    programs take neighbouring K chunks (splits) of the same tile."""
-    pid = tl.program_id(0)
-    if SPLIT_K > 1:
-        split = pid % SPLIT_K
-        pid = pid // SPLIT_K
-    else:
-        split = 0
-    pid_m, pid_n = _tile_coords(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
-    return split, pid_m, pid_n
-
-
-@triton.jit
 def _fp8_dot(x, y, acc, part, step, PROMOTE_STEPS: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc (+ part) += x @ y for e4m3 operands, with the partial sum promoted into the fp32
     accumulator: Hopper's fp8 MMA keeps only about 14 bits while it accumulates (measured here:
@@ -551,51 +535,6 @@ def _epilogue(acc, expert, pair_ids, row_ok, slots, a_rows, offs_n, w_rows, pid_
                  mask=row_ok[:, None] & (cols < n_out)[None, :])
 
 
-# cp.async.bulk.prefetch.L2 (sm_90): one bulk request of $2 bytes (a multiple of 16, skipped
-# when not positive) from a 16-byte aligned address; no result, no register or shared memory.
-_PREFETCH_L2_ASM = tl.constexpr(
-    "{\n.reg .pred p;\nsetp.gt.s32 p, $2, 0;\n"
-    "@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;\n}")
-
-
-@triton.jit
-def _prefetch_own_weights(w_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, topk_ids_ptr, N, K,
-                          num_pairs, num_experts, local_expert_offset, num_m_blocks, stride_we,
-                          stride_wn, ALIGN_BLOCK_M: tl.constexpr, DIRECT: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                          PREFETCH_K: tl.constexpr):
-    """Before the program waits for the launch before it (PDL): ask the L2 for the first
-    PREFETCH_K bytes of each of its weight rows (of its split's K chunk; 1-byte weights), so
-    the DRAM, idle while a small kernel (act_quant) runs, starts on the GEMM's stream. Only a
-    hint: the ids it reads were written two launches back, and a wrong or stale id fetches
-    lines nobody reads; the GEMM's own loads come after the wait. The requests: LANES of them,
-    each row's bytes in LANES / BLOCK_N chunks, so that 128 threads issue no duplicates."""
-    split, pid_m, pid_n = _program_tile(N, num_m_blocks, BLOCK_N, GROUP_M, SPLIT_K)
-    if DIRECT:
-        expert = tl.load(topk_ids_ptr + pid_m).to(tl.int64) - local_expert_offset
-        live = (expert >= 0) & (expert < num_experts)
-    else:
-        live = tl.load(sorted_pair_ids_ptr + pid_m * BLOCK_M) < num_pairs
-        expert = tl.load(block_expert_ids_ptr + (pid_m * BLOCK_M) // ALIGN_BLOCK_M).to(tl.int64)
-        live = live & (expert >= 0) & (expert < num_experts)
-    if live:
-        k_start = 0
-        if SPLIT_K > 1:
-            k_start = split * tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-        LANES: tl.constexpr = 128 if BLOCK_N <= 128 else BLOCK_N
-        CHUNK: tl.constexpr = max(16, PREFETCH_K // (LANES // BLOCK_N) // 16 * 16)
-        lane = tl.arange(0, LANES)
-        rows = (pid_n * BLOCK_N + lane % BLOCK_N) % N
-        start = k_start + (lane // BLOCK_N) * CHUNK
-        limit = tl.minimum(K, k_start + PREFETCH_K)
-        size = (tl.maximum(tl.minimum(limit - start, CHUNK), 0) // 16 * 16).to(tl.int32)
-        tl.inline_asm_elementwise(
-            _PREFETCH_L2_ASM, "=r,l,r",
-            [w_ptr + expert * stride_we + rows.to(tl.int64) * stride_wn + start, size],
-            dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
@@ -625,15 +564,16 @@ def _grouped_gemm_kernel(
     PROMOTE_STEPS: tl.constexpr = 1,  # fp8: K steps between promotions of the partial sum
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (common.pdl_prologue)
     NUM_K_STEPS: tl.constexpr = 0,  # > 0: cdiv(K, BLOCK_K) known at compile time (static_k_steps)
-    PREFETCH_K: tl.constexpr = 0,   # > 0 (GPU, PDL, 1-byte weights): _prefetch_own_weights
 ):
-    if PREFETCH_K > 0:
-        _prefetch_own_weights(w_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, topk_ids_ptr, N, K,
-                              num_pairs, num_experts, local_expert_offset, num_m_blocks,
-                              stride_we, stride_wn, ALIGN_BLOCK_M, DIRECT, BLOCK_M, BLOCK_N,
-                              BLOCK_K, GROUP_M, SPLIT_K, PREFETCH_K)
     pdl_prologue(USE_PDL)
-    split, pid_m, pid_n = _program_tile(N, num_m_blocks, BLOCK_N, GROUP_M, SPLIT_K)
+    pid = tl.program_id(0)
+    if SPLIT_K > 1:
+        # neighbouring programs take neighbouring K chunks of the same tile
+        split = pid % SPLIT_K
+        pid = pid // SPLIT_K
+    else:
+        split = 0
+    pid_m, pid_n = _tile_coords(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_r = tl.arange(0, BLOCK_M)
     if DIRECT:
@@ -1075,26 +1015,6 @@ def static_k_steps(quant: str, k: int, config: GemmConfig) -> int:
     return 0
 
 
-# fp8 / fp8_block tile launches with PDL's early launch (decode): each program first asks the L2
-# for the first PREFETCH_OWN_K bytes of its weight rows, before it waits for the launch before
-# it (an act_quant of x or of the intermediate: ~2 us in which the DRAM streams nothing;
-# results/h200_profile_layer_pdl0.json). Not yet measured: off unless MOE_OPS_PREFETCH_OWN_K
-# is set (bytes, a multiple of 16, e.g. 1024).
-PREFETCH_OWN_K = env_int("MOE_OPS_PREFETCH_OWN_K", 0)
-
-
-def _prefetch_own_k(quant: str, w: torch.Tensor, block_k: int) -> int:
-    """PREFETCH_K of a tile launch (see PREFETCH_OWN_K): 0 unless quant is fp8 or fp8_block
-    with the early launch on and the weights' rows (and split-K's chunks, block_k apart)
-    16-byte aligned."""
-    if (PREFETCH_OWN_K <= 0 or quant not in ("fp8", "fp8_block") or w.element_size() != 1
-            or block_k % 16
-            or not pdl_launch_options(w.device) or w.stride(-1) != 1
-            or w.stride(0) % 16 or w.stride(1) % 16 or w.data_ptr() % 16):
-        return 0
-    return PREFETCH_OWN_K // 16 * 16
-
-
 def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmConfig, *,
             n: int, k: int, gemm: int, quant: str, activation: str, alpha: float, limit: float,
             atomic_out: bool, interpret_upcast: bool, global_scale=None):
@@ -1165,7 +1085,6 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
         SPLIT_K=config.split_k, USE_PDL=use_pdl(a.device),
         NUM_K_STEPS=static_k_steps(quant, k, config),
         PROMOTE_STEPS=max(1, FP8_PROMOTE_K // config.block_k) if quant == "fp8" else 1,
-        PREFETCH_K=_prefetch_own_k(quant, w, config.block_k),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(a.device),
     )
 
