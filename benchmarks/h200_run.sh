@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|dram|aqslice|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|dram|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -138,6 +138,9 @@
 # aqslice: act_quant's sliced whole rows (MOE_OPS_ACT_QUANT_SLICE_K): its tests on the GPU (bit
 # for bit), then Mixtral-8x7B and Llama 4 Scout fp8 at T = 1 / 4 / 16 with
 # MOE_OPS_ACT_QUANT_SLICE_K 0, 2048, 0, 2048; about 1.5 minutes.
+# aqslice2: act_quant's slice width at decode, the default 2048 against 1024 (twice as many
+# programs a long row), Mixtral-8x7B and Llama 4 Scout fp8 at T = 1 / 4 / 16, arms alternated;
+# about 2 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
 # tune8: the tuner on the fp8 / fp8_block pairs only (SHIP=1), the tables copied to the
 # results dir's tuned/, then those layers at
@@ -696,12 +699,18 @@ if [[ "$what" == dram ]]; then
   NCU_TOKENS=4 NCU_CASES="deepseek_v3:fp8_block:grouped_gemm" MOE_OPS_RESULTS_DIR="$out" \
     bash benchmarks/h200_run.sh ncu4l || status=1
 fi
+if [[ "$what" == aqslice2 ]]; then
+  for arm in 2048:a 1024:a 2048:b 1024:b; do
+    layer_arm "ab_aqslice2_${arm%%:*}_${arm#*:}" 25 6 MOE_OPS_ACT_QUANT_SLICE_K=${arm%%:*} -- \
+      --models mixtral_8x7b llama4_scout --quant fp8 --tokens 1 4 16
+  done
+fi
 if [[ "$what" == aqslice ]]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_experts.py \
     -k "sliced or (test_act_quant and 14336)" > "$out/pytest_aqslice.log" 2>&1 || status=1
   tail -n 1 "$out/pytest_aqslice.log"
   for arm in 0:a 2048:a 0:b 2048:b; do
-    layer_arm "ab_aqslice_${arm%%:*}_${arm#*:}" 25 6 MOE_OPS_ACT_QUANT_SLICE_K=${arm%%:*} -- \
+    layer_arm "ab_aqslice2_${arm%%:*}_${arm#*:}" 25 6 MOE_OPS_ACT_QUANT_SLICE_K=${arm%%:*} -- \
       --models mixtral_8x7b llama4_scout --quant fp8 --tokens 1 4 16
   done
 fi
