@@ -21,10 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moe_ops.tuning import cuda_event_timer  # noqa: E402
 
 
 @triton.jit
@@ -61,19 +65,10 @@ def _stream_kernel(w_ptr, out_ptr, chunks, CHUNK4: tl.constexpr, STAGES: tl.cons
     tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
 
-def time_us(fn, reps: int = 20) -> float:
-    """Median of reps CUDA-event timings of fn (the matrix is far past the L2: no flush)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+def time_us(fn) -> float:
+    """Median CUDA-event time of fn in us (tuning's timer; the matrix is far past the L2: no
+    flush)."""
+    return cuda_event_timer(fn, warmup=1, repeat=20) * 1e6
 
 
 def main(argv=None) -> int:
