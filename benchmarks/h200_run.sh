@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|dram|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|all]
+#     bash benchmarks/h200_run.sh [check|bench|tune|dram|sweepw|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|all]
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -138,6 +138,10 @@
 # aqslice: act_quant's sliced whole rows (MOE_OPS_ACT_QUANT_SLICE_K): its tests on the GPU (bit
 # for bit), then Mixtral-8x7B and Llama 4 Scout fp8 at T = 1 / 4 / 16 with
 # MOE_OPS_ACT_QUANT_SLICE_K 0, 2048, 0, 2048; about 1.5 minutes.
+# sweepw: the decode tiles at 2 warps beside 4 (sweep_configs.py --against tables --warps 2 4:
+# every candidate of a small grid for GEMM1, then GEMM2, against the shipped tables' pair, each
+# output checked against that pair's) at the fp8 points under their bars and Qwen3 bf16 T = 1;
+# about 8.5 minutes (a GEMM's candidates stop after 45 s).
 # aqslice2: act_quant's slice width at decode, the default 2048 against 1024 (twice as many
 # programs a long row), Mixtral-8x7B and Llama 4 Scout fp8 at T = 1 / 4 / 16, arms alternated;
 # about 2 minutes.
@@ -698,6 +702,13 @@ if [[ "$what" == dram ]]; then
     MOE_OPS_RESULTS_DIR="$out" bash benchmarks/h200_run.sh ncu4l || status=1
   NCU_TOKENS=4 NCU_CASES="deepseek_v3:fp8_block:grouped_gemm" MOE_OPS_RESULTS_DIR="$out" \
     bash benchmarks/h200_run.sh ncu4l || status=1
+fi
+if [[ "$what" == sweepw ]]; then
+  timeout 560 python3 benchmarks/sweep_configs.py --cases qwen3_30b_a3b:fp8:1 \
+    mixtral_8x7b:fp8:4 llama4_scout:fp8:16 deepseek_v3:fp8_block:4 qwen3_30b_a3b:none:1 \
+    --against tables --warps 2 4 --stages 3 4 --deadline-s 45 --out "$out/sweep_warps.json" \
+    > "$out/sweep_warps.log" 2>&1 || status=1
+  grep -v "^ *$" "$out/sweep_warps.log" | tail -n 20
 fi
 if [[ "$what" == aqslice2 ]]; then
   for arm in 2048:a 1024:a 2048:b 1024:b; do

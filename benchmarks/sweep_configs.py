@@ -5,9 +5,17 @@ one input, then times `triton_experts` (CUDA-graph replay, median) with the defa
 with each candidate config for GEMM1 (GEMM2 at its default), then each candidate for GEMM2 (GEMM1
 at the best found). Candidates come from the kernel's own config space, a small grid around the default (candidates()).
 Prints the best per case against the default; JSON with every timing goes to --out.
+--against tables starts from the configs the shipped tables pick for the call instead (and
+times them again after the sweep: the spread of one config's timings); --warps adds warp
+counts to the decode grid (2 warps: a 16-row tile's shared activation fragments converted by
+half as many warps; benchmarks/NOTES.md, eighteenth session); --deadline-s stops the sweep of
+a GEMM's candidates when passed (the rest recorded as skipped). Every candidate's output is
+compared with the starting pair's (MAX_ERR); one off by more is reported and never best.
 
     python benchmarks/sweep_configs.py --cases qwen3_30b_a3b:none:1 mixtral_8x7b:fp8:1 \
         --out sweep.json
+    python benchmarks/sweep_configs.py --cases mixtral_8x7b:fp8:4 --against tables \
+        --warps 2 4 --stages 3 4 --deadline-s 100 --out sweep_warps.json
 """
 from __future__ import annotations
 
@@ -25,19 +33,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (puts the repository root on sys.path)
 from moe_ops.kernels.experts import gemm_problems, triton_experts  # noqa: E402
 from moe_ops.kernels.grouped_gemm import GemmConfig, default_config, is_valid_config  # noqa: E402
+from moe_ops.tuning import experts_configs  # noqa: E402
 
 DEFAULT_CASES = ("qwen3_30b_a3b:none:1", "qwen3_30b_a3b:fp8:1", "mixtral_8x7b:fp8:1",
                  "deepseek_v3:fp8_block:1", "mixtral_8x7b:none:64", "mixtral_8x7b:fp8:64")
 
 
-def candidates(problem, decode: bool) -> list[GemmConfig]:
-    """A small grid around the default: narrow swap-AB tiles for decode, 32/64-row tiles else."""
+def candidates(problem, decode: bool, warps=(4,), stages=(3, 4, 5)) -> list[GemmConfig]:
+    """A small grid around the default: narrow swap-AB tiles for decode (fp8 per tensor
+    unswapped, as the experts call runs it), 32/64-row tiles else."""
     if decode:
-        grid = itertools.product((16,), (32, 64, 128), (128, 256), (3, 4, 5), (True,))
+        swap = problem.quant != "fp8"
+        grid = itertools.product((16,), (32, 64, 128), (128, 256), warps, stages, (swap,))
     else:
-        grid = itertools.product((32, 64), (64, 128), (64, 128), (3, 4), (False,))
-    configs = [GemmConfig(bm, bn, bk, 8, 4, stages, swap) for bm, bn, bk, stages, swap in grid]
+        grid = itertools.product((32, 64), (64, 128), (64, 128), (4,), (3, 4), (False,))
+    configs = [GemmConfig(bm, bn, bk, 8, w, st, swap) for bm, bn, bk, w, st, swap in grid]
     return [c for c in configs if is_valid_config(problem, c)]
+
+
+# A candidate's output against the starting pair's: the same quantized operands, only the
+# summation order differs.
+MAX_ERR = 1e-2
 
 
 def time_call(fn) -> float:
@@ -50,6 +66,15 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES),
                         help="model:quant:T entries")
     parser.add_argument("--out", default="sweep_configs.json")
+    parser.add_argument("--against", choices=("default", "tables"), default="default",
+                        help="the starting pair: default_config's or the shipped tables'")
+    parser.add_argument("--warps", type=int, nargs="+", default=[4],
+                        help="warp counts of the decode grid")
+    parser.add_argument("--stages", type=int, nargs="+", default=[3, 4, 5],
+                        help="pipeline depths of the decode grid")
+    parser.add_argument("--deadline-s", type=float, default=0.0,
+                        help="per GEMM of a case: stop timing candidates after this long "
+                             "(0: no limit)")
     args = parser.parse_args()
     shapes = bench.load_shapes()
     results, summary = [], []
@@ -67,36 +92,54 @@ def main() -> None:
                                           gemm1_config=c1, gemm2_config=c2)
 
         start = time.perf_counter()
-        default_us = time_call(call())
-        best1, best1_us = default_config(problem1), default_us
+        if args.against == "tables":
+            base1, base2 = experts_configs(problem1, problem2, num_tokens=tokens,
+                                           top_k=ids.shape[1], activation=layer.activation,
+                                           device=x.device)
+        else:
+            base1, base2 = default_config(problem1), default_config(problem2)
+        reference = call(base1, base2)()   # every candidate's output is checked against it
+        default_us = time_call(call(base1, base2))
+        best1, best1_us = base1, default_us
         decode = problem1.tokens_per_expert <= 16
-        for config in candidates(problem1, decode):
-            try:
-                us = time_call(call(c1=config))
-            except Exception as exc:  # a config the compiler rejects: record, go on
-                results.append(dict(case=case, gemm=1, config=str(config), error=str(exc)[:200]))
-                continue
-            results.append(dict(case=case, gemm=1, config=str(config), us=us))
-            if us < best1_us:
-                best1, best1_us = config, us
-        best2, best2_us = default_config(problem2), best1_us
-        for config in candidates(problem2, decode):
-            try:
-                us = time_call(call(c1=best1, c2=config))
-            except Exception as exc:
-                results.append(dict(case=case, gemm=2, config=str(config), error=str(exc)[:200]))
-                continue
-            results.append(dict(case=case, gemm=2, config=str(config), us=us))
-            if us < best2_us:
-                best2, best2_us = config, us
-        summary.append(dict(case=case, default_us=default_us, best_us=best2_us,
+
+        def sweep(gemm, problem, run):
+            best, best_us, began = None, float("inf"), time.perf_counter()
+            for config in candidates(problem, decode, tuple(args.warps), tuple(args.stages)):
+                if args.deadline_s and time.perf_counter() - began > args.deadline_s:
+                    results.append(dict(case=case, gemm=gemm, config=str(config), skipped=True))
+                    continue
+                try:
+                    err = bench.relative_error(run(config)(), reference)
+                    us = time_call(run(config))
+                except Exception as exc:  # a config the compiler rejects: record, go on
+                    results.append(dict(case=case, gemm=gemm, config=str(config),
+                                        error=str(exc)[:200]))
+                    continue
+                results.append(dict(case=case, gemm=gemm, config=str(config), us=us, err=err))
+                if not err <= MAX_ERR:   # (NaN too)
+                    print(f"  {case} gemm{gemm} {config}: output off by {err:.2e}", flush=True)
+                    continue
+                if us < best_us:
+                    best, best_us = config, us
+            return best, best_us
+
+        found1, found1_us = sweep(1, problem1, lambda c: call(c1=c, c2=base2))
+        if found1_us < best1_us:
+            best1, best1_us = found1, found1_us
+        best2, best2_us = base2, time_call(call(best1, base2))
+        found2, found2_us = sweep(2, problem2, lambda c: call(c1=best1, c2=c))
+        if found2_us < best2_us:
+            best2, best2_us = found2, found2_us
+        again_us = time_call(call(base1, base2))
+        summary.append(dict(case=case, against=args.against, default_us=default_us,
+                            default_again_us=again_us, best_us=best2_us,
                             gemm1=str(best1), gemm2=str(best2),
-                            default1=str(default_config(problem1)),
-                            default2=str(default_config(problem2)),
+                            default1=str(base1), default2=str(base2),
                             sweep_s=time.perf_counter() - start))
-        print(f"{case}: default {default_us:.1f} us -> best {best2_us:.1f} us "
-              f"({time.perf_counter() - start:.0f} s)\n  gemm1 {best1}\n  gemm2 {best2}",
-              flush=True)
+        print(f"{case}: {args.against} {default_us:.1f} us (again {again_us:.1f}) -> best "
+              f"{best2_us:.1f} us ({time.perf_counter() - start:.0f} s)\n  gemm1 {best1}\n  "
+              f"gemm2 {best2}", flush=True)
         del layer, kw
         torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(dict(summary=summary, results=results), indent=1))
