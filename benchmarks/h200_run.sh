@@ -710,20 +710,24 @@ if [[ "$what" == sweepw ]]; then
     > "$out/sweep_warps.log" 2>&1 || status=1
   grep -v "^ *$" "$out/sweep_warps.log" | tail -n 20
 fi
-if [[ "$what" == aqslice2 ]]; then
-  for arm in 2048:a 1024:a 2048:b 1024:b; do
-    layer_arm "ab_aqslice2_${arm%%:*}_${arm#*:}" 25 6 MOE_OPS_ACT_QUANT_SLICE_K=${arm%%:*} -- \
+# aqslice_arms NAME WIDTH:PASS...: Mixtral-8x7B and Llama 4 Scout fp8 at T = 1 / 4 / 16 with
+# MOE_OPS_ACT_QUANT_SLICE_K=WIDTH, one arm each, into NAME_WIDTH_PASS
+aqslice_arms() {
+  local name=$1 arm
+  shift
+  for arm in "$@"; do
+    layer_arm "${name}_${arm%%:*}_${arm#*:}" 25 6 MOE_OPS_ACT_QUANT_SLICE_K=${arm%%:*} -- \
       --models mixtral_8x7b llama4_scout --quant fp8 --tokens 1 4 16
   done
+}
+if [[ "$what" == aqslice2 ]]; then
+  aqslice_arms ab_aqslice2 2048:a 1024:a 2048:b 1024:b
 fi
 if [[ "$what" == aqslice ]]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_experts.py \
     -k "sliced or (test_act_quant and 14336)" > "$out/pytest_aqslice.log" 2>&1 || status=1
   tail -n 1 "$out/pytest_aqslice.log"
-  for arm in 0:a 2048:a 0:b 2048:b; do
-    layer_arm "ab_aqslice2_${arm%%:*}_${arm#*:}" 25 6 MOE_OPS_ACT_QUANT_SLICE_K=${arm%%:*} -- \
-      --models mixtral_8x7b llama4_scout --quant fp8 --tokens 1 4 16
-  done
+  aqslice_arms ab_aqslice 0:a 2048:a 0:b 2048:b
 fi
 # ship_tables MODEL:QUANT...: the tuner on those pairs into the package's tables (SHIP=1), the
 # tables then copied to $out/tuned/ (they come back with the results)
