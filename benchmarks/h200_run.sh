@@ -2,7 +2,11 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|bench|tune|dram|sweepw|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|all]
+# checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
+# or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
+# (the kernel tests are mostly compile time, which the host's cores share out), each at most
+# $CHECK_LIMIT_S (540) s, logs pytest_gpu_<i>.log.
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
 # of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
@@ -207,6 +211,26 @@ if [[ "$what" == check || "$what" == all ]]; then
   compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/gpu_check.py --sanitize \
     > "$out/sanitize.log" 2>&1 || status=1
   grep -E "ERROR SUMMARY|PASS|FAIL" "$out/sanitize.log" | tail -n 12
+fi
+if [[ "$what" == checkp ]]; then
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  # shellcheck disable=SC2086
+  python3 -m pytest -q --collect-only -p no:cacheprovider ${CHECK_FILES:-$(ls tests/test_*.py \
+    | grep -v test_packaging)} 2>/dev/null | grep "::" > "$out/pytest_gpu_nodes.txt"
+  procs=${CHECK_PROCS:-8}
+  for i in $(seq 0 $((procs - 1))); do
+    awk -v n="$procs" -v i="$i" 'NR % n == i' "$out/pytest_gpu_nodes.txt" > "$out/pytest_gpu_nodes_$i.txt"
+    timeout "${CHECK_LIMIT_S:-540}" python3 -c 'import sys, pytest
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider"] + open(sys.argv[1]).read().splitlines()))' \
+      "$out/pytest_gpu_nodes_$i.txt" > "$out/pytest_gpu_$i.log" 2>&1 &
+  done
+  wait
+  echo "$(wc -l < "$out/pytest_gpu_nodes.txt") tests in $procs processes:"
+  for i in $(seq 0 $((procs - 1))); do
+    echo "$i: $(tail -n 1 "$out/pytest_gpu_$i.log")"
+    grep -q -E "^[=]* ?[0-9]+ passed" "$out/pytest_gpu_$i.log" \
+      && ! grep -q -E "[0-9]+ (failed|error)" "$out/pytest_gpu_$i.log" || status=1
+  done
 fi
 if [[ "$what" == bench || "$what" == all ]]; then
   python3 benchmarks/bench.py --out "$out/h200.json" --plot "$out/h200.png" --deadline-s "${DEADLINE_S:-420}" \

@@ -228,9 +228,12 @@ def test_plan_listed_modes_cross_product_and_listed_only():
 
 
 def test_backend_support_probe():
-    # the Triton kernels run the 4-bit modes (here in the interpreter); a backend that cannot
-    # run a mode is reported with its reason, not crashed on
-    assert bench.backend_support("triton", "nvfp4", torch.device("cpu"), torch.bfloat16, {}) is None
+    # the Triton kernels run the 4-bit modes (on the GPU, or in the interpreter on CPU); a
+    # backend that cannot run a mode is reported with its reason, not crashed on
+    from moe_ops.kernels import INTERPRET
+
+    triton_device = torch.device("cpu" if INTERPRET else "cuda")
+    assert bench.backend_support("triton", "nvfp4", triton_device, torch.bfloat16, {}) is None
     reason = bench.backend_support("cpu", "mxfp4", torch.device("cpu"), torch.bfloat16, {})
     assert isinstance(reason, str) and reason
 
