@@ -32,6 +32,13 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session")
+def kernel_device():
+    """Where the Triton kernels run: the GPU, or CPU tensors under the interpreter."""
+    return torch.device("cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+                        else "cuda")
+
+
 @pytest.fixture
 def poisoned_empty(monkeypatch):
     """torch.empty returns NaN-filled floats and garbage ints, so kernel outputs left unwritten

@@ -227,13 +227,10 @@ def test_plan_listed_modes_cross_product_and_listed_only():
     assert quick.models == list(bench.QUICK_MODELS) and quick.budget_ms < 100
 
 
-def test_backend_support_probe():
+def test_backend_support_probe(kernel_device):
     # the Triton kernels run the 4-bit modes (on the GPU, or in the interpreter on CPU); a
     # backend that cannot run a mode is reported with its reason, not crashed on
-    from moe_ops.kernels import INTERPRET
-
-    triton_device = torch.device("cpu" if INTERPRET else "cuda")
-    assert bench.backend_support("triton", "nvfp4", triton_device, torch.bfloat16, {}) is None
+    assert bench.backend_support("triton", "nvfp4", kernel_device, torch.bfloat16, {}) is None
     reason = bench.backend_support("cpu", "mxfp4", torch.device("cpu"), torch.bfloat16, {})
     assert isinstance(reason, str) and reason
 

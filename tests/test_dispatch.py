@@ -121,14 +121,12 @@ def test_shard_offset_selects_its_experts():
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(args=align_inputs())
-def test_align_tokens_op_triton_backend(args):
+def test_align_tokens_op_triton_backend(kernel_device, args):
     """The Triton dispatch (on the GPU, or in the interpreter on CPU) keeps the same contract.
     Pairs within an expert's run may come in another order, which check_aligned allows."""
-    from moe_ops.kernels import INTERPRET
-
     ids, num_local, offset, block_m = args
     if block_m == 3:
         block_m = 4  # the kernels tile by powers of two
-    out = torch.ops.moe_ops.align_tokens(ids.to("cpu" if INTERPRET else "cuda"), num_local,
-                                         offset, block_m, "triton")
+    out = torch.ops.moe_ops.align_tokens(ids.to(kernel_device), num_local, offset, block_m,
+                                         "triton")
     check_aligned(out, ids, num_local, offset, block_m)

@@ -165,14 +165,12 @@ def test_triton_backend_on_cpu_without_interpreter(gen, monkeypatch):
         layer(tokens(gen), logits(gen))
 
 
-def test_triton_backend_runs_4bit():
+def test_triton_backend_runs_4bit(kernel_device):
     """nvfp4/mxfp4 run on the Triton kernels (W4A16): asked for explicitly they are accepted,
     and backend='auto' on CUDA picks triton for them as for every other mode."""
     from moe_ops.experts import resolve_backend
-    from moe_ops.kernels import INTERPRET
 
-    triton_device = torch.device("cpu" if INTERPRET else "cuda")
-    assert resolve_backend("triton", triton_device, "nvfp4") == "triton"
+    assert resolve_backend("triton", kernel_device, "nvfp4") == "triton"
     for quant in ("mxfp4", "nvfp4", "fp8"):
         assert resolve_backend("auto", torch.device("cuda"), quant) == "triton"
 
