@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -146,10 +146,16 @@
 # every candidate of a small grid for GEMM1, then GEMM2, against the shipped tables' pair, each
 # output checked against that pair's) at the fp8 points under their bars and Qwen3 bf16 T = 1;
 # about 8.5 minutes (a GEMM's candidates stop after 45 s).
+# persd: decode's row tiles on the persistent TMA kernel (block_m 16 / 32, swapped and not,
+# GEMM1's token rows by pointer): their GPU tests and compute-sanitizer, then sweep_configs.py
+# --persistent against the shipped tables' pair at Qwen3 bf16 / fp8 T = 16, Mixtral fp8 T = 64
+# and DeepSeek-V3 fp8_block T = 4 ($PERSD_CASES); about 9 minutes.
 # aqslice2: act_quant's slice width at decode, the default 2048 against 1024 (twice as many
 # programs a long row), Mixtral-8x7B and Llama 4 Scout fp8 at T = 1 / 4 / 16, arms alternated;
 # about 2 minutes.
 # tune4: the tuner on the 4-bit pairs of shapes.json only (SHIP=1: the package's tables).
+# tune16: the tuner on the bf16 / fp8 / fp8_block pairs only (SHIP=1), the tables copied to the
+# results dir's tuned/; about 6 minutes.
 # tune8: the tuner on the fp8 / fp8_block pairs only (SHIP=1), the tables copied to the
 # results dir's tuned/, then those layers at
 # T = 1 / 4 / 16 / 64 (graph replays, no baseline) on the new tables; about 6 minutes.
@@ -727,6 +733,17 @@ if [[ "$what" == dram ]]; then
   NCU_TOKENS=4 NCU_CASES="deepseek_v3:fp8_block:grouped_gemm" MOE_OPS_RESULTS_DIR="$out" \
     bash benchmarks/h200_run.sh ncu4l || status=1
 fi
+if [[ "$what" == persd ]]; then
+  # (PERSD_CASES overrides the cases; PERSD_STAGES the pipeline depths)
+  tests_then_sanitize persd tests/test_kernels_experts.py "persistent" \
+    "persistent_decode_tiles and (fp8_block or relu2)" 240
+  # shellcheck disable=SC2086
+  timeout 420 python3 benchmarks/sweep_configs.py --cases ${PERSD_CASES:-qwen3_30b_a3b:none:16 \
+    qwen3_30b_a3b:fp8:16 mixtral_8x7b:fp8:64 deepseek_v3:fp8_block:4} --against tables \
+    --persistent --stages ${PERSD_STAGES:-4 6} --deadline-s 35 \
+    --out "$out/sweep_persd.json" > "$out/sweep_persd.log" 2>&1 || status=1
+  grep -v "^ *$" "$out/sweep_persd.log" | tail -n 24
+fi
 if [[ "$what" == sweepw ]]; then
   timeout 560 python3 benchmarks/sweep_configs.py --cases qwen3_30b_a3b:fp8:1 \
     mixtral_8x7b:fp8:4 llama4_scout:fp8:16 deepseek_v3:fp8_block:4 qwen3_30b_a3b:none:1 \
@@ -767,6 +784,10 @@ if [[ "$what" == tune8 ]]; then
   ship_tables qwen3_30b_a3b:fp8 mixtral_8x7b:fp8 llama4_scout:fp8 deepseek_v3:fp8_block
   layer_arm "tune8_after" 60 16 MOE_OPS_PDL=1 -- --models qwen3_30b_a3b mixtral_8x7b llama4_scout \
     deepseek_v3 --quant fp8 fp8_block --tokens 1 4 16 64
+fi
+if [[ "$what" == tune16 ]]; then
+  ship_tables qwen3_30b_a3b:none qwen3_30b_a3b:fp8 mixtral_8x7b:none mixtral_8x7b:fp8 \
+    llama4_scout:none llama4_scout:fp8 deepseek_v3:fp8_block
 fi
 if [[ "$what" == tune ]]; then
   pairs=$(python3 -c "import json; m = json.load(open('benchmarks/shapes.json'))['models']; print(' '.join(f'{n}:{q}' for n, e in m.items() for q in e['quant']))")

@@ -9,13 +9,16 @@ Prints the best per case against the default; JSON with every timing goes to --o
 times them again after the sweep: the spread of one config's timings); --warps adds warp
 counts to the decode grid (2 warps: a 16-row tile's shared activation fragments converted by
 half as many warps; benchmarks/NOTES.md, eighteenth session); --deadline-s stops the sweep of
-a GEMM's candidates when passed (the rest recorded as skipped). Every candidate's output is
+a GEMM's candidates when passed (the rest recorded as skipped); --persistent sweeps decode's
+row tiles on the persistent TMA kernel (GemmConfig.persistent with block_m 16 / 32). Every candidate's output is
 compared with the starting pair's (MAX_ERR); one off by more is reported and never best.
 
     python benchmarks/sweep_configs.py --cases qwen3_30b_a3b:none:1 mixtral_8x7b:fp8:1 \
         --out sweep.json
     python benchmarks/sweep_configs.py --cases mixtral_8x7b:fp8:4 --against tables \
         --warps 2 4 --stages 3 4 --deadline-s 100 --out sweep_warps.json
+    python benchmarks/sweep_configs.py --cases qwen3_30b_a3b:none:16 --against tables \
+        --persistent --stages 4 6 --out sweep_persistent.json
 """
 from __future__ import annotations
 
@@ -39,9 +42,19 @@ DEFAULT_CASES = ("qwen3_30b_a3b:none:1", "qwen3_30b_a3b:fp8:1", "mixtral_8x7b:fp
                  "deepseek_v3:fp8_block:1", "mixtral_8x7b:none:64", "mixtral_8x7b:fp8:64")
 
 
-def candidates(problem, decode: bool, warps=(4,), stages=(3, 4, 5)) -> list[GemmConfig]:
+def candidates(problem, decode: bool, warps=(4,), stages=(3, 4, 5),
+               persistent=False) -> list[GemmConfig]:
     """A small grid around the default: narrow swap-AB tiles for decode (fp8 per tensor
-    unswapped, as the experts call runs it), 32/64-row tiles else."""
+    unswapped, as the experts call runs it), 32/64-row tiles else. persistent: decode's row
+    tiles on the persistent kernel instead (16 rows, and 32 where experts get more than 12;
+    swapped and not, fp8 per tensor unswapped only)."""
+    if persistent:
+        rows = (16, 32) if problem.tokens_per_expert > 12 else (16,)
+        swaps = (False,) if problem.quant == "fp8" else (True, False)
+        grid = itertools.product(rows, (64, 128), (128, 256), warps, stages, swaps)
+        configs = [GemmConfig(bm, bn, bk, 8, w, st, swap, persistent=True)
+                   for bm, bn, bk, w, st, swap in grid]
+        return [c for c in configs if is_valid_config(problem, c)]
     if decode:
         swap = problem.quant != "fp8"
         grid = itertools.product((16,), (32, 64, 128), (128, 256), warps, stages, (swap,))
@@ -72,6 +85,8 @@ def main() -> None:
                         help="warp counts of the decode grid")
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 4, 5],
                         help="pipeline depths of the decode grid")
+    parser.add_argument("--persistent", action="store_true",
+                        help="candidates: decode's row tiles on the persistent TMA kernel")
     parser.add_argument("--deadline-s", type=float, default=0.0,
                         help="per GEMM of a case: stop timing candidates after this long "
                              "(0: no limit)")
@@ -105,7 +120,8 @@ def main() -> None:
 
         def sweep(gemm, problem, run):
             best, best_us, began = None, float("inf"), time.perf_counter()
-            for config in candidates(problem, decode, tuple(args.warps), tuple(args.stages)):
+            for config in candidates(problem, decode, tuple(args.warps), tuple(args.stages),
+                                     args.persistent):
                 if args.deadline_s and time.perf_counter() - began > args.deadline_s:
                     results.append(dict(case=case, gemm=gemm, config=str(config), skipped=True))
                     continue

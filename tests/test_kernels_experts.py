@@ -579,6 +579,47 @@ def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, mon
     assert persistent_gemms == ([1] if combine == "atomic" else [1, 2])
 
 
+@pytest.mark.parametrize("quant,activation,bias,swap,block_m", [
+    ("none", "swiglu", True, True, 16), ("none", "relu2", False, False, 32),
+    ("fp8", "swiglu", True, False, 16), ("fp8_block", "swiglu", False, True, 16),
+    ("fp8_block", "geglu", True, False, 32)])
+def test_experts_persistent_decode_tiles(quant, activation, bias, swap, block_m, monkeypatch,
+                                         gemm_calls, poisoned_empty):
+    """Decode's row tiles (block_m 16 / 32) on the persistent kernel, swapped (the weight tile on
+    the MMA's M side) or not: GEMM1 reads its token rows by pointer (no gather_rows launch), K
+    not a multiple of block_k (the rows' masked tail, TMA's zero fill for the weights), N not a
+    multiple of block_n, more tiles than programs, padding slots, expert-parallel ids and ids
+    of no local expert; fp8_block over several scale groups of K and N."""
+    import moe_ops.kernels.grouped_gemm as gg
+    persistent_gemms = gemm_calls(gg, "_launch_persistent")
+    gathers = gemm_calls(gg, "gather_rows", record="x", default="called")
+    H, I = (272, 160) if quant == "fp8_block" else (80, 48)
+    tensors, kwargs = make_problem(12, H, I, 4, 2, activation=activation, quant=quant,
+                                   bias=bias, local_expert_offset=2, num_global_experts=8,
+                                   invalid_ids=True, seed=31)
+    config = GemmConfig(block_m, 64, 32, 2, 4, 2, swap_ab=swap, persistent=True)
+    assert gg.is_decode_persistent(config)
+    assert not gg.config_problems(GemmProblem(1, 4, 2 * I, H, 6.0, torch.bfloat16, quant,
+                                              activation != "relu2"), config)
+    check_experts(tensors, kwargs, FP8_TOL if quant != "none" else 1e-2,
+                  gemm1_config=config, gemm2_config=config)
+    assert persistent_gemms == [1, 2]
+    assert gathers == []
+
+
+def test_persistent_decode_programs_fit_shared_memory(monkeypatch):
+    """A persistent launch never asks for more programs an SM than can be resident (one that
+    cannot would wait for another's whole tile list): decode tiles up to
+    PERSISTENT_DECODE_PROGRAMS, fewer for deep wide pipelines; prefill configs as before."""
+    import moe_ops.kernels.grouped_gemm as gg
+    monkeypatch.setattr(gg, "PERSISTENT_DECODE_PROGRAMS", 4)
+    assert gg.persistent_programs_per_sm(GemmConfig(16, 64, 128, 8, 4, 4, persistent=True), 1) == 4
+    wide = GemmConfig(16, 128, 128, 8, 4, 5, swap_ab=True, persistent=True)   # 184 KB at bf16
+    assert gg.persistent_programs_per_sm(wide, 2) == 1
+    assert gg.persistent_programs_per_sm(GemmConfig(64, 128, 128, 16, 4, 3, persistent=True), 1) == 2
+    assert gg.persistent_programs_per_sm(GemmConfig(128, 256, 64, 16, 8, 3, persistent=True), 2) == 1
+
+
 @pytest.mark.parametrize("quant,dtype", [("nvfp4", torch.bfloat16), ("none", torch.float32)])
 def test_explicit_persistent_config_is_refused_where_it_cannot_compute(quant, dtype):
     """The persistent kernel computes none / fp8 / fp8_block with 16-bit activations only: an
@@ -698,9 +739,13 @@ def test_persistent_config_falls_back_where_it_cannot_run(poisoned_empty):
     assert any("persistent" in why for why in config_problems(nvfp4, config))
     odd_k = GemmProblem(2, 8, 256, 40, 300.0, torch.bfloat16, "fp8")  # 40 bytes a row
     assert any("TMA" in why for why in config_problems(odd_k, config))
-    narrow = GemmProblem(1, 8, 256, 128, 300.0, torch.bfloat16)
-    assert any("block_m" in why for why in config_problems(narrow, GemmConfig(
-        32, 64, 32, 2, 4, 2, persistent=True)))
+    prefill = GemmProblem(1, 8, 256, 128, 300.0, torch.bfloat16)
+    assert any("swap_ab" in why for why in config_problems(prefill, GemmConfig(
+        64, 64, 32, 2, 4, 2, swap_ab=True, persistent=True)))
+    fp8 = GemmProblem(1, 8, 256, 128, 1.0, torch.bfloat16, "fp8")
+    assert any("precision" in why for why in config_problems(fp8, GemmConfig(
+        16, 64, 32, 2, 4, 2, swap_ab=True, persistent=True)))
+    assert not config_problems(fp8, GemmConfig(16, 64, 32, 2, 4, 2, persistent=True))
 
 
 # ---------------------------------------------------------------- configs

@@ -8,7 +8,8 @@ Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
   dispatch    moe_align (or nothing in direct mode, for tiny batches)
   GEMM1       gathered token rows, activation in the epilogue -> intermediate [slots, I]
               (a persistent config at prefill first copies the rows into dispatch order,
-              grouped_gemm.gather_rows: its TMA loads cannot gather; fp8_block's persistent
+              grouped_gemm.gather_rows: its TMA loads cannot gather; one of decode's row
+              tiles, block_m < 64, reads them by pointer; fp8_block's other persistent
               launches run ws_gemm's warp-specialized kernel on Hopper; the 4-bit ones ws_fp4's,
               whose rows the dispatch's launch can gather itself up to
               ALIGN_GATHER_MAX_PAIRS pairs)
@@ -36,7 +37,7 @@ from moe_ops.kernels.common import device_properties, is_gated, pdl_early_launch
 from moe_ops.quant import FP4_K_ALIGN
 from moe_ops.kernels.grouped_gemm import (
     FP4_QUANTS, PERSISTENT_QUANTS, GemmConfig, GemmProblem, Routing, gather_rows, gemm1, gemm2,
-    use_persistent,
+    is_decode_persistent, use_persistent,
 )
 from moe_ops.tuning import experts_configs
 
@@ -369,10 +370,13 @@ def triton_experts(
     # x quantized is [T, H] e4m3 like the intermediate's [slots, I]: the same checks hold
     rows_ok = (WS_MIN_ROWS > 0 and T * top_k >= WS_MIN_ROWS * E
                and gemm1_config is None and gemm2_config is None)
-    ws1 = tile1 is not None and (config1.persistent or rows_ok) and ws_gemm.applies(
+    # (a persistent config of decode's row tiles runs on grouped_gemm's persistent kernel)
+    ws1 = tile1 is not None and (
+        (config1.persistent and not is_decode_persistent(config1)) or rows_ok) and ws_gemm.applies(
         quant, activation, w13.shape[1], H, x, w13, tile1, activations_quantized=False,
         has_bias=b13 is not None)
-    ws2 = tile2 is not None and (config2.persistent or rows_ok) and ws_gemm.applies(
+    ws2 = tile2 is not None and (
+        (config2.persistent and not is_decode_persistent(config2)) or rows_ok) and ws_gemm.applies(
         quant, "none", H, I, x, w2, tile2, activations_quantized=False,
         has_bias=b2 is not None)
     gathered = None  # GEMM1's gathered token rows, when the dispatch launch made them

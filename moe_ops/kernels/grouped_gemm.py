@@ -35,12 +35,14 @@ per weight element.
 
 Two kernels run these tiles. `_grouped_gemm_kernel` (one program per output tile, loads by
 pointer, so GEMM1 gathers its token rows inside the loads) serves every mode and size.
-`_grouped_gemm_persistent_kernel` (GemmConfig.persistent; prefill, quant none / fp8 / fp8_block,
-sm_90+) runs one program per SM (two for 4-warp configs) over the tiles with both operands read
+`_grouped_gemm_persistent_kernel` (GemmConfig.persistent; quant none / fp8 / fp8_block, sm_90+)
+runs one program per SM (two for 4-warp configs) over the tiles with both operands read
 through TMA descriptors: its
 activation rows must be in dispatch order (GEMM1's are copied there first by `gather_rows`), and
 its GEMM2 writes one row per pair (then `combine_pair_rows`), never the fp32 atomics, whose
-conversion through shared memory does not fit beside its pipeline.
+conversion through shared memory does not fit beside its pipeline. With decode's row tiles
+(block_m < 64) it runs up to PERSISTENT_DECODE_PROGRAMS programs an SM, optionally swap-AB, and
+GEMM1 reads its token rows by pointer instead (no gather launch).
 
 Config: every launch takes a `GemmConfig` (tiles, warps, stages, swap-AB, split-K, persistent).
 `config_space`, `config_problems` and `default_config` describe the choices for a
@@ -67,6 +69,7 @@ from moe_ops.kernels.common import (
     pdl_launch_options, pdl_prologue, round_to_dtype, use_pdl,
 )
 from moe_ops.kernels import INTERPRET
+from moe_ops.kernels.env import env_int
 from moe_ops.kernels.fp4_decode import (  # noqa: F401  (the 4-bit decode's names, re-exported)
     MXFP4_FAST_BIAS, NVFP4_FAST_EPILOGUE, _E2M1_BF16_ASM, _E2M1_BF16_ASM_HEAD,
     _E4M3_TO_BF16_P117, _dequant_fp4_tile, _dequant_fp4_tile_bf16_asm,
@@ -76,6 +79,9 @@ from moe_ops.quant import FP4_K_ALIGN, fp4_scale_block
 FP4_QUANTS = ("nvfp4", "mxfp4")
 # Quant modes the persistent TMA kernel computes (GemmConfig.persistent).
 PERSISTENT_QUANTS = ("none", "fp8", "fp8_block")
+# Decode tiles on the persistent kernel (block_m < 64): at most this many programs an SM
+# (persistent_programs_per_sm), fewer where their pipelines do not fit side by side.
+PERSISTENT_DECODE_PROGRAMS = env_int("MOE_OPS_PERSISTENT_DECODE_PROGRAMS", 4) or 1
 # fp8 (per-tensor weights): columns of K accumulated by the MMA between two promotions of the
 # partial sum into fp32 (see the kernel's K loop). Hopper's fp8 MMA accumulates with too few
 # bits, so the error grows with this length. Measured on one H200 (benchmarks/dev_fp8_promote.py,
@@ -117,10 +123,10 @@ class GemmConfig:
     # partial products atomically into the fp32 output (decode: a long K streamed by few
     # programs, e.g. Mixtral's down projection, 128 tiles of K = 14336 on 132 SMs).
     split_k: int = 1
-    # Prefill: the persistent TMA kernel (_grouped_gemm_persistent_kernel; quant none / fp8 /
-    # fp8_block, sm_90+). GEMM1's token rows are then gathered into dispatch order first
-    # (gather_rows); GEMM2 then writes one row per pair and the combine pass sums them (no fp32
-    # atomics).
+    # The persistent TMA kernel (_grouped_gemm_persistent_kernel; quant none / fp8 / fp8_block,
+    # sm_90+). At prefill GEMM1's token rows are then gathered into dispatch order first
+    # (gather_rows; decode's row tiles, block_m < 64, read them by pointer instead); GEMM2 then
+    # writes one row per pair and the combine pass sums them (no fp32 atomics).
     persistent: bool = False
 
 
@@ -182,10 +188,14 @@ def config_problems(problem: GemmProblem, config: GemmConfig) -> List[str]:
         if problem.quant not in PERSISTENT_QUANTS or problem.dtype not in (torch.bfloat16,
                                                                           torch.float16):
             why.append("persistent: quant none, fp8 or fp8_block with bf16/fp16 activations")
-        if config.swap_ab or config.split_k > 1:
-            why.append("persistent: no swap_ab, no split_k")
-        if config.block_m < 64:
-            why.append("persistent: block_m >= 64 (a warpgroup's MMA rows)")
+        if config.split_k > 1:
+            why.append("persistent: no split_k")
+        if config.swap_ab and config.block_m >= 64:
+            why.append("persistent: swap_ab only for decode's row tiles (block_m < 64)")
+        if config.swap_ab and problem.quant == "fp8":
+            # (as experts.FP8_SWAP_AB: the e4m3 wgmma's own accumulation errs past the bound
+            # on the swapped decode tiles; benchmarks/NOTES.md, fp8 decode precision)
+            why.append("persistent: no swap_ab with fp8 per tensor (wgmma precision)")
         if (problem.k * problem.operand_bytes) % 16:
             why.append("persistent: rows of K elements must be whole 16-byte units (TMA)")
     if problem.quant == "fp8_block" and config.block_k > FP8_BLOCK:
@@ -218,6 +228,8 @@ def config_problems(problem: GemmProblem, config: GemmConfig) -> List[str]:
         # for the 16-bit rows it stores, 1 for a gated GEMM1's half-width tile; GEMM2's fp32
         # atomics, 4 bytes, are never used here); the limit is then the hardware's.
         per_element = 1 if problem.gemm == 1 and problem.gated else 2
+        if config.swap_ab:
+            per_element = 4  # the fp32 tile's transpose
         smem += config.block_m * config.block_n * per_element
         if smem > _SMEM_HW_BYTES:
             why.append(f"{smem} bytes of pipelined tiles and epilogue exceed the shared memory "
@@ -263,6 +275,17 @@ _DECODE_CANDIDATES = [  # (block_m, block_n, block_k, group_m, warps, stages, sw
     (16, 32, 128, 8, 4, 4, True), (16, 64, 128, 8, 4, 4, True), (16, 128, 128, 8, 4, 3, True),
     (16, 64, 256, 8, 4, 3, True), (16, 64, 256, 8, 4, 5, True), (16, 32, 256, 8, 4, 4, True),
     (16, 64, 128, 8, 4, 6, True), (16, 128, 64, 8, 4, 5, True), (32, 64, 128, 8, 4, 4, True),
+]
+# Decode's row tiles on the persistent kernel (last field; fp8 per tensor unswapped, see
+# tuning_candidates): an SM's weight stream runs on through its tiles. Against the shipped
+# tables' tile-kernel pair on an H200 (benchmarks/sweep_configs.py --persistent, one routed
+# batch, graph replays): Mixtral fp8 T = 64 424 -> 388 us (32-row tiles), T = 4 192 -> 179,
+# Llama 4 fp8 T = 4 / 16 148 -> 139 / 300 -> 286, Qwen3 bf16 T = 4 / 16 81.4 -> 78.0 /
+# 188 -> 184; Qwen3 fp8 and DeepSeek-V3 fp8_block within 0.3% (results/h200_sweep_persd*).
+_DECODE_PERSISTENT_CANDIDATES = [
+    (16, 64, 128, 8, 4, 4, True, 1, True), (16, 64, 128, 8, 4, 3, True, 1, True),
+    (16, 64, 256, 8, 4, 3, True, 1, True), (16, 128, 128, 8, 4, 4, True, 1, True),
+    (32, 128, 128, 8, 4, 4, True, 1, True), (32, 128, 256, 8, 4, 4, True, 1, True),
 ]
 _MID_CANDIDATES = [
     (32, 64, 128, 8, 4, 4, True), (32, 128, 128, 8, 4, 3, False), (64, 64, 128, 8, 4, 3, False),
@@ -323,10 +346,12 @@ def tuning_candidates(problem: GemmProblem) -> List[GemmConfig]:
     m = problem.tokens_per_expert
     fp4 = problem.quant in FP4_QUANTS
     if m <= 16:
-        table = _DECODE_CANDIDATES + _SPLIT_K_CANDIDATES
+        table = _DECODE_CANDIDATES + _SPLIT_K_CANDIDATES + _DECODE_PERSISTENT_CANDIDATES
     elif m < 128 or (m == 128 and problem.quant != "fp8_block"):
         # (fp8_block's persistent default starts at 128 rows: its neighbours come with it)
         table = _FP4_MID_CANDIDATES if fp4 else _MID_CANDIDATES
+        if not fp4 and m < 64:
+            table = table + _DECODE_PERSISTENT_CANDIDATES[-2:]   # (32-row tiles)
         if m >= _MID_WIDE_ROWS and problem.quant != "fp8_block":
             table = table + (_FP4_MID_WIDE_CANDIDATES if fp4 else _MID_WIDE_CANDIDATES)
     else:
@@ -740,6 +765,7 @@ def _grouped_gemm_persistent_kernel(
     N, num_pairs, top_k, num_k_steps,
     stride_asm, stride_wse, stride_wsn, stride_be, stride_om,
     alpha, limit,
+    K, stride_am,                   # GATHER_A only: the token rows' length and stride
     ALIGN_BLOCK_M: tl.constexpr,
     QUANT: tl.constexpr,            # "none" | "fp8" | "fp8_block"
     ACTIVATION: tl.constexpr,
@@ -747,10 +773,12 @@ def _grouped_gemm_persistent_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,     # programs (1 an SM, 2 at 4 warps); tiles pid, pid + P, ...
+    NUM_PROGRAMS: tl.constexpr,     # programs (persistent_programs_per_sm); tiles pid, pid + P, ...
     UPCAST: tl.constexpr,
     PROMOTE_STEPS: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,  # w @ a^T: the weight tile on the MMA's M side (decode)
+    GATHER_A: tl.constexpr = False,  # GEMM1 decode: a_desc is x itself, rows read by pointer
 ):
     """Prefill form of _grouped_gemm_kernel (GemmConfig.persistent): one program per SM (two for
     4-warp configs) walks the output tiles in grouped order, both operands through TMA
@@ -766,6 +794,12 @@ def _grouped_gemm_persistent_kernel(
     count, num_padded, is on the device); padding rows are masked at the store as in the tile
     kernel. Measured on one H200 (benchmarks/dev_prefill_ws.py, Mixtral T=16384, activations
     in sorted order): 1.13-1.26x the tile kernel's TFLOP/s, bf16 and fp8.
+
+    Decode form (block_m < 64): the same walk over 16- or 32-slot row blocks, so that an SM's
+    weight stream runs on through its tiles instead of filling and draining a pipeline per
+    tile; with SWAP_AB the weight tile is the MMA's M side (wgmma for 16-bit and fp8_block
+    operands); GATHER_A reads GEMM1's few token rows by pointer (pair // top_k), masked, beside
+    the TMA weight loads, instead of a gather_rows launch.
     """
     pdl_prologue(USE_PDL)
     num_m_blocks = tl.load(num_padded_ptr) // BLOCK_M
@@ -779,6 +813,11 @@ def _grouped_gemm_persistent_kernel(
         slots = off_m + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = offs_n % N
+        if GATHER_A:
+            pair_ids = tl.load(sorted_pair_ids_ptr + slots)
+            row_ok = pair_ids < num_pairs
+            token_rows = pair_ids // top_k      # (padding slots: masked at every use)
+            offs_k = tl.arange(0, BLOCK_K)
         if QUANT == "fp8_block":
             # As the tile kernel: one scale per token per 128 columns (gathered with the rows)
             # and per 128x128 weight block, gate/up rows interleaved when gated.
@@ -788,41 +827,75 @@ def _grouped_gemm_persistent_kernel(
                 scale_rows = 2 * ((w_rows // 2) // 128) + w_rows % 2
             # 32-bit offsets (the scale tensors are small): 64-bit pointers per row and column
             # would be live through the K loop beside two fp32 tiles (sm_90 builds spilled).
-            a_scale_rows = slots * stride_asm
+            if GATHER_A:
+                a_scale_rows = token_rows * stride_asm
+            else:
+                a_scale_rows = slots * stride_asm
             w_scale_rows = expert.to(tl.int32) * stride_wse + scale_rows * stride_wsn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if SWAP_AB:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if QUANT == "fp8" and PROMOTE_STEPS > 1:
-            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            part = tl.zeros_like(acc)
         else:
             part = acc  # unused (see _fp8_dot)
         for kb in range(0, num_k_steps):
-            a = a_desc.load([off_m, kb * BLOCK_K])
-            # [BN, BK], K contiguous: its transpose is the K-major B operand (fp8's wgmma needs
-            # it; nothing moves, the MMA reads shared memory transposed)
-            w = w_desc.load([w_row, kb * BLOCK_K]).T
+            if GATHER_A:
+                cols = kb * BLOCK_K + offs_k
+                a = tl.load(a_desc + token_rows.to(tl.int64)[:, None] * stride_am
+                            + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :],
+                            other=0.0)
+            else:
+                a = a_desc.load([off_m, kb * BLOCK_K])
+            if SWAP_AB:
+                # [BN, BK] @ [BK, BM]: the activation tile's transpose is K-major as fp8's
+                # wgmma needs (the MMA reads shared memory transposed; nothing moves)
+                x_op = w_desc.load([w_row, kb * BLOCK_K])
+                y_op = a.T
+            else:
+                # [BN, BK], K contiguous: its transpose is the K-major B operand (fp8's wgmma
+                # needs it; nothing moves, the MMA reads shared memory transposed)
+                x_op = a
+                y_op = w_desc.load([w_row, kb * BLOCK_K]).T
             if QUANT == "fp8_block":
                 # each partial product scaled before it joins the fp32 accumulator (BLOCK_K
                 # divides 128: one scale group per step)
                 group = (kb * BLOCK_K) // 128
-                a_s = tl.load(a_scale_ptr + (a_scale_rows + group))
+                if GATHER_A:
+                    a_s = tl.load(a_scale_ptr + (a_scale_rows + group), mask=row_ok, other=0.0)
+                else:
+                    a_s = tl.load(a_scale_ptr + (a_scale_rows + group))
                 w_s = tl.load(w_scale_ptr + (w_scale_rows + group))
                 if UPCAST:
-                    step = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+                    step = tl.dot(x_op.to(tl.float32), y_op.to(tl.float32),
+                                  input_precision="ieee")
                 else:
-                    step = tl.dot(a, w)
-                acc += step * a_s[:, None] * w_s[None, :]
+                    step = tl.dot(x_op, y_op)
+                if SWAP_AB:
+                    acc += step * w_s[:, None] * a_s[None, :]
+                else:
+                    acc += step * a_s[:, None] * w_s[None, :]
             elif UPCAST:
-                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(x_op.to(tl.float32), y_op.to(tl.float32), acc,
+                             input_precision="ieee")
             elif QUANT == "fp8":
-                acc, part = _fp8_dot(a, w, acc, part, kb, PROMOTE_STEPS, BLOCK_K)
+                acc, part = _fp8_dot(x_op, y_op, acc, part, kb, PROMOTE_STEPS, BLOCK_K)
             else:
-                acc = tl.dot(a, w, acc)
+                acc = tl.dot(x_op, y_op, acc)
         if QUANT == "fp8" and PROMOTE_STEPS > 1:
             acc += part
+        if SWAP_AB:
+            acc = tl.trans(acc)
 
-        pair_ids = tl.load(sorted_pair_ids_ptr + slots)
-        row_ok = pair_ids < num_pairs
-        _epilogue(acc, expert, pair_ids, row_ok, slots, slots.to(tl.int64), offs_n, w_rows,
+        if GATHER_A:
+            # (fp8: the per-token scales are x's, [T], read at the token rows)
+            a_rows = token_rows.to(tl.int64)
+        else:
+            pair_ids = tl.load(sorted_pair_ids_ptr + slots)
+            row_ok = pair_ids < num_pairs
+            a_rows = slots.to(tl.int64)
+        _epilogue(acc, expert, pair_ids, row_ok, slots, a_rows, offs_n, w_rows,
                   pid_n, True,
                   a_scale_ptr, 1, w_scale_ptr, stride_wse, 1,
                   w_scale_ptr, 0, bias_ptr, stride_be, topk_weights_ptr,
@@ -902,6 +975,28 @@ def use_persistent(config: GemmConfig, routing: "Routing", a: torch.Tensor,
             and _tma_ready(a) and w.is_contiguous() and _tma_ready(w))
 
 
+def is_decode_persistent(config: GemmConfig) -> bool:
+    """A persistent config of decode's row tiles (under a warpgroup's 64 MMA rows): GEMM1 then
+    reads its few token rows by pointer (GATHER_A) instead of gathering them first."""
+    return config.persistent and config.block_m < 64
+
+
+def persistent_programs_per_sm(config: GemmConfig, operand_bytes: int) -> int:
+    """Programs a persistent launch runs on each SM. Prefill: a 4-warp config (one warpgroup a
+    program, any quant mode; fp8_block's 64-row tiles are the ones tuned) runs two, so that one's
+    MMAs overlap the other's loads and epilogue (fp8_block's fit: about 200 registers a thread
+    and half the shared memory each in sm_90 builds); 8 warps one. Decode tiles: up to
+    PERSISTENT_DECODE_PROGRAMS, as many as their pipelines fit in shared memory side by side
+    (a program that cannot be resident would wait for another to finish all its tiles).
+    Registers are not counted: a build over 128 a thread would hold fewer programs an SM than
+    asked, which only its timing shows (the tuner's; the results are the same)."""
+    if not is_decode_persistent(config):
+        return 2 if config.num_warps == 4 else 1
+    smem = (config.num_stages * (config.block_m + config.block_n) * config.block_k
+            * operand_bytes + config.block_m * config.block_n * 4)
+    return max(1, min(PERSISTENT_DECODE_PROGRAMS, _SMEM_HW_BYTES // smem))
+
+
 def _programs(device: torch.device) -> int:
     """Programs of a persistent launch: one per SM (a few in the interpreter, which runs them
     one after the other anyway)."""
@@ -965,18 +1060,18 @@ def gather_rows(a: torch.Tensor, a_scale: Optional[torch.Tensor], routing: "Rout
 def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
                        config: GemmConfig, *, n: int, k: int, gemm: int, quant: str,
                        activation: str, alpha: float, limit: float,
-                       interpret_upcast: bool):
-    """a: activation rows in dispatch order (GEMM2's intermediate; GEMM1's gathered rows)."""
+                       interpret_upcast: bool, gather_a: bool = False):
+    """a: activation rows in dispatch order (GEMM2's intermediate; GEMM1's gathered rows), or
+    with gather_a GEMM1's x itself (read by pointer at the pairs' token rows)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    a_desc = TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1],
-                              [config.block_m, config.block_k])
+    if gather_a:
+        a_desc = a
+    else:
+        a_desc = TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1],
+                                  [config.block_m, config.block_k])
     w_desc = TensorDescriptor(w, [w.shape[0] * n, k], [k, 1], [config.block_n, config.block_k])
-    # A 4-warp config (one warpgroup a program, any quant mode; fp8_block's 64-row tiles are
-    # the ones tuned) runs two programs an SM, so that one's MMAs overlap the other's loads and
-    # epilogue (fp8_block's fit: about 200 registers a thread and half the shared memory each
-    # in sm_90 builds).
-    programs = _programs(a.device) * (2 if config.num_warps == 4 else 1)
+    programs = _programs(a.device) * persistent_programs_per_sm(config, a.element_size())
     dummy = routing.topk_weights
     _launcher((programs,), _grouped_gemm_persistent_kernel)(
         a_desc, a_scale if a_scale is not None else dummy, w_desc,
@@ -987,13 +1082,15 @@ def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
         w_scale.stride(0) if w_scale is not None else 0,
         w_scale.stride(1) if quant == "fp8_block" else 1,
         bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
+        k, a.stride(0),
         ALIGN_BLOCK_M=routing.align_block_m, QUANT=quant,
         ACTIVATION=activation if gemm == 1 else "none", HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=gemm == 2, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_PROGRAMS=programs,
         UPCAST=interpret_upcast,
         PROMOTE_STEPS=max(1, FP8_PROMOTE_K // config.block_k) if quant == "fp8" else 1,
-        USE_PDL=use_pdl(a.device), num_warps=config.num_warps, num_stages=config.num_stages,
+        USE_PDL=use_pdl(a.device), SWAP_AB=config.swap_ab, GATHER_A=gather_a,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch_options(a.device),
     )
 
@@ -1026,11 +1123,13 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
         raise ValueError(f"fp8_block needs block_k dividing {FP8_BLOCK}, got {config.block_k}")
     if config.persistent:
         if use_persistent(config, routing, a, w, atomic_out):
-            if gemm == 1:
+            gather_a = gemm == 1 and is_decode_persistent(config)
+            if gemm == 1 and not gather_a:
                 a, a_scale = gather_rows(a, a_scale, routing)
             _launch_persistent(a, a_scale, w, w_scale, bias, out, routing, config, n=n, k=k,
                                gemm=gemm, quant=quant, activation=activation, alpha=alpha,
-                               limit=limit, interpret_upcast=interpret_upcast)
+                               limit=limit, interpret_upcast=interpret_upcast,
+                               gather_a=gather_a)
             return
         config = dataclasses.replace(config, persistent=False)
     if routing.direct:
