@@ -589,8 +589,12 @@ def test_experts_persistent_decode_tiles(quant, activation, bias, swap, block_m,
     the MMA's M side) or not: GEMM1 reads its token rows by pointer (no gather_rows launch), K
     not a multiple of block_k (the rows' masked tail, TMA's zero fill for the weights), N not a
     multiple of block_n, more tiles than programs, padding slots, expert-parallel ids and ids
-    of no local expert; fp8_block over several scale groups of K and N."""
+    of no local expert; fp8_block over several scale groups of K and N. One program an SM (four
+    programs in the interpreter), so every program walks several tiles. (The mask of the rows'
+    K tail only keeps the last row's loads in bounds: its values meet TMA's zero fill, so no
+    result here depends on it; compute-sanitizer runs these tests on the GPU.)"""
     import moe_ops.kernels.grouped_gemm as gg
+    monkeypatch.setattr(gg, "PERSISTENT_DECODE_PROGRAMS", 1)
     persistent_gemms = gemm_calls(gg, "_launch_persistent")
     gathers = gemm_calls(gg, "gather_rows", record="x", default="called")
     H, I = (272, 160) if quant == "fp8_block" else (80, 48)
@@ -618,6 +622,8 @@ def test_persistent_decode_programs_fit_shared_memory(monkeypatch):
     assert gg.persistent_programs_per_sm(wide, 2) == 1
     assert gg.persistent_programs_per_sm(GemmConfig(64, 128, 128, 16, 4, 3, persistent=True), 1) == 2
     assert gg.persistent_programs_per_sm(GemmConfig(128, 256, 64, 16, 8, 3, persistent=True), 2) == 1
+    monkeypatch.setattr(gg, "PERSISTENT_DECODE_PROGRAMS", 16)   # threads: 8 warps, 8 an SM
+    assert gg.persistent_programs_per_sm(GemmConfig(16, 32, 32, 8, 8, 2, persistent=True), 1) == 8
 
 
 @pytest.mark.parametrize("quant,dtype", [("nvfp4", torch.bfloat16), ("none", torch.float32)])

@@ -77,7 +77,8 @@ PDL_MAX_PAIRS = 512
 # tuning candidates are unswapped themselves, so this guards explicit configs (gemm1_config /
 # gemm2_config, a user's tuning cache); True lets them run swapped (for measurements).
 FP8_SWAP_AB = False
-# fp8_block launches whose config is persistent (the tables' choice at prefill) run the
+# fp8_block launches whose config is persistent (the tables' choice at prefill; not decode's
+# row tiles, block_m < 64, which run grouped_gemm's persistent kernel) run the
 # warp-specialized Gluon kernel on Hopper (ws_gemm: the block-scale promotion off the tensor
 # cores' critical path). Its tile form by routed rows per expert: "rows" (128-row tiles) from
 # WS_ROWS_TILE_MIN_ROWS on, "cols" (64-row tiles, 256 columns) below; the tuner times a
@@ -108,7 +109,8 @@ WS_FP8_BLOCK_TILE: Optional[str] = env_choice(
     "MOE_OPS_WS_FP8_BLOCK_TILE", "auto", ("auto", "rows", "cols", "wide", "none"))
 WS_ROWS_TILE_MIN_ROWS = 256
 WS_WIDE_MIN_ROWS = 512
-# The kernel applies where the tuned config is persistent (the tables' prefill choice).
+# The kernel applies where the tuned config is persistent (the tables' prefill choice; not
+# decode's persistent row tiles).
 # MOE_OPS_WS_MIN_ROWS=n applies it also from n routed rows an expert whatever the config (unset:
 # persistent only). Measured on an H200 with the tables of then (results/h200_ab_ws_min_rows_*,
 # 2026-12-01), 32: Qwen3-30B-A3B fp8 T = 16384 2670 -> 2285 us, T = 1024 280 -> 301; DeepSeek-V3

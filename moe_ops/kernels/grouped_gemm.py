@@ -780,13 +780,14 @@ def _grouped_gemm_persistent_kernel(
     SWAP_AB: tl.constexpr = False,  # w @ a^T: the weight tile on the MMA's M side (decode)
     GATHER_A: tl.constexpr = False,  # GEMM1 decode: a_desc is x itself, rows read by pointer
 ):
-    """Prefill form of _grouped_gemm_kernel (GemmConfig.persistent): one program per SM (two for
-    4-warp configs) walks the output tiles in grouped order, both operands through TMA
-    descriptors, the tile loop flattened into the K loop so the next tile's first loads are in
-    flight during an epilogue.
+    """Persistent form of _grouped_gemm_kernel (GemmConfig.persistent): NUM_PROGRAMS programs
+    (at prefill one per SM, two for 4-warp configs) walk the output tiles in grouped order, both
+    operands through TMA descriptors, the tile loop flattened into the K loop so the next tile's
+    first loads are in flight during an epilogue.
 
     The activation rows are in dispatch order already (a_desc over [slots, K]: GEMM2's
-    intermediate, or GEMM1's x gathered by gather_rows): TMA cannot gather rows. GEMM2 stores
+    intermediate, or GEMM1's x gathered by gather_rows): TMA cannot gather rows (GATHER_A, the
+    decode form below, reads GEMM1's rows by pointer instead). GEMM2 stores
     one row per pair (combine="rows"): the fp32 atomics' layout conversion needs 4 bytes of
     shared memory a tile element, which the deep pipelines here leave no room for. w_desc covers
     the weights as [E * N, K]; a tile straddling an expert's last row reads the next expert's
@@ -987,14 +988,16 @@ def persistent_programs_per_sm(config: GemmConfig, operand_bytes: int) -> int:
     MMAs overlap the other's loads and epilogue (fp8_block's fit: about 200 registers a thread
     and half the shared memory each in sm_90 builds); 8 warps one. Decode tiles: up to
     PERSISTENT_DECODE_PROGRAMS, as many as their pipelines fit in shared memory side by side
-    (a program that cannot be resident would wait for another to finish all its tiles).
-    Registers are not counted: a build over 128 a thread would hold fewer programs an SM than
-    asked, which only its timing shows (the tuner's; the results are the same)."""
+    and as their warps fit in an SM's 2048 threads (a program that cannot be resident would
+    wait for another to finish all its tiles). Registers are not counted: a build over 128 a
+    thread at 4 warps holds fewer programs an SM than asked (runs slower, computes the same);
+    the shipped tables' decode configs all fit (checked on the H200: NOTES, twentieth session)."""
     if not is_decode_persistent(config):
         return 2 if config.num_warps == 4 else 1
     smem = (config.num_stages * (config.block_m + config.block_n) * config.block_k
             * operand_bytes + config.block_m * config.block_n * 4)
-    return max(1, min(PERSISTENT_DECODE_PROGRAMS, _SMEM_HW_BYTES // smem))
+    by_threads = 2048 // (32 * config.num_warps)
+    return max(1, min(PERSISTENT_DECODE_PROGRAMS, _SMEM_HW_BYTES // smem, by_threads))
 
 
 def _programs(device: torch.device) -> int:
@@ -1073,7 +1076,7 @@ def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
     w_desc = TensorDescriptor(w, [w.shape[0] * n, k], [k, 1], [config.block_n, config.block_k])
     programs = _programs(a.device) * persistent_programs_per_sm(config, a.element_size())
     dummy = routing.topk_weights
-    _launcher((programs,), _grouped_gemm_persistent_kernel)(
+    args = (
         a_desc, a_scale if a_scale is not None else dummy, w_desc,
         w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, out,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
@@ -1083,6 +1086,8 @@ def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
         w_scale.stride(1) if quant == "fp8_block" else 1,
         bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
         k, a.stride(0),
+    )
+    kwargs = dict(
         ALIGN_BLOCK_M=routing.align_block_m, QUANT=quant,
         ACTIVATION=activation if gemm == 1 else "none", HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=gemm == 2, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
@@ -1093,6 +1098,7 @@ def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch_options(a.device),
     )
+    _launcher((programs,), _grouped_gemm_persistent_kernel)(*args, **kwargs)
 
 
 def use_fast_fp4(quant: str, dtype: torch.dtype, config: GemmConfig) -> bool:
