@@ -734,13 +734,14 @@ if [[ "$what" == dram ]]; then
     bash benchmarks/h200_run.sh ncu4l || status=1
 fi
 if [[ "$what" == persd ]]; then
-  # (PERSD_CASES overrides the cases; PERSD_STAGES the pipeline depths)
+  # (PERSD_CASES overrides the cases; PERSD_STAGES the pipeline depths; PERSD_ARGS adds
+  # sweep_configs.py options, e.g. --skew)
   tests_then_sanitize persd tests/test_kernels_experts.py "persistent" \
     "persistent_decode_tiles and (fp8_block or relu2)" 240
   # shellcheck disable=SC2086
   timeout 420 python3 benchmarks/sweep_configs.py --cases ${PERSD_CASES:-qwen3_30b_a3b:none:16 \
     qwen3_30b_a3b:fp8:16 mixtral_8x7b:fp8:64 deepseek_v3:fp8_block:4} --against tables \
-    --persistent --stages ${PERSD_STAGES:-4 6} --deadline-s 35 \
+    --persistent --stages ${PERSD_STAGES:-4 6} --deadline-s 35 ${PERSD_ARGS:-} \
     --out "$out/sweep_persd.json" > "$out/sweep_persd.log" 2>&1 || status=1
   grep -v "^ *$" "$out/sweep_persd.log" | tail -n 24
 fi

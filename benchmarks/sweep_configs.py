@@ -10,7 +10,8 @@ times them again after the sweep: the spread of one config's timings); --warps a
 counts to the decode grid (2 warps: a 16-row tile's shared activation fragments converted by
 half as many warps; benchmarks/NOTES.md, eighteenth session); --deadline-s stops the sweep of
 a GEMM's candidates when passed (the rest recorded as skipped); --persistent sweeps decode's
-row tiles on the persistent TMA kernel (GemmConfig.persistent with block_m 16 / 32). Every candidate's output is
+row tiles on the persistent TMA kernel (GemmConfig.persistent with block_m 16 / 32); --skew
+routes with the tuner's skewed logits instead of uniform ones. Every candidate's output is
 compared with the starting pair's (MAX_ERR); one off by more is reported and never best.
 
     python benchmarks/sweep_configs.py --cases qwen3_30b_a3b:none:1 mixtral_8x7b:fp8:1 \
@@ -34,6 +35,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (puts the repository root on sys.path)
+from moe_ops import synthetic  # noqa: E402
 from moe_ops.kernels.experts import gemm_problems, triton_experts  # noqa: E402
 from moe_ops.kernels.grouped_gemm import GemmConfig, default_config, is_valid_config  # noqa: E402
 from moe_ops.tuning import experts_configs  # noqa: E402
@@ -85,6 +87,8 @@ def main() -> None:
                         help="warp counts of the decode grid")
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 4, 5],
                         help="pipeline depths of the decode grid")
+    parser.add_argument("--skew", action="store_true",
+                        help="route with Zipf-skewed logits (the tuner's second input set)")
     parser.add_argument("--persistent", action="store_true",
                         help="candidates: decode's row tiles on the persistent TMA kernel")
     parser.add_argument("--deadline-s", type=float, default=0.0,
@@ -96,6 +100,12 @@ def main() -> None:
     for case in args.cases:
         quant, tokens, layer = bench.case_layer(shapes, case)
         x, ids, weights = bench.routed_inputs(layer, tokens)
+        if args.skew:
+            # the tuner's second input set (tune.make_inputs): Zipf-skewed expert popularity
+            logits = synthetic.router_logits(tokens, layer.num_experts, skew=True,
+                                             device=x.device, seed=1)
+            ids = bench.route_ids(layer, logits)
+            weights = torch.rand(ids.shape, device=x.device)
         kw = layer.kernel_weights()
         problem1, problem2 = gemm_problems(x, ids.shape[1], kw["w13"], kw["w2"], layer.activation,
                                            quant)
@@ -148,7 +158,8 @@ def main() -> None:
         if found2_us < best2_us:
             best2, best2_us = found2, found2_us
         again_us = time_call(call(base1, base2))
-        summary.append(dict(case=case, against=args.against, default_us=default_us,
+        summary.append(dict(case=case, against=args.against, skew=args.skew,
+                            default_us=default_us,
                             default_again_us=again_us, best_us=best2_us,
                             gemm1=str(best1), gemm2=str(best2),
                             default1=str(base1), default2=str(base2),
