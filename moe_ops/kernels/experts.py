@@ -232,6 +232,12 @@ def ws_tile_rule(num_pairs: int, num_experts: int) -> str:
     return "rows" if num_pairs >= WS_ROWS_TILE_MIN_ROWS * num_experts else "cols"
 
 
+def _persistent_prefill(config: GemmConfig) -> bool:
+    """A persistent config of prefill's tiles: the ones ws_gemm takes over (decode's persistent
+    row tiles, block_m < 64, run grouped_gemm's persistent kernel)."""
+    return config.persistent and not is_decode_persistent(config)
+
+
 def use_direct_dispatch(num_tokens: int, top_k: int, num_experts: int) -> bool:
     num_pairs = num_tokens * top_k
     return num_pairs <= DIRECT_MAX_PAIRS and (
@@ -372,13 +378,10 @@ def triton_experts(
     # x quantized is [T, H] e4m3 like the intermediate's [slots, I]: the same checks hold
     rows_ok = (WS_MIN_ROWS > 0 and T * top_k >= WS_MIN_ROWS * E
                and gemm1_config is None and gemm2_config is None)
-    # (a persistent config of decode's row tiles runs on grouped_gemm's persistent kernel)
-    ws1 = tile1 is not None and (
-        (config1.persistent and not is_decode_persistent(config1)) or rows_ok) and ws_gemm.applies(
+    ws1 = tile1 is not None and (_persistent_prefill(config1) or rows_ok) and ws_gemm.applies(
         quant, activation, w13.shape[1], H, x, w13, tile1, activations_quantized=False,
         has_bias=b13 is not None)
-    ws2 = tile2 is not None and (
-        (config2.persistent and not is_decode_persistent(config2)) or rows_ok) and ws_gemm.applies(
+    ws2 = tile2 is not None and (_persistent_prefill(config2) or rows_ok) and ws_gemm.applies(
         quant, "none", H, I, x, w2, tile2, activations_quantized=False,
         has_bias=b2 is not None)
     gathered = None  # GEMM1's gathered token rows, when the dispatch launch made them

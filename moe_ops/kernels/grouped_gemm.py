@@ -153,6 +153,12 @@ class GemmProblem:
         return self.quant in FP4_QUANTS
 
 
+def pipeline_smem_bytes(config: GemmConfig, operand_bytes: int) -> int:
+    """Shared memory of a 16-bit / fp8 K loop's pipeline: num_stages activation and weight
+    tiles."""
+    return config.num_stages * (config.block_m + config.block_n) * config.block_k * operand_bytes
+
+
 def config_problems(problem: GemmProblem, config: GemmConfig) -> List[str]:
     """Why a config cannot run this problem (empty list: valid)."""
     why = []
@@ -220,8 +226,7 @@ def config_problems(problem: GemmProblem, config: GemmConfig) -> List[str]:
         if not config.swap_ab:
             smem += config.block_n * config.block_k * problem.operand_bytes
     else:
-        smem = config.num_stages * (config.block_m + config.block_n) * config.block_k
-        smem *= problem.operand_bytes
+        smem = pipeline_smem_bytes(config, problem.operand_bytes)
     if config.persistent:
         # The flattened tile loop keeps the pipeline's buffers live through the epilogue, so
         # the epilogue's layout conversion comes on top (sm_90 builds: 2 bytes a tile element
@@ -351,7 +356,7 @@ def tuning_candidates(problem: GemmProblem) -> List[GemmConfig]:
         # (fp8_block's persistent default starts at 128 rows: its neighbours come with it)
         table = _FP4_MID_CANDIDATES if fp4 else _MID_CANDIDATES
         if not fp4 and m < 64:
-            table = table + _DECODE_PERSISTENT_CANDIDATES[-2:]   # (32-row tiles)
+            table = table + [e for e in _DECODE_PERSISTENT_CANDIDATES if e[0] == 32]
         if m >= _MID_WIDE_ROWS and problem.quant != "fp8_block":
             table = table + (_FP4_MID_WIDE_CANDIDATES if fp4 else _MID_WIDE_CANDIDATES)
     else:
@@ -994,8 +999,8 @@ def persistent_programs_per_sm(config: GemmConfig, operand_bytes: int) -> int:
     the shipped tables' decode configs all fit (checked on the H200: NOTES, twentieth session)."""
     if not is_decode_persistent(config):
         return 2 if config.num_warps == 4 else 1
-    smem = (config.num_stages * (config.block_m + config.block_n) * config.block_k
-            * operand_bytes + config.block_m * config.block_n * 4)
+    # (the epilogue's conversion at its largest: the swapped fp32 tile's transpose)
+    smem = pipeline_smem_bytes(config, operand_bytes) + config.block_m * config.block_n * 4
     by_threads = 2048 // (32 * config.num_warps)
     return max(1, min(PERSISTENT_DECODE_PROGRAMS, _SMEM_HW_BYTES // smem, by_threads))
 
