@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -146,6 +146,9 @@
 # every candidate of a small grid for GEMM1, then GEMM2, against the shipped tables' pair, each
 # output checked against that pair's) at the fp8 points under their bars and Qwen3 bf16 T = 1;
 # about 8.5 minutes (a GEMM's candidates stop after 45 s).
+# resprog: the persistent decode tiles' program count from the compiled builds (the tests,
+# compute-sanitizer, dev_resident_programs.py: what the launches settled on an SM, each call
+# checked against the tables'; then the decode layers whose tables use the tiles); ~4 minutes.
 # persd: decode's row tiles on the persistent TMA kernel (block_m 16 / 32, swapped and not,
 # GEMM1's token rows by pointer): their GPU tests and compute-sanitizer, then sweep_configs.py
 # --persistent against the shipped tables' pair at Qwen3 bf16 / fp8 T = 16, Mixtral fp8 T = 64
@@ -732,6 +735,16 @@ if [[ "$what" == dram ]]; then
     MOE_OPS_RESULTS_DIR="$out" bash benchmarks/h200_run.sh ncu4l || status=1
   NCU_TOKENS=4 NCU_CASES="deepseek_v3:fp8_block:grouped_gemm" MOE_OPS_RESULTS_DIR="$out" \
     bash benchmarks/h200_run.sh ncu4l || status=1
+fi
+if [[ "$what" == resprog ]]; then
+  tests_then_sanitize resprog tests/test_kernels_experts.py "persistent or resident" \
+    "persistent_decode_tiles and fp8_block" 200
+  timeout 200 python3 benchmarks/dev_resident_programs.py --cases qwen3_30b_a3b:none:16 \
+    deepseek_v3:fp8_block:4 mixtral_8x7b:fp8:64 --configs 16x64x128:4:4 16x64x128:8:4 \
+    16x64x128:4:4:swap 32x128x128:4:4 > "$out/resident_programs.log" 2>&1 || status=1
+  tail -n 20 "$out/resident_programs.log"
+  layer_arm resprog_layers 60 12 -- --models qwen3_30b_a3b llama4_scout deepseek_v3 \
+    --quant none fp8_block --tokens 4 16 64
 fi
 if [[ "$what" == persd ]]; then
   # (PERSD_CASES overrides the cases; PERSD_STAGES the pipeline depths; PERSD_ARGS adds

@@ -626,6 +626,29 @@ def test_persistent_decode_programs_fit_shared_memory(monkeypatch):
     assert gg.persistent_programs_per_sm(GemmConfig(16, 32, 32, 8, 8, 2, persistent=True), 1) == 8
 
 
+def test_resident_programs_of_a_build(monkeypatch):
+    """The launch's program count an SM from a compiled build: registers (allocated a warp in
+    units of 256), shared memory (plus the driver's 1 KB a block) and threads, whichever is
+    least (the figures of an fp8_block GEMM2 decode build on sm_90: 186 registers, two an SM);
+    None where the build says nothing (the interpreter, an asynchronous compile)."""
+    import types
+    import moe_ops.kernels.grouped_gemm as gg
+    props = types.SimpleNamespace(shared_memory_per_multiprocessor=233472,
+                                  max_threads_per_multi_processor=2048)
+    monkeypatch.setattr(gg, "device_properties", lambda device: props)
+
+    def build(regs, shared):
+        return types.SimpleNamespace(run=None, n_regs=regs,
+                                     metadata=types.SimpleNamespace(shared=shared))
+    cuda = torch.device("cuda", 0)
+    assert gg._resident_programs(build(186, 45000), 4, cuda) == 2
+    assert gg._resident_programs(build(98, 45000), 8, cuda) == 2
+    assert gg._resident_programs(build(64, 45000), 4, cuda) == 5      # shared memory
+    assert gg._resident_programs(build(32, 1000), 4, cuda) == 16      # threads
+    assert gg._resident_programs(build(0, 1000), 4, cuda) is None
+    assert gg._resident_programs(object(), 4, cuda) is None
+
+
 @pytest.mark.parametrize("quant,dtype", [("nvfp4", torch.bfloat16), ("none", torch.float32)])
 def test_explicit_persistent_config_is_refused_where_it_cannot_compute(quant, dtype):
     """The persistent kernel computes none / fp8 / fp8_block with 16-bit activations only: an

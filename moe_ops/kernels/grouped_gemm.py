@@ -987,6 +987,31 @@ def is_decode_persistent(config: GemmConfig) -> bool:
     return config.persistent and config.block_m < 64
 
 
+# Programs an SM of a decode-tile persistent build, from its compiled registers and shared
+# memory (_resident_programs), by launch signature; filled at a launch's first run on a GPU.
+_RESIDENT_PROGRAMS: dict = {}
+
+
+def _resident_programs(compiled, num_warps: int, device: torch.device) -> Optional[int]:
+    """How many programs of a compiled build fit on one SM at once (registers, shared memory,
+    threads), or None where the build does not say (the interpreter, an asynchronous
+    compile)."""
+    try:
+        compiled.run  # loads the binary: its register count is known from then on
+        regs, shared = compiled.n_regs, compiled.metadata.shared
+    except Exception:  # (an interpreter or compile-only object)
+        return None
+    if not regs:
+        return None
+    props = device_properties(device)
+    regs_per_warp = -(-regs * 32 // 256) * 256   # allocated a warp in units of 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * num_warps)
+    # (the driver reserves 1 KB of shared memory a resident block)
+    by_smem = props.shared_memory_per_multiprocessor // (shared + 1024)
+    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_threads))
+
+
 def persistent_programs_per_sm(config: GemmConfig, operand_bytes: int) -> int:
     """Programs a persistent launch runs on each SM. Prefill: a 4-warp config (one warpgroup a
     program, any quant mode; fp8_block's 64-row tiles are the ones tuned) runs two, so that one's
@@ -994,9 +1019,9 @@ def persistent_programs_per_sm(config: GemmConfig, operand_bytes: int) -> int:
     and half the shared memory each in sm_90 builds); 8 warps one. Decode tiles: up to
     PERSISTENT_DECODE_PROGRAMS, as many as their pipelines fit in shared memory side by side
     and as their warps fit in an SM's 2048 threads (a program that cannot be resident would
-    wait for another to finish all its tiles). Registers are not counted: a build over 128 a
-    thread at 4 warps holds fewer programs an SM than asked (runs slower, computes the same);
-    the shipped tables' decode configs all fit (checked on the H200: NOTES, twentieth session)."""
+    wait for another to finish all its tiles). An estimate before the build exists: the launch
+    lowers it to what the compiled build's registers and shared memory allow
+    (_resident_programs) from its first run on."""
     if not is_decode_persistent(config):
         return 2 if config.num_warps == 4 else 1
     # (the epilogue's conversion at its largest: the swapped fp32 tile's transpose)
@@ -1079,7 +1104,13 @@ def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
         a_desc = TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1],
                                   [config.block_m, config.block_k])
     w_desc = TensorDescriptor(w, [w.shape[0] * n, k], [k, 1], [config.block_n, config.block_k])
-    programs = _programs(a.device) * persistent_programs_per_sm(config, a.element_size())
+    per_sm = persistent_programs_per_sm(config, a.element_size())
+    resident_key = None
+    if is_decode_persistent(config) and a.is_cuda and not INTERPRET:
+        resident_key = (config, quant, activation, gemm, bias is not None, gather_a, a.dtype,
+                        out.dtype, a.device.index)
+        per_sm = min(per_sm, _RESIDENT_PROGRAMS.get(resident_key, per_sm))
+    programs = _programs(a.device) * per_sm
     dummy = routing.topk_weights
     args = (
         a_desc, a_scale if a_scale is not None else dummy, w_desc,
@@ -1103,6 +1134,17 @@ def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch_options(a.device),
     )
+    if resident_key is not None and resident_key not in _RESIDENT_PROGRAMS \
+            and not _COMPILE_ONLY.get():
+        # First run of this build: compile it (no launch) and lower the program count to what
+        # fits on an SM at once; the build for that count is then the one launched.
+        compiled = _grouped_gemm_persistent_kernel.warmup(*args, grid=(programs,), **kwargs)
+        resident = _resident_programs(compiled, config.num_warps, a.device)
+        _RESIDENT_PROGRAMS[resident_key] = min(per_sm, resident or per_sm)
+        if _RESIDENT_PROGRAMS[resident_key] < per_sm:
+            per_sm = _RESIDENT_PROGRAMS[resident_key]
+            programs = _programs(a.device) * per_sm
+            kwargs["NUM_PROGRAMS"] = programs
     _launcher((programs,), _grouped_gemm_persistent_kernel)(*args, **kwargs)
 
 
