@@ -484,7 +484,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--compile-workers", type=int, default=None)
     p.add_argument("--max-candidates", type=int, default=None,
                    help="profile at most this many configs per GEMM (default: the whole short "
-                        "list, 3 to 13)")
+                        "list, 8 to 18)")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                    help="tuning time allowed per quant mode after the layer is built: the "
                         "candidates a bucket's share leaves are skipped (default "

@@ -740,3 +740,18 @@ def test_global_scale_refused_where_the_format_has_none(gen):
     kw = ckpt(gen, e=E, gated=True, bias=False)
     with rejects("w1_global_scale"):
         layer.load_weights(**kw, w1_global_scale=torch.ones(E))
+
+
+@pytest.mark.parametrize("name, value", [("MOE_OPS_PDL", "off"),
+                                         ("MOE_OPS_ACT_QUANT_SLICE_K", "wide")])
+def test_mistyped_kernel_switch_names_its_variable(name, value):
+    """The kernels' environment switches are read at import and checked there: a mistyped value
+    raises a ValueError naming the variable instead of silently meaning the default."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, **{name: value})
+    result = subprocess.run([sys.executable, "-c", "import moe_ops.kernels.experts"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode != 0
+    assert "ValueError" in result.stderr and name in result.stderr, result.stderr[-2000:]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from typing import Iterator
 
 import torch
@@ -14,6 +13,7 @@ import triton
 import triton.language as tl
 
 from moe_ops.kernels import INTERPRET  # noqa: F401  (re-exported for the launchers)
+from moe_ops.kernels.env import env_choice
 from moe_ops.layout import is_gated  # noqa: F401  (re-exported for the launchers)
 from moe_ops.quant import FP8_BLOCK  # noqa: F401  (re-exported for the launchers)
 
@@ -76,7 +76,7 @@ def capability_at_least(device: torch.device, capability: tuple[int, int]) -> bo
 # launches without the attribute; the kernel source stays the same (griddepcontrol.wait returns
 # at once in a kernel launched normally), but `launch_pdl` is part of Triton's compile key, so a
 # kernel launched on both sides of the scope is compiled (and cached) once for each.
-_PDL_DISABLED = os.environ.get("MOE_OPS_PDL", "1") == "0"
+_PDL_DISABLED = env_choice("MOE_OPS_PDL", "1", ("0", "1")) == "0"
 _PDL_EARLY_LAUNCH = contextvars.ContextVar("moe_ops_pdl_early_launch", default=True)
 
 
