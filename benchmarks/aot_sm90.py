@@ -1,7 +1,7 @@
 """Compile the tile GEMM kernel for sm_90 without a GPU: every tile-kernel config of the shipped
 tables (moe_ops/tuned/) for the given modes, or the configs given, with the constexprs the
-launcher passes (fp8 per tensor: swap-AB configs unswapped, as experts.FP8_SWAP_AB = False runs
-them; bf16 4-bit weights: the inline-PTX decode) and, approximately, the argument
+launcher passes (fp8 per tensor: GEMM1's swap-AB configs unswapped, as experts.FP8_SWAP_AB =
+False runs them; bf16 4-bit weights: the inline-PTX decode) and, approximately, the argument
 specializations Triton's launcher makes at run time (pointers, strides, N and K taken as
 multiples of 16; without them the build can be another program: byte loads and twice the
 instructions for the nvfp4 decode loop; see compile_config for what is not modelled). Prints,
@@ -90,8 +90,8 @@ def compile_config(quant: str, gemm: int, k: int, config: GemmConfig, direct: bo
         DOT_PRECISION="tf32", EVEN_K=k % config.block_k == 0,
         FAST_FP4=fp4 and config.swap_ab and gg.FP4_FAST_DEQUANT,
         SPLIT_K=config.split_k, NUM_K_STEPS=gg.static_k_steps(quant, k, config),
-        PROMOTE_STEPS=max(1, gg.FP8_PROMOTE_K // config.block_k) if quant == "fp8" else 1,
-        USE_PDL=True)
+        PROMOTE_STEPS=gg.fp8_promote_steps(quant, config),
+        IMPRECISE_K=gg.FP8_IMPRECISE_K if quant == "fp8" else 0, USE_PDL=True)
     operand = "*bf16" if quant == "none" or fp4 else "*fp8e4nv"
     signature = {}
     for name in inspect.signature(gg._grouped_gemm_kernel.fn).parameters:
@@ -292,7 +292,7 @@ def main() -> int:
         builds = table_configs(args.quant)
     seen, failures = set(), 0
     for quant, gemm, k, config in builds:
-        if quant == "fp8" and config.swap_ab and not experts_mod.FP8_SWAP_AB:
+        if quant == "fp8" and config.swap_ab and gemm == 1 and not experts_mod.FP8_SWAP_AB:
             config = dataclasses.replace(config, swap_ab=False)
         for direct in directs:
             key = (quant, gemm, k % config.block_k == 0, config, direct)
@@ -305,7 +305,7 @@ def main() -> int:
                 kernel = compile_config(quant, gemm, k, config, direct)
             except Exception as exc:  # noqa: BLE001 - report every failing build
                 failures += 1
-                print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-600:]}", flush=True)
                 continue
             ptx = kernel.asm["ptx"]
             mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"

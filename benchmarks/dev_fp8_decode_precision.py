@@ -4,6 +4,9 @@ and promotion interval (grouped_gemm.FP8_PROMOTE_K), with the time of one call (
 replay, median).
 
     python benchmarks/dev_fp8_decode_precision.py > benchmarks/results/h200_fp8_decode_precision.txt
+    python benchmarks/dev_fp8_decode_precision.py qwen3_30b_a3b:fp8:16 llama4_scout:fp8:16  # cases
+    (--all: also the first run's variants; --gemm2: GEMM2 alone swapped; --shipped: the tables
+    alone)
 
 Why: swap-AB decode tiles (the fp8 MMA with the weight tile on its 64-row side) err about twice
 as much as 16-row tiles that are not swapped, and their worst batch passed the 1e-2 bound; so
@@ -27,7 +30,8 @@ from moe_ops.kernels import experts as experts_mod  # noqa: E402
 from moe_ops.kernels import grouped_gemm as gg  # noqa: E402
 from moe_ops.kernels.grouped_gemm import GemmConfig  # noqa: E402
 
-CASES = ("mixtral_8x7b:fp8:1", "mixtral_8x7b:fp8:7", "qwen3_30b_a3b:fp8:7", "mixtral_8x7b:fp8:64")
+CASES = tuple(a for a in sys.argv[1:] if not a.startswith("--")) or (
+    "mixtral_8x7b:fp8:1", "mixtral_8x7b:fp8:7", "qwen3_30b_a3b:fp8:7", "mixtral_8x7b:fp8:64")
 
 
 def swapped(block_k: int, stages: int) -> GemmConfig:
@@ -35,15 +39,37 @@ def swapped(block_k: int, stages: int) -> GemmConfig:
 
 
 # (name, config of both GEMMs (None: the shipped tables), FP8_PROMOTE_K, exact dots,
-# experts.FP8_SWAP_AB: whether swap-AB configs run swapped). "shipped" is what a call runs.
-VARIANTS = (("shipped", None, 256, False, False), ("tuned", None, 256, False, True),
-            ("swap k128 p256", swapped(128, 4), 256, False, True),
-            ("swap k128 p128", swapped(128, 4), 128, False, True),
-            ("swap k64 p64", swapped(64, 6), 64, False, True),
-            ("swap k256 p256", swapped(256, 4), 256, False, True),
-            ("noswap k128", GemmConfig(16, 64, 128, 8, 4, 4), 256, False, True),
-            ("swap k128 exact", swapped(128, 4), 256, True, True),
-            ("noswap k128 exact", GemmConfig(16, 64, 128, 8, 4, 4), 256, True, True))
+# experts.FP8_SWAP_AB: whether swap-AB configs run swapped, FP8_IMPRECISE_K: > 0, the dot's
+# own promotion every that many columns). "shipped" is what a call runs.
+VARIANTS = (("shipped", None, 256, False, False, 0),
+            ("swap k128 p128", swapped(128, 4), 128, False, True, 0),
+            ("swap k128 i32", swapped(128, 4), 256, False, True, 32),
+            ("swap k128 i64", swapped(128, 4), 256, False, True, 64),
+            ("swap k256 i32", swapped(256, 4), 256, False, True, 32),
+            ("swap 128x128 i32", GemmConfig(16, 128, 128, 8, 4, 4, swap_ab=True), 256, False,
+             True, 32),
+            ("noswap k128", GemmConfig(16, 64, 128, 8, 4, 4), 256, False, True, 0),
+            ("swap k128 exact", swapped(128, 4), 256, True, True, 0))
+# GEMM2 alone swapped (GEMM1 on the tables' unswapped tiles): its output is not requantized,
+# so the e4m3 wgmma's small accumulation error (benchmarks/dev_fp8_wgmma_precision.py) is not
+# amplified by the intermediate's per-token fp8 rounding as GEMM1's is.
+if "--gemm2" in sys.argv:
+    VARIANTS = (VARIANTS[0],
+                ("swap2 k128", ("gemm2", swapped(128, 4)), 256, False, True, 0),
+                ("swap2 k128 i32", ("gemm2", swapped(128, 4)), 256, False, True, 32),
+                ("swap2 128x128", ("gemm2", GemmConfig(16, 128, 128, 8, 4, 4, swap_ab=True)),
+                 256, False, True, 0),
+                ("swap2 k256", ("gemm2", swapped(256, 4)), 256, False, True, 0),
+                ("swap2 k256 s3", ("gemm2", swapped(256, 3)), 256, False, True, 0),
+                ("swap both k128", swapped(128, 4), 256, False, True, 0))
+if "--shipped" in sys.argv:   # what a call runs, alone (e.g. after a re-tune)
+    VARIANTS = VARIANTS[:1]
+if "--all" in sys.argv:   # the first run's variants too
+    VARIANTS += (("swap k128 p256", swapped(128, 4), 256, False, True, 0),
+                 ("swap k64 p64", swapped(64, 6), 64, False, True, 0),
+                 ("swap k256 p256", swapped(256, 4), 256, False, True, 0),
+                 ("noswap k128 exact", GemmConfig(16, 64, 128, 8, 4, 4), 256, True, True, 0))
+
 
 def exact_dots(gemm):
     """gemm1 / gemm2 with fp32 operands and FMA dots (the interpreter's upcast path)."""
@@ -66,13 +92,17 @@ def main() -> int:
                 for x, ids, w in batches]
 
         def call(x, ids, w, config):
+            config1 = config2 = config
+            if isinstance(config, tuple):   # ("gemm2", config): GEMM1 from the tables
+                config1, config2 = None, config[1]
             return experts_mod.triton_experts(
                 x, ids, w, kw["w13"], kw["w2"], kw.get("w13_scale"), kw.get("w2_scale"), None,
-                None, activation=layer.activation, quant=quant, gemm1_config=config,
-                gemm2_config=config)
+                None, activation=layer.activation, quant=quant, gemm1_config=config1,
+                gemm2_config=config2)
 
-        for name, config, promote_k, exact, swap_ab in VARIANTS:
+        for name, config, promote_k, exact, swap_ab, imprecise_k in VARIANTS:
             gg.FP8_PROMOTE_K = promote_k
+            gg.FP8_IMPRECISE_K = imprecise_k
             experts_mod.FP8_SWAP_AB = swap_ab
             experts_mod.gemm1 = exact_dots(gg.gemm1) if exact else gg.gemm1
             experts_mod.gemm2 = exact_dots(gg.gemm2) if exact else gg.gemm2
@@ -83,7 +113,7 @@ def main() -> int:
                                                    return_mode="median") * 1e3
             print(f"{case:22} {name:16} median {statistics.median(errors):.2e} "
                   f"max {max(errors):.2e} {us:8.1f} us", flush=True)
-        gg.FP8_PROMOTE_K = 256
+        gg.FP8_PROMOTE_K, gg.FP8_IMPRECISE_K = 256, 0
         experts_mod.FP8_SWAP_AB = False
         experts_mod.gemm1, experts_mod.gemm2 = gg.gemm1, gg.gemm2
         del layer, kw

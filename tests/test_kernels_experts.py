@@ -6,6 +6,7 @@ a float64 evaluation written here from the same kernel-layout tensors (gate/up i
 decoded, scale rules applied, activations quantized as specified), and with
 moe_ops.reference.fused_experts_reference once that module exists.
 """
+import dataclasses
 import math
 
 import pytest
@@ -689,11 +690,12 @@ def test_pdl_early_launch_at_decode_sizes_only(tokens, early, monkeypatch, poiso
     assert options(torch.device(DEVICE)) == {"launch_pdl": True}
 
 
-@pytest.mark.parametrize("swap_allowed", [False, True])
-def test_fp8_runs_swap_ab_tiles_unswapped(swap_allowed, monkeypatch, poisoned_empty):
-    """fp8 (per tensor): a swap-AB config (explicit here; tuned ones alike) runs as its
-    unswapped twin unless experts.FP8_SWAP_AB (Hopper's fp8 wgmma on the swapped tile loses
-    bits); the result is right either way."""
+@pytest.mark.parametrize("swap_allowed, split2", [(False, 1), (True, 1), (False, 2)])
+def test_fp8_runs_swap_ab_tiles_unswapped(swap_allowed, split2, monkeypatch, poisoned_empty):
+    """fp8 (per tensor): GEMM1's swap-AB config (explicit here; tuned ones alike) runs as its
+    unswapped twin unless experts.FP8_SWAP_AB (its output's requantization amplifies the
+    swapped fp8 wgmma's accumulation error); GEMM2's runs swapped; the result is right either
+    way."""
     import moe_ops.kernels.grouped_gemm as gg
     monkeypatch.setattr(experts_mod, "FP8_SWAP_AB", swap_allowed)
     launched = []
@@ -706,8 +708,9 @@ def test_fp8_runs_swap_ab_tiles_unswapped(swap_allowed, monkeypatch, poisoned_em
     monkeypatch.setattr(gg, "_launch", recording_launch)
     tensors, kwargs = make_problem(5, 64, 48, 4, 2, quant="fp8", seed=47)
     config = GemmConfig(16, 64, 32, 8, 4, 2, swap_ab=True)
-    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
-    assert launched == [swap_allowed, swap_allowed]
+    config2 = dataclasses.replace(config, split_k=split2)   # (split: GEMM2's atomic form)
+    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config2)
+    assert launched == [swap_allowed, True]
 
 
 def test_pdl_early_launch_scopes_nest(monkeypatch):
@@ -772,7 +775,7 @@ def test_persistent_config_falls_back_where_it_cannot_run(poisoned_empty):
     assert any("swap_ab" in why for why in config_problems(prefill, GemmConfig(
         64, 64, 32, 2, 4, 2, swap_ab=True, persistent=True)))
     fp8 = GemmProblem(1, 8, 256, 128, 1.0, torch.bfloat16, "fp8")
-    assert any("precision" in why for why in config_problems(fp8, GemmConfig(
+    assert any("fp8 per tensor" in why for why in config_problems(fp8, GemmConfig(
         16, 64, 32, 2, 4, 2, swap_ab=True, persistent=True)))
     assert not config_problems(fp8, GemmConfig(16, 64, 32, 2, 4, 2, persistent=True))
 

@@ -67,15 +67,21 @@ ATOMIC_COMBINE_MIN_BYTES = 64 << 20
 # T=16384 631 -> 657 TFLOP/s, T=4096 590 -> 613, fp8 and Llama 4 1-2% faster, Qwen3 and
 # DeepSeek unchanged.
 PDL_MAX_PAIRS = 512
-# fp8 (per tensor) runs swap-AB tiles unswapped. Swap-AB puts the weight tile on the 64-row
-# side of Hopper's fp8 wgmma, whose accumulation loses bits: over 24 random batches the experts
-# call erred up to 1.37e-2 against the reference (Mixtral T=7; SPEC's bound is 1e-2) whatever
-# the K step (64-256) and the promotion interval, while the same tile unswapped (fewer than 64
-# rows: mma.sync) and the swapped one with exact fp32 dots both erred 2.8e-3 median, 2.9e-3 at
-# most, at 4-14% more decode time for the tiles measured (results/h200_fp8_decode_precision.txt;
-# 3-15% in the sweep with re-tuned tables, results/h200.json). grouped_gemm's fp8 defaults and
-# tuning candidates are unswapped themselves, so this guards explicit configs (gemm1_config /
-# gemm2_config, a user's tuning cache); True lets them run swapped (for measurements).
+# fp8 (per tensor) runs GEMM1's swap-AB tiles unswapped. Swapped, the weight tile sits on the
+# 64-row side of Hopper's fp8 wgmma, whose own accumulation errs ~1e-4 of the dot
+# (benchmarks/dev_fp8_wgmma_precision.py, results/h200_fp8_wgmma_precision_twentyfirst.log;
+# mma.sync at 16 rows: 1e-7). GEMM1's output is requantized per token (act_quant of the
+# intermediate), and a difference that small moves a row's amax or an element across an e4m3
+# rounding boundary: the row's quantization noise then no longer matches the reference's, and
+# the experts call erred up to 1.37e-2 against it over 24 random batches (Mixtral T=7; SPEC's
+# bound is 1e-2) whatever the K step and promotion interval, while the same tile unswapped
+# erred 2.9e-3 at most (results/h200_fp8_decode_precision.txt). GEMM2's output is not
+# requantized: with GEMM2 alone swapped the call errs as the unswapped one (2.9e-3 at most at
+# Mixtral T = 7 / 16 / 64, Qwen3 3.5e-3, Llama 4 1.7e-3) and runs faster (Mixtral T = 64 414
+# -> 390 us, Llama 4 T = 4 156 -> 143; results/h200_fp8_decode_precision_gemm2_twentyfirst.log),
+# so GEMM2 may swap (the tuner's fp8 GEMM2 decode candidates are swapped tiles) and GEMM1's
+# swap-AB configs (explicit ones, a user's cache) run as their unswapped twins unless
+# FP8_SWAP_AB (for measurements).
 FP8_SWAP_AB = False
 # fp8_block launches whose config is persistent (the tables' choice at prefill; not decode's
 # row tiles, block_m < 64, which run grouped_gemm's persistent kernel) run the
@@ -331,9 +337,8 @@ def triton_experts(
             raise ValueError(f"{name}: persistent=True needs quant in {PERSISTENT_QUANTS} and "
                              f"bf16/fp16 activations, got quant={quant!r}, dtype {x.dtype}")
 
-    if quant == "fp8" and not FP8_SWAP_AB:
-        config1, config2 = (dataclasses.replace(c, swap_ab=False) if c.swap_ab else c
-                            for c in (config1, config2))
+    if quant == "fp8" and not FP8_SWAP_AB and config1.swap_ab:
+        config1 = dataclasses.replace(config1, swap_ab=False)
 
     x = x.contiguous()
     direct = use_direct_dispatch(T, top_k, E)

@@ -91,6 +91,10 @@ PERSISTENT_DECODE_PROGRAMS = env_int("MOE_OPS_PERSISTENT_DECODE_PROGRAMS", 4) or
 # 512 then failed the bound on a small layer (gpu_check --sanitize, fp8 H=512 with -1 padding
 # at T=16: 1.11e-2, against 4.8e-3 promoting every step): 256 keeps the margin.
 FP8_PROMOTE_K = 256
+# > 0: fp8's dots promote every FP8_IMPRECISE_K columns inside the MMA instead (Triton's
+# max_num_imprecise_acc; FP8_PROMOTE_K then unused): an experiment on the swapped decode tiles'
+# precision (benchmarks/dev_fp8_decode_precision.py); 0, the shipped value, changes nothing.
+FP8_IMPRECISE_K = 0
 # bf16 4-bit weights decode with inline PTX on the GPU (_dequant_fp4_tile_bf16_asm); False
 # forces the portable bit arithmetic everywhere (the interpreter and fp16 always use it).
 FP4_FAST_DEQUANT = True
@@ -199,9 +203,9 @@ def config_problems(problem: GemmProblem, config: GemmConfig) -> List[str]:
         if config.swap_ab and config.block_m >= 64:
             why.append("persistent: swap_ab only for decode's row tiles (block_m < 64)")
         if config.swap_ab and problem.quant == "fp8":
-            # (as experts.FP8_SWAP_AB: the e4m3 wgmma's own accumulation errs past the bound
-            # on the swapped decode tiles; benchmarks/NOTES.md, fp8 decode precision)
-            why.append("persistent: no swap_ab with fp8 per tensor (wgmma precision)")
+            # (GEMM1 swapped errs past the bound, experts.FP8_SWAP_AB; GEMM2's swapped fp8
+            # tiles run on the tile kernel: this kernel's fp8 swap is not measured)
+            why.append("persistent: no swap_ab with fp8 per tensor (not measured)")
         if (problem.k * problem.operand_bytes) % 16:
             why.append("persistent: rows of K elements must be whole 16-byte units (TMA)")
     if problem.quant == "fp8_block" and config.block_k > FP8_BLOCK:
@@ -367,8 +371,11 @@ def tuning_candidates(problem: GemmProblem) -> List[GemmConfig]:
     configs = [default_config(problem)]
     for entry in table:
         config = GemmConfig(*entry)
-        if problem.quant == "fp8" and config.swap_ab:
-            config = dataclasses.replace(config, swap_ab=False)  # see default_config's decode
+        if problem.quant == "fp8" and config.swap_ab and (problem.gemm == 1 or config.persistent):
+            # GEMM1 unswapped (see default_config's decode, experts.FP8_SWAP_AB); GEMM2's
+            # tile-kernel tiles swapped (its output is not requantized); the persistent
+            # kernel's fp8 tiles unswapped (config_problems)
+            config = dataclasses.replace(config, swap_ab=False)
         if config not in configs and is_valid_config(problem, config):
             configs.append(config)
     return configs
@@ -429,10 +436,9 @@ def default_config(problem: GemmProblem) -> GemmConfig:
         # Decode: a stream of the hit experts' weights; narrow N tiles give enough programs to
         # keep every SM's loads in flight, deep pipelining hides the latency. Swap-AB puts the
         # weight tile on the MMA's 64-row side (wgmma instead of mma.sync at 16 rows).
-        # fp8 (per tensor) unswapped: swapped, the weight tile sits on the 64-row side of the
-        # fp8 wgmma, whose accumulation lost enough bits to pass the 1e-2 bound (Mixtral T=7:
-        # 1.37e-2 over 24 batches; the 16-row tile unswapped builds with mma.sync: 2.9e-3 at
-        # most, results/h200_fp8_decode_precision.txt).
+        # fp8 (per tensor) unswapped: GEMM1 swapped passed the 1e-2 bound (its output's
+        # requantization amplifies the fp8 wgmma's small accumulation error, see
+        # experts.FP8_SWAP_AB); GEMM2 may swap, which the tuner's candidates offer.
         swap = problem.quant != "fp8"
         config = GemmConfig(16, 64, wide_k, 8, 4, 4, swap_ab=swap)
         if problem.quant == "fp8" and problem.k >= LONG_K_DECODE:
@@ -493,15 +499,26 @@ def _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+def fp8_promote_steps(quant: str, config: "GemmConfig") -> int:
+    """K steps between fp8's promotions of the partial sum (1 where the dot promotes itself)."""
+    if quant != "fp8" or FP8_IMPRECISE_K:
+        return 1
+    return max(1, FP8_PROMOTE_K // config.block_k)
+
+
 @triton.jit
-def _fp8_dot(x, y, acc, part, step, PROMOTE_STEPS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_dot(x, y, acc, part, step, PROMOTE_STEPS: tl.constexpr, BLOCK_K: tl.constexpr,
+             IMPRECISE_K: tl.constexpr = 0):
     """acc (+ part) += x @ y for e4m3 operands, with the partial sum promoted into the fp32
     accumulator: Hopper's fp8 MMA keeps only about 14 bits while it accumulates (measured here:
     1.2e-2 relative error at K=2048 with Triton's sm_90 default of never promoting).
     PROMOTE_STEPS == 1: every K step, inside the dot (each step then waits for its MMAs; `part`
     is unused and returned as it came); > 1: the MMAs chain asynchronously through `part` for
-    that many steps (step counts from 0), then one promotion. Returns (acc, part)."""
-    if PROMOTE_STEPS == 1:
+    that many steps (step counts from 0), then one promotion. IMPRECISE_K > 0: promoted every
+    IMPRECISE_K columns by the dot itself (FP8_IMPRECISE_K). Returns (acc, part)."""
+    if IMPRECISE_K > 0:
+        acc = tl.dot(x, y, acc, max_num_imprecise_acc=IMPRECISE_K)
+    elif PROMOTE_STEPS == 1:
         acc = tl.dot(x, y, acc, max_num_imprecise_acc=BLOCK_K)
     else:
         part = tl.dot(x, y, part)
@@ -592,6 +609,7 @@ def _grouped_gemm_kernel(
     FAST_FP4: tl.constexpr = False,  # GPU, bf16: decode e2m1 with inline PTX (not interpretable)
     SPLIT_K: tl.constexpr = 1,      # programs sharing one output tile's reduction (ATOMIC_OUT)
     PROMOTE_STEPS: tl.constexpr = 1,  # fp8: K steps between promotions of the partial sum
+    IMPRECISE_K: tl.constexpr = 0,  # fp8: > 0, promotions inside the dot (FP8_IMPRECISE_K)
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (common.pdl_prologue)
     NUM_K_STEPS: tl.constexpr = 0,  # > 0: cdiv(K, BLOCK_K) known at compile time (static_k_steps)
 ):
@@ -735,9 +753,11 @@ def _grouped_gemm_kernel(
                 acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
         elif QUANT == "fp8":
             if SWAP_AB:
-                acc, part = _fp8_dot(w, a, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K)
+                acc, part = _fp8_dot(w, a, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K,
+                                      IMPRECISE_K)
             else:
-                acc, part = _fp8_dot(a, w, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K)
+                acc, part = _fp8_dot(a, w, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K,
+                                      IMPRECISE_K)
         else:
             if SWAP_AB:
                 acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
@@ -781,6 +801,7 @@ def _grouped_gemm_persistent_kernel(
     NUM_PROGRAMS: tl.constexpr,     # programs (persistent_programs_per_sm); tiles pid, pid + P, ...
     UPCAST: tl.constexpr,
     PROMOTE_STEPS: tl.constexpr = 1,
+    IMPRECISE_K: tl.constexpr = 0,
     USE_PDL: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,  # w @ a^T: the weight tile on the MMA's M side (decode)
     GATHER_A: tl.constexpr = False,  # GEMM1 decode: a_desc is x itself, rows read by pointer
@@ -886,7 +907,8 @@ def _grouped_gemm_persistent_kernel(
                 acc = tl.dot(x_op.to(tl.float32), y_op.to(tl.float32), acc,
                              input_precision="ieee")
             elif QUANT == "fp8":
-                acc, part = _fp8_dot(x_op, y_op, acc, part, kb, PROMOTE_STEPS, BLOCK_K)
+                acc, part = _fp8_dot(x_op, y_op, acc, part, kb, PROMOTE_STEPS, BLOCK_K,
+                                      IMPRECISE_K)
             else:
                 acc = tl.dot(x_op, y_op, acc)
         if QUANT == "fp8" and PROMOTE_STEPS > 1:
@@ -1129,7 +1151,8 @@ def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
         MUL_ROUTED_WEIGHT=gemm == 2, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_PROGRAMS=programs,
         UPCAST=interpret_upcast,
-        PROMOTE_STEPS=max(1, FP8_PROMOTE_K // config.block_k) if quant == "fp8" else 1,
+        PROMOTE_STEPS=fp8_promote_steps(quant, config),
+        IMPRECISE_K=FP8_IMPRECISE_K if quant == "fp8" else 0,
         USE_PDL=use_pdl(a.device), SWAP_AB=config.swap_ab, GATHER_A=gather_a,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch_options(a.device),
@@ -1236,7 +1259,8 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
         FAST_FP4=use_fast_fp4(quant, a.dtype, config),
         SPLIT_K=config.split_k, USE_PDL=use_pdl(a.device),
         NUM_K_STEPS=static_k_steps(quant, k, config),
-        PROMOTE_STEPS=max(1, FP8_PROMOTE_K // config.block_k) if quant == "fp8" else 1,
+        PROMOTE_STEPS=fp8_promote_steps(quant, config),
+        IMPRECISE_K=FP8_IMPRECISE_K if quant == "fp8" else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(a.device),
     )
 
