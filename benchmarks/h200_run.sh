@@ -8,7 +8,10 @@
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
 # $CHECK_LIMIT_S (540) s, logs pytest_gpu_<i>.log.
 # tune: re-tune the shipped tables of every (model, quant) of shapes.json (needed after any edit
-# of kernels/grouped_gemm.py or kernels/common.py; about 7 minutes), reports in the results dir.
+# of kernels/grouped_gemm.py or kernels/common.py), reports in the results dir. Each pair: its
+# candidates' compile (18-46 s, shorter on a warm Triton cache) and then up to 55 s of
+# profiling (the budget counts GPU time only), so up to ~100 s a pair: run the pairs in groups
+# (tune4, tune8, tune16) where one call must stay under 10 minutes.
 # fp4: the 4-bit path alone (its kernel and layout tests on the GPU, gpu_check of the nvfp4 and
 # mxfp4 models, compute-sanitizer on the small layers, dev_fp4_gpu timings, bench_prepare).
 # prep: the fp4 weight preparation alone (its tests on the GPU, bench_prepare of the bf16 ->

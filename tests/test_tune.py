@@ -206,9 +206,9 @@ def test_bucket_deadline_gives_gemm1_40_and_gemm2_80_percent(tuner, fake_clock):
 
 def test_tune_model_compiles_every_bucket_first_then_shares_the_rest(tuner, fake_clock,
                                                                    monkeypatch):
-    """One compile batch holds every bucket's candidates and runs before any profiling; its
-    time counts against the budget, and the buckets share what it leaves (fake clock: the
-    compile takes 30 s of a 42 s budget, each timing 1 s)."""
+    """One compile batch holds every bucket's candidates and runs before any profiling; the
+    budget (GPU time) starts after it, and the buckets share it (fake clock: the compile takes
+    30 s, the budget is 12 s, each timing 1 s)."""
     clock = fake_clock
     batches = []
 
@@ -228,13 +228,13 @@ def test_tune_model_compiles_every_bucket_first_then_shares_the_rest(tuner, fake
         return 1.0
 
     report = tune.tune_model(TINY, "none", buckets=[1, 2, 4], tuner=tuner, timer=timer,
-                             max_candidates=3, show_progress=False, device=DEVICE, budget_s=42.0)
+                             max_candidates=3, show_progress=False, device=DEVICE, budget_s=12.0)
     per_bucket = sum(len(tuning.experts_candidates(k.problem())[:3]) for k in tuner.records) // 3
     assert batches == [(3 * per_bucket, 0)]  # every bucket's jobs, before anything was profiled
     assert report["compile_s"] == 30.0 and all(b["compile_s"] == 0.0 for b in report["buckets"])
     assert report["compiled_kernels"] == 7 and "(7 kernels)" in tune.format_report(report)
-    # the 12 s left: each bucket timed its defaults (and the head to head), the first one
-    # candidates as well, and the rest were skipped
+    # the 12 s after the compile: each bucket timed its defaults (and the head to head), the
+    # first one candidates as well, and the rest were skipped
     assert report["buckets"][0]["candidates"] > 0
     assert report["skipped"] > 0
 
