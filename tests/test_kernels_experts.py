@@ -711,6 +711,14 @@ def test_fp8_runs_swap_ab_tiles_unswapped(swap_allowed, split2, monkeypatch, poi
     config2 = dataclasses.replace(config, split_k=split2)   # (split: GEMM2's atomic form)
     check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config2)
     assert launched == [swap_allowed, True]
+    # GEMM2's persistent swapped config runs unswapped (that kernel's fp8 swap not measured)
+    seen = []
+    launch_persistent = gg._launch_persistent
+    monkeypatch.setattr(gg, "_launch_persistent", lambda *args, **kwargs: (
+        seen.append(args[7].swap_ab), launch_persistent(*args, **kwargs))[1])
+    check_experts(tensors, kwargs, FP8_TOL, gemm2_config=GemmConfig(
+        16, 64, 32, 8, 4, 2, swap_ab=True, persistent=True))
+    assert seen == [swap_allowed]
 
 
 def test_pdl_early_launch_scopes_nest(monkeypatch):

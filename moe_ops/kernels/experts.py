@@ -79,9 +79,9 @@ PDL_MAX_PAIRS = 512
 # requantized: with GEMM2 alone swapped the call errs as the unswapped one (2.9e-3 at most at
 # Mixtral T = 7 / 16 / 64, Qwen3 3.5e-3, Llama 4 1.7e-3) and runs faster (Mixtral T = 64 414
 # -> 390 us, Llama 4 T = 4 156 -> 143; results/h200_fp8_decode_precision_gemm2_twentyfirst.log),
-# so GEMM2 may swap (the tuner's fp8 GEMM2 decode candidates are swapped tiles) and GEMM1's
-# swap-AB configs (explicit ones, a user's cache) run as their unswapped twins unless
-# FP8_SWAP_AB (for measurements).
+# so GEMM2 may swap on the tile kernel (the tuner's fp8 GEMM2 decode candidates are swapped
+# tiles), and GEMM1's swap-AB configs (explicit ones, a user's cache), like GEMM2's persistent
+# ones, run as their unswapped twins unless FP8_SWAP_AB (for measurements).
 FP8_SWAP_AB = False
 # fp8_block launches whose config is persistent (the tables' choice at prefill; not decode's
 # row tiles, block_m < 64, which run grouped_gemm's persistent kernel) run the
@@ -337,8 +337,12 @@ def triton_experts(
             raise ValueError(f"{name}: persistent=True needs quant in {PERSISTENT_QUANTS} and "
                              f"bf16/fp16 activations, got quant={quant!r}, dtype {x.dtype}")
 
-    if quant == "fp8" and not FP8_SWAP_AB and config1.swap_ab:
-        config1 = dataclasses.replace(config1, swap_ab=False)
+    if quant == "fp8" and not FP8_SWAP_AB:
+        # GEMM1 unswapped; GEMM2's persistent tiles too (that kernel's fp8 swap is not measured)
+        if config1.swap_ab:
+            config1 = dataclasses.replace(config1, swap_ab=False)
+        if config2.swap_ab and config2.persistent:
+            config2 = dataclasses.replace(config2, swap_ab=False)
 
     x = x.contiguous()
     direct = use_direct_dispatch(T, top_k, E)
