@@ -458,6 +458,18 @@ def capture_graph(calls: Callable[[], Any], device: torch.device) -> tuple[torch
     return graph, result
 
 
+def time_graphs_alternated(graphs: dict[str, Any], rounds: int, budget_s: float,
+                           device: torch.device, replays: int = 20) -> dict[str, list[float]]:
+    """Median us a replay of each captured graph, `rounds` times with the arms alternated
+    (each round times every arm once, so a drift of the GPU's clocks spreads over all)."""
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            times[name].append(measure(lambda g=graph: [g.replay() for _ in range(replays)],
+                                       replays, budget_s, device=device)["median_us"])
+    return times
+
+
 def _short(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:200] if text else ''}"

@@ -78,11 +78,7 @@ def main() -> None:
             finally:
                 experts.act_quant = real_act_quant
                 experts.combine_pair_rows = real_combine
-        times: dict[str, list[float]] = {name: [] for name in arms}
-        for _ in range(args.rounds):
-            for name, graph in graphs.items():
-                times[name].append(bench.measure(lambda g=graph: [g.replay() for _ in range(20)],
-                                                 20, args.budget_s, device=device)["median_us"])
+        times = bench.time_graphs_alternated(graphs, args.rounds, args.budget_s, device)
         best = {name: min(v) for name, v in times.items()}
         rows.append((case, len(cached), best))
         print(case, {name: [round(t, 1) for t in v] for name, v in times.items()}, flush=True)

@@ -68,11 +68,7 @@ def main() -> None:
                 print(f"{case} {name}: {bench._short(exc)}", flush=True)
             finally:
                 experts.DIRECT_MAX_PAIRS = shipped_direct_max
-        times = {name: [] for name in graphs}
-        for _ in range(args.rounds):
-            for name, graph in graphs.items():
-                times[name].append(bench.measure(lambda g=graph: [g.replay() for _ in range(20)],
-                                                 20, args.budget_s, device=device)["median_us"])
+        times = bench.time_graphs_alternated(graphs, args.rounds, args.budget_s, device)
         for name in graphs:
             table.append((case, name, min(times[name]), errors[name]))
             print(case, name, [round(t, 1) for t in times[name]], f"err {errors[name]:.1e}",

@@ -37,20 +37,16 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, N, K,
     for k0 in tl.range(0, K, BLOCK_K, num_stages=3):
         x = tl.load(x_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :])
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :])
-        if SWAP:
-            if FRESH:
-                acc += tl.dot(w, x.T)
-            elif IMPRECISE > 0:
-                acc = tl.dot(w, x.T, acc, max_num_imprecise_acc=IMPRECISE)
-            else:
-                acc = tl.dot(w, x.T, acc)
+        if SWAP:   # the weight tile on the MMA's M side
+            lhs, rhs = w, x.T
         else:
-            if FRESH:
-                acc += tl.dot(x, w.T)
-            elif IMPRECISE > 0:
-                acc = tl.dot(x, w.T, acc, max_num_imprecise_acc=IMPRECISE)
-            else:
-                acc = tl.dot(x, w.T, acc)
+            lhs, rhs = x, w.T
+        if FRESH:
+            acc += tl.dot(lhs, rhs)
+        elif IMPRECISE > 0:
+            acc = tl.dot(lhs, rhs, acc, max_num_imprecise_acc=IMPRECISE)
+        else:
+            acc = tl.dot(lhs, rhs, acc)
     if SWAP:
         acc = tl.trans(acc)
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc)
