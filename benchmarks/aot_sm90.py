@@ -91,7 +91,8 @@ def compile_config(quant: str, gemm: int, k: int, config: GemmConfig, direct: bo
         FAST_FP4=fp4 and config.swap_ab and gg.FP4_FAST_DEQUANT,
         SPLIT_K=config.split_k, NUM_K_STEPS=gg.static_k_steps(quant, k, config),
         PROMOTE_STEPS=gg.fp8_promote_steps(quant, config),
-        IMPRECISE_K=gg.FP8_IMPRECISE_K if quant == "fp8" else 0, USE_PDL=True)
+        IMPRECISE_K=gg.FP8_IMPRECISE_K if quant == "fp8" else 0,
+        F16_DOT=quant == "fp8" and config.swap_ab and gg.FP8_SWAP_F16, USE_PDL=True)
     operand = "*bf16" if quant == "none" or fp4 else "*fp8e4nv"
     signature = {}
     for name in inspect.signature(gg._grouped_gemm_kernel.fn).parameters:
@@ -268,6 +269,9 @@ def main() -> int:
                              "atomic output)")
     parser.add_argument("--loop", action="store_true",
                         help="print the K loop's SASS instruction counts (nvdisasm)")
+    parser.add_argument("--fp8-swap-f16", action="store_true",
+                        help="fp8 per tensor: swap-AB configs run swapped (GEMM1 too) with f16 "
+                             "operands (grouped_gemm.FP8_SWAP_F16, an experiment)")
     parser.add_argument("--dynamic-k", action="store_true",
                         help="4-bit: pass the K-step count at run time (FP4_STATIC_K_STEPS off)")
     parser.add_argument("--digest", action="store_true",
@@ -282,6 +286,8 @@ def main() -> int:
             if quant == "nvfp4":
                 print(prepare_summary(quant, amax_next=True), flush=True)
         return 0
+    if args.fp8_swap_f16:
+        gg.FP8_SWAP_F16 = experts_mod.FP8_SWAP_AB = True
     if args.dynamic_k:
         gg.FP4_STATIC_K_STEPS = False
     directs = {"no": (False,), "yes": (True,), "both": (False, True)}[args.direct]

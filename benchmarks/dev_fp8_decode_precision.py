@@ -5,8 +5,8 @@ replay, median).
 
     python benchmarks/dev_fp8_decode_precision.py > benchmarks/results/h200_fp8_decode_precision.txt
     python benchmarks/dev_fp8_decode_precision.py qwen3_30b_a3b:fp8:16 llama4_scout:fp8:16  # cases
-    (--all: also the first run's variants; --gemm2: GEMM2 alone swapped; --shipped: the tables
-    alone)
+    (--all: also the first run's variants; --gemm2: GEMM2 alone swapped; --f16: swapped with
+    f16 operands, FP8_SWAP_F16; --shipped: the tables alone)
 
 Why: swap-AB decode tiles (the fp8 MMA with the weight tile on its 64-row side) err about twice
 as much as 16-row tiles that are not swapped, and their worst batch passed the 1e-2 bound; so
@@ -62,6 +62,17 @@ if "--gemm2" in sys.argv:
                 ("swap2 k256", ("gemm2", swapped(256, 4)), 256, False, True, 0),
                 ("swap2 k256 s3", ("gemm2", swapped(256, 3)), 256, False, True, 0),
                 ("swap both k128", swapped(128, 4), 256, False, True, 0))
+# Both GEMMs swapped with f16 operands (grouped_gemm.FP8_SWAP_F16: exact products, so GEMM1's
+# requantized output should match the reference's as the unswapped tiles' does); the last
+# field: FP8_SWAP_F16.
+if "--f16" in sys.argv:
+    VARIANTS = (VARIANTS[0],
+                ("swap both f16 k128", swapped(128, 4), 256, False, True, 0, True),
+                ("swap both f16 k256", swapped(256, 3), 256, False, True, 0, True),
+                ("swap both f16 128x128", GemmConfig(16, 128, 128, 8, 4, 4, swap_ab=True), 256,
+                 False, True, 0, True),
+                ("swap2 k128", ("gemm2", swapped(128, 4)), 256, False, True, 0),
+                ("swap2 f16 k128", ("gemm2", swapped(128, 4)), 256, False, True, 0, True))
 if "--shipped" in sys.argv:   # what a call runs, alone (e.g. after a re-tune)
     VARIANTS = VARIANTS[:1]
 if "--all" in sys.argv:   # the first run's variants too
@@ -100,9 +111,10 @@ def main() -> int:
                 None, activation=layer.activation, quant=quant, gemm1_config=config1,
                 gemm2_config=config2)
 
-        for name, config, promote_k, exact, swap_ab, imprecise_k in VARIANTS:
+        for name, config, promote_k, exact, swap_ab, imprecise_k, *f16 in VARIANTS:
             gg.FP8_PROMOTE_K = promote_k
             gg.FP8_IMPRECISE_K = imprecise_k
+            gg.FP8_SWAP_F16 = bool(f16 and f16[0])
             experts_mod.FP8_SWAP_AB = swap_ab
             experts_mod.gemm1 = exact_dots(gg.gemm1) if exact else gg.gemm1
             experts_mod.gemm2 = exact_dots(gg.gemm2) if exact else gg.gemm2
@@ -113,7 +125,7 @@ def main() -> int:
                                                    return_mode="median") * 1e3
             print(f"{case:22} {name:16} median {statistics.median(errors):.2e} "
                   f"max {max(errors):.2e} {us:8.1f} us", flush=True)
-        gg.FP8_PROMOTE_K, gg.FP8_IMPRECISE_K = 256, 0
+        gg.FP8_PROMOTE_K, gg.FP8_IMPRECISE_K, gg.FP8_SWAP_F16 = 256, 0, False
         experts_mod.FP8_SWAP_AB = False
         experts_mod.gemm1, experts_mod.gemm2 = gg.gemm1, gg.gemm2
         del layer, kw

@@ -25,7 +25,8 @@ import triton.language as tl
 @triton.jit
 def _dot_kernel(x_ptr, w_ptr, out_ptr, N, K,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SWAP: tl.constexpr, IMPRECISE: tl.constexpr, FRESH: tl.constexpr):
+                SWAP: tl.constexpr, IMPRECISE: tl.constexpr, FRESH: tl.constexpr,
+                F16: tl.constexpr = False):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -41,6 +42,8 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, N, K,
             lhs, rhs = w, x.T
         else:
             lhs, rhs = x, w.T
+        if F16:    # e4m3 -> f16 in registers (exact), an f16 MMA
+            lhs, rhs = lhs.to(tl.float16), rhs.to(tl.float16)
         if FRESH:
             acc += tl.dot(lhs, rhs)
         elif IMPRECISE > 0:
@@ -52,12 +55,12 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, N, K,
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc)
 
 
-def run(x, w, swap, imprecise, fresh, block_n=64, block_k=128):
+def run(x, w, swap, imprecise, fresh, block_n=64, block_k=128, f16=False):
     n, k = w.shape
     out = torch.full((x.shape[0], n), float("nan"), device=x.device)
     _dot_kernel[(n // block_n,)](x, w, out, n, k, BLOCK_M=x.shape[0], BLOCK_N=block_n,
                                  BLOCK_K=block_k, SWAP=swap, IMPRECISE=imprecise, FRESH=fresh,
-                                 num_warps=4)
+                                 F16=f16, num_warps=4)
     return out
 
 
@@ -73,7 +76,8 @@ def main() -> None:
                 ("wgmma imprecise 64", True, 64, False),
                 ("wgmma imprecise 32", True, 32, False),
                 ("wgmma default", True, 0, False),
-                ("wgmma fresh partial", True, 0, True)]
+                ("wgmma fresh partial", True, 0, True),
+                ("wgmma f16 (converted)", True, 0, False, True)]
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}; 16 token rows, block 64 x 128, errors over {args.seeds} seeds")
     print(f"{'shape':12s} {'variant':22s} {'rel frob':>10s} {'max/max':>10s}")
@@ -84,8 +88,8 @@ def main() -> None:
             x = torch.randn(16, k, device="cuda").to(torch.float8_e4m3fn)
             w = (torch.randn(n, k, device="cuda") * 8).to(torch.float8_e4m3fn)
             ref = x.double() @ w.double().T
-            for name, swap, imprecise, fresh in variants:
-                out = run(x, w, swap, imprecise, fresh).double()
+            for name, swap, imprecise, fresh, *f16 in variants:
+                out = run(x, w, swap, imprecise, fresh, f16=bool(f16 and f16[0])).double()
                 assert not out.isnan().any(), name
                 rows[name][0].append(float((out - ref).norm() / ref.norm()))
                 rows[name][1].append(float((out - ref).abs().max() / ref.abs().max()))

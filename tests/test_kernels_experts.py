@@ -721,6 +721,27 @@ def test_fp8_runs_swap_ab_tiles_unswapped(swap_allowed, split2, monkeypatch, poi
     assert seen == [swap_allowed]
 
 
+def test_fp8_swap_f16_dot_experiment(monkeypatch, poisoned_empty):
+    """grouped_gemm.FP8_SWAP_F16 (an experiment, off): fp8's swap-AB tiles dot f16 operands;
+    with experts.FP8_SWAP_AB both GEMMs run so, and the result is right."""
+    import moe_ops.kernels.grouped_gemm as gg
+    monkeypatch.setattr(experts_mod, "FP8_SWAP_AB", True)
+    monkeypatch.setattr(gg, "FP8_SWAP_F16", True)
+    seen = []
+    launch = gg._launch
+
+    def recording_launch(*args, **kwargs):
+        seen.append(args[7].swap_ab)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(gg, "_launch", recording_launch)
+    tensors, kwargs = make_problem(5, 64, 48, 4, 2, quant="fp8", seed=53)
+    config = GemmConfig(16, 64, 32, 8, 4, 2, swap_ab=True)
+    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
+    assert seen == [True, True]
+    assert gg.fp8_promote_steps("fp8", config) == 1
+
+
 def test_pdl_early_launch_scopes_nest(monkeypatch):
     """An outer pdl_early_launch(False) (a caller that wants no early launch anywhere) holds
     through an experts call's own pdl_early_launch(True); leaving each scope restores the one

@@ -95,6 +95,15 @@ FP8_PROMOTE_K = 256
 # max_num_imprecise_acc; FP8_PROMOTE_K then unused): an experiment on the swapped decode tiles'
 # precision (benchmarks/dev_fp8_decode_precision.py); 0, the shipped value, changes nothing.
 FP8_IMPRECISE_K = 0
+# True: fp8's swap-AB tiles convert both e4m3 operands to f16 in registers and run an f16 MMA
+# (exact products, fp32 sums: as exact as the unswapped tiles' mma.sync, which converts so
+# itself), so that GEMM1 could swap without its requantized output drifting from the
+# reference's (experts.FP8_SWAP_AB). sm_90 K loops, SASS instructions a weight value
+# (`python benchmarks/aot_sm90.py --quant fp8 --direct no --loop --configs 16x64x128:4:4:swap
+# 16x128x128:4:4:swap --fp8-swap-f16`, against the same without the flag and unswapped):
+# 16 x 64 x 128 2.36 (the unswapped mma.sync tile 2.39), 16 x 128 x 128 1.90. Not measured on a
+# GPU (benchmarks/dev_fp8_decode_precision.py --f16): off.
+FP8_SWAP_F16 = False
 # bf16 4-bit weights decode with inline PTX on the GPU (_dequant_fp4_tile_bf16_asm); False
 # forces the portable bit arithmetic everywhere (the interpreter and fp16 always use it).
 FP4_FAST_DEQUANT = True
@@ -501,22 +510,25 @@ def _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 
 def fp8_promote_steps(quant: str, config: "GemmConfig") -> int:
     """K steps between fp8's promotions of the partial sum (1 where the dot promotes itself)."""
-    if quant != "fp8" or FP8_IMPRECISE_K:
+    if quant != "fp8" or FP8_IMPRECISE_K or (FP8_SWAP_F16 and config.swap_ab):
         return 1
     return max(1, FP8_PROMOTE_K // config.block_k)
 
 
 @triton.jit
 def _fp8_dot(x, y, acc, part, step, PROMOTE_STEPS: tl.constexpr, BLOCK_K: tl.constexpr,
-             IMPRECISE_K: tl.constexpr = 0):
+             IMPRECISE_K: tl.constexpr = 0, F16_DOT: tl.constexpr = False):
     """acc (+ part) += x @ y for e4m3 operands, with the partial sum promoted into the fp32
     accumulator: Hopper's fp8 MMA keeps only about 14 bits while it accumulates (measured here:
     1.2e-2 relative error at K=2048 with Triton's sm_90 default of never promoting).
     PROMOTE_STEPS == 1: every K step, inside the dot (each step then waits for its MMAs; `part`
     is unused and returned as it came); > 1: the MMAs chain asynchronously through `part` for
     that many steps (step counts from 0), then one promotion. IMPRECISE_K > 0: promoted every
-    IMPRECISE_K columns by the dot itself (FP8_IMPRECISE_K). Returns (acc, part)."""
-    if IMPRECISE_K > 0:
+    IMPRECISE_K columns by the dot itself (FP8_IMPRECISE_K). F16_DOT: both operands converted
+    to f16 (exact) and an f16 MMA, nothing to promote (FP8_SWAP_F16). Returns (acc, part)."""
+    if F16_DOT:
+        acc = tl.dot(x.to(tl.float16), y.to(tl.float16), acc)
+    elif IMPRECISE_K > 0:
         acc = tl.dot(x, y, acc, max_num_imprecise_acc=IMPRECISE_K)
     elif PROMOTE_STEPS == 1:
         acc = tl.dot(x, y, acc, max_num_imprecise_acc=BLOCK_K)
@@ -610,6 +622,7 @@ def _grouped_gemm_kernel(
     SPLIT_K: tl.constexpr = 1,      # programs sharing one output tile's reduction (ATOMIC_OUT)
     PROMOTE_STEPS: tl.constexpr = 1,  # fp8: K steps between promotions of the partial sum
     IMPRECISE_K: tl.constexpr = 0,  # fp8: > 0, promotions inside the dot (FP8_IMPRECISE_K)
+    F16_DOT: tl.constexpr = False,  # fp8 swap-AB: f16 operands (FP8_SWAP_F16)
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (common.pdl_prologue)
     NUM_K_STEPS: tl.constexpr = 0,  # > 0: cdiv(K, BLOCK_K) known at compile time (static_k_steps)
 ):
@@ -754,10 +767,10 @@ def _grouped_gemm_kernel(
         elif QUANT == "fp8":
             if SWAP_AB:
                 acc, part = _fp8_dot(w, a, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K,
-                                      IMPRECISE_K)
+                                      IMPRECISE_K, F16_DOT)
             else:
                 acc, part = _fp8_dot(a, w, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K,
-                                      IMPRECISE_K)
+                                      IMPRECISE_K, F16_DOT)
         else:
             if SWAP_AB:
                 acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
@@ -802,6 +815,7 @@ def _grouped_gemm_persistent_kernel(
     UPCAST: tl.constexpr,
     PROMOTE_STEPS: tl.constexpr = 1,
     IMPRECISE_K: tl.constexpr = 0,
+    F16_DOT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,  # w @ a^T: the weight tile on the MMA's M side (decode)
     GATHER_A: tl.constexpr = False,  # GEMM1 decode: a_desc is x itself, rows read by pointer
@@ -908,7 +922,7 @@ def _grouped_gemm_persistent_kernel(
                              input_precision="ieee")
             elif QUANT == "fp8":
                 acc, part = _fp8_dot(x_op, y_op, acc, part, kb, PROMOTE_STEPS, BLOCK_K,
-                                      IMPRECISE_K)
+                                      IMPRECISE_K, F16_DOT)
             else:
                 acc = tl.dot(x_op, y_op, acc)
         if QUANT == "fp8" and PROMOTE_STEPS > 1:
@@ -1153,6 +1167,7 @@ def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
         UPCAST=interpret_upcast,
         PROMOTE_STEPS=fp8_promote_steps(quant, config),
         IMPRECISE_K=FP8_IMPRECISE_K if quant == "fp8" else 0,
+        F16_DOT=quant == "fp8" and config.swap_ab and FP8_SWAP_F16,
         USE_PDL=use_pdl(a.device), SWAP_AB=config.swap_ab, GATHER_A=gather_a,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch_options(a.device),
@@ -1261,6 +1276,7 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
         NUM_K_STEPS=static_k_steps(quant, k, config),
         PROMOTE_STEPS=fp8_promote_steps(quant, config),
         IMPRECISE_K=FP8_IMPRECISE_K if quant == "fp8" else 0,
+        F16_DOT=quant == "fp8" and config.swap_ab and FP8_SWAP_F16,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(a.device),
     )
 
