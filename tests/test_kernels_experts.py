@@ -690,32 +690,36 @@ def test_pdl_early_launch_at_decode_sizes_only(tokens, early, monkeypatch, poiso
     assert options(torch.device(DEVICE)) == {"launch_pdl": True}
 
 
+def _record_swap_ab(monkeypatch, launcher: str) -> list:
+    """Wrap grouped_gemm's `launcher` (_launch or _launch_persistent) so that each launch
+    appends its config's swap_ab to the returned list."""
+    import moe_ops.kernels.grouped_gemm as gg
+    launched = []
+    launch = getattr(gg, launcher)
+
+    def recording(*args, **kwargs):
+        launched.append(args[7].swap_ab)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(gg, launcher, recording)
+    return launched
+
+
 @pytest.mark.parametrize("swap_allowed, split2", [(False, 1), (True, 1), (False, 2)])
 def test_fp8_runs_swap_ab_tiles_unswapped(swap_allowed, split2, monkeypatch, poisoned_empty):
     """fp8 (per tensor): GEMM1's swap-AB config (explicit here; tuned ones alike) runs as its
     unswapped twin unless experts.FP8_SWAP_AB (its output's requantization amplifies the
     swapped fp8 wgmma's accumulation error); GEMM2's runs swapped; the result is right either
     way."""
-    import moe_ops.kernels.grouped_gemm as gg
     monkeypatch.setattr(experts_mod, "FP8_SWAP_AB", swap_allowed)
-    launched = []
-    launch = gg._launch
-
-    def recording_launch(*args, **kwargs):
-        launched.append(args[7].swap_ab)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(gg, "_launch", recording_launch)
+    launched = _record_swap_ab(monkeypatch, "_launch")
     tensors, kwargs = make_problem(5, 64, 48, 4, 2, quant="fp8", seed=47)
     config = GemmConfig(16, 64, 32, 8, 4, 2, swap_ab=True)
     config2 = dataclasses.replace(config, split_k=split2)   # (split: GEMM2's atomic form)
     check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config2)
     assert launched == [swap_allowed, True]
     # GEMM2's persistent swapped config runs unswapped (that kernel's fp8 swap not measured)
-    seen = []
-    launch_persistent = gg._launch_persistent
-    monkeypatch.setattr(gg, "_launch_persistent", lambda *args, **kwargs: (
-        seen.append(args[7].swap_ab), launch_persistent(*args, **kwargs))[1])
+    seen = _record_swap_ab(monkeypatch, "_launch_persistent")
     check_experts(tensors, kwargs, FP8_TOL, gemm2_config=GemmConfig(
         16, 64, 32, 8, 4, 2, swap_ab=True, persistent=True))
     assert seen == [swap_allowed]
@@ -727,14 +731,7 @@ def test_fp8_swap_f16_dot_experiment(monkeypatch, poisoned_empty):
     import moe_ops.kernels.grouped_gemm as gg
     monkeypatch.setattr(experts_mod, "FP8_SWAP_AB", True)
     monkeypatch.setattr(gg, "FP8_SWAP_F16", True)
-    seen = []
-    launch = gg._launch
-
-    def recording_launch(*args, **kwargs):
-        seen.append(args[7].swap_ab)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(gg, "_launch", recording_launch)
+    seen = _record_swap_ab(monkeypatch, "_launch")
     tensors, kwargs = make_problem(5, 64, 48, 4, 2, quant="fp8", seed=53)
     config = GemmConfig(16, 64, 32, 8, 4, 2, swap_ab=True)
     check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
