@@ -90,9 +90,7 @@ def compile_config(quant: str, gemm: int, k: int, config: GemmConfig, direct: bo
         DOT_PRECISION="tf32", EVEN_K=k % config.block_k == 0,
         FAST_FP4=fp4 and config.swap_ab and gg.FP4_FAST_DEQUANT,
         SPLIT_K=config.split_k, NUM_K_STEPS=gg.static_k_steps(quant, k, config),
-        PROMOTE_STEPS=gg.fp8_promote_steps(quant, config),
-        IMPRECISE_K=gg.FP8_IMPRECISE_K if quant == "fp8" else 0,
-        F16_DOT=quant == "fp8" and config.swap_ab and gg.FP8_SWAP_F16, USE_PDL=True)
+        USE_PDL=True, **gg.fp8_dot_options(quant, config))
     operand = "*bf16" if quant == "none" or fp4 else "*fp8e4nv"
     signature = {}
     for name in inspect.signature(gg._grouped_gemm_kernel.fn).parameters:
@@ -298,7 +296,8 @@ def main() -> int:
         builds = table_configs(args.quant)
     seen, failures = set(), 0
     for quant, gemm, k, config in builds:
-        if quant == "fp8" and config.swap_ab and gemm == 1 and not experts_mod.FP8_SWAP_AB:
+        if (quant == "fp8" and config.swap_ab and not gg.fp8_swap_ok(gemm, config)
+                and not experts_mod.FP8_SWAP_AB):
             config = dataclasses.replace(config, swap_ab=False)
         for direct in directs:
             key = (quant, gemm, k % config.block_k == 0, config, direct)

@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (puts the repository root on sys.path)
 from moe_ops import synthetic  # noqa: E402
 from moe_ops.kernels.experts import gemm_problems, triton_experts  # noqa: E402
-from moe_ops.kernels.grouped_gemm import GemmConfig, default_config, is_valid_config  # noqa: E402
+from moe_ops.kernels.grouped_gemm import (  # noqa: E402
+    GemmConfig, default_config, fp8_swap_ok, is_valid_config)
 from moe_ops.tuning import experts_configs  # noqa: E402
 
 DEFAULT_CASES = ("qwen3_30b_a3b:none:1", "qwen3_30b_a3b:fp8:1", "mixtral_8x7b:fp8:1",
@@ -47,18 +48,17 @@ DEFAULT_CASES = ("qwen3_30b_a3b:none:1", "qwen3_30b_a3b:fp8:1", "mixtral_8x7b:fp
 def candidates(problem, decode: bool, warps=(4,), stages=(3, 4, 5),
                persistent=False) -> list[GemmConfig]:
     """A small grid around the default: narrow swap-AB tiles for decode (fp8 per tensor
-    unswapped, as the experts call runs it), 32/64-row tiles else. persistent: decode's row
-    tiles on the persistent kernel instead (16 rows, and 32 where experts get more than 12;
-    swapped and not, fp8 per tensor unswapped only)."""
+    unswapped where the experts call runs them so, grouped_gemm.fp8_swap_ok), 32/64-row tiles
+    else. persistent: decode's row tiles on the persistent kernel instead (16 rows, and 32 where
+    experts get more than 12; swapped and not, as config_problems allows)."""
     if persistent:
         rows = (16, 32) if problem.tokens_per_expert > 12 else (16,)
-        swaps = (False,) if problem.quant == "fp8" else (True, False)
-        grid = itertools.product(rows, (64, 128), (128, 256), warps, stages, swaps)
+        grid = itertools.product(rows, (64, 128), (128, 256), warps, stages, (True, False))
         configs = [GemmConfig(bm, bn, bk, 8, w, st, swap, persistent=True)
                    for bm, bn, bk, w, st, swap in grid]
         return [c for c in configs if is_valid_config(problem, c)]
     if decode:
-        swap = problem.quant != "fp8"
+        swap = problem.quant != "fp8" or fp8_swap_ok(problem.gemm, GemmConfig(16, 64, 128))
         grid = itertools.product((16,), (32, 64, 128), (128, 256), warps, stages, (swap,))
     else:
         grid = itertools.product((32, 64), (64, 128), (64, 128), (4,), (3, 4), (False,))

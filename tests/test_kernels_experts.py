@@ -736,7 +736,7 @@ def test_fp8_swap_f16_dot_experiment(monkeypatch, poisoned_empty):
     config = GemmConfig(16, 64, 32, 8, 4, 2, swap_ab=True)
     check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
     assert seen == [True, True]
-    assert gg.fp8_promote_steps("fp8", config) == 1
+    assert gg.fp8_dot_options("fp8", config) == dict(PROMOTE_STEPS=1, F16_DOT=True)
 
 
 def test_pdl_early_launch_scopes_nest(monkeypatch):

@@ -36,8 +36,8 @@ from moe_ops.kernels.env import env_choice, env_int
 from moe_ops.kernels.common import device_properties, is_gated, pdl_early_launch, upcast_dots
 from moe_ops.quant import FP4_K_ALIGN
 from moe_ops.kernels.grouped_gemm import (
-    FP4_QUANTS, PERSISTENT_QUANTS, GemmConfig, GemmProblem, Routing, gather_rows, gemm1, gemm2,
-    is_decode_persistent, use_persistent,
+    FP4_QUANTS, PERSISTENT_QUANTS, GemmConfig, GemmProblem, Routing, fp8_swap_ok, gather_rows,
+    gemm1, gemm2, is_decode_persistent, use_persistent,
 )
 from moe_ops.tuning import experts_configs
 
@@ -338,11 +338,9 @@ def triton_experts(
                              f"bf16/fp16 activations, got quant={quant!r}, dtype {x.dtype}")
 
     if quant == "fp8" and not FP8_SWAP_AB:
-        # GEMM1 unswapped; GEMM2's persistent tiles too (that kernel's fp8 swap is not measured)
-        if config1.swap_ab:
-            config1 = dataclasses.replace(config1, swap_ab=False)
-        if config2.swap_ab and config2.persistent:
-            config2 = dataclasses.replace(config2, swap_ab=False)
+        config1, config2 = (
+            dataclasses.replace(c, swap_ab=False) if c.swap_ab and not fp8_swap_ok(gemm, c)
+            else c for gemm, c in ((1, config1), (2, config2)))
 
     x = x.contiguous()
     direct = use_direct_dispatch(T, top_k, E)

@@ -91,10 +91,6 @@ PERSISTENT_DECODE_PROGRAMS = env_int("MOE_OPS_PERSISTENT_DECODE_PROGRAMS", 4) or
 # 512 then failed the bound on a small layer (gpu_check --sanitize, fp8 H=512 with -1 padding
 # at T=16: 1.11e-2, against 4.8e-3 promoting every step): 256 keeps the margin.
 FP8_PROMOTE_K = 256
-# > 0: fp8's dots promote every FP8_IMPRECISE_K columns inside the MMA instead (Triton's
-# max_num_imprecise_acc; FP8_PROMOTE_K then unused): an experiment on the swapped decode tiles'
-# precision (benchmarks/dev_fp8_decode_precision.py); 0, the shipped value, changes nothing.
-FP8_IMPRECISE_K = 0
 # True: fp8's swap-AB tiles convert both e4m3 operands to f16 in registers and run an f16 MMA
 # (exact products, fp32 sums: as exact as the unswapped tiles' mma.sync, which converts so
 # itself), so that GEMM1 could swap without its requantized output drifting from the
@@ -380,11 +376,8 @@ def tuning_candidates(problem: GemmProblem) -> List[GemmConfig]:
     configs = [default_config(problem)]
     for entry in table:
         config = GemmConfig(*entry)
-        if problem.quant == "fp8" and config.swap_ab and (problem.gemm == 1 or config.persistent):
-            # GEMM1 unswapped (see default_config's decode, experts.FP8_SWAP_AB); GEMM2's
-            # tile-kernel tiles swapped (its output is not requantized); the persistent
-            # kernel's fp8 tiles unswapped (config_problems)
-            config = dataclasses.replace(config, swap_ab=False)
+        if problem.quant == "fp8" and config.swap_ab and not fp8_swap_ok(problem.gemm, config):
+            config = dataclasses.replace(config, swap_ab=False)  # see default_config's decode
         if config not in configs and is_valid_config(problem, config):
             configs.append(config)
     return configs
@@ -508,28 +501,35 @@ def _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-def fp8_promote_steps(quant: str, config: "GemmConfig") -> int:
-    """K steps between fp8's promotions of the partial sum (1 where the dot promotes itself)."""
-    if quant != "fp8" or FP8_IMPRECISE_K or (FP8_SWAP_F16 and config.swap_ab):
-        return 1
-    return max(1, FP8_PROMOTE_K // config.block_k)
+def fp8_swap_ok(gemm: int, config: "GemmConfig") -> bool:
+    """Whether an fp8 (per tensor) swap-AB config of GEMM `gemm` runs swapped: GEMM2 on the tile
+    kernel only. GEMM1's requantized output amplifies the swapped e4m3 wgmma's ~1e-4 error past
+    SPEC's bound (experts.FP8_SWAP_AB); the persistent kernel's fp8 swap is not measured."""
+    return gemm == 2 and not config.persistent
+
+
+def fp8_dot_options(quant: str, config: "GemmConfig") -> dict:
+    """The fp8 K loop's constexprs of a launch (both kernels): PROMOTE_STEPS, K steps between
+    promotions of the partial sum (1 where the dot needs none), and F16_DOT (FP8_SWAP_F16)."""
+    if quant != "fp8":
+        return dict(PROMOTE_STEPS=1, F16_DOT=False)
+    f16 = FP8_SWAP_F16 and config.swap_ab
+    return dict(PROMOTE_STEPS=1 if f16 else max(1, FP8_PROMOTE_K // config.block_k),
+                F16_DOT=f16)
 
 
 @triton.jit
 def _fp8_dot(x, y, acc, part, step, PROMOTE_STEPS: tl.constexpr, BLOCK_K: tl.constexpr,
-             IMPRECISE_K: tl.constexpr = 0, F16_DOT: tl.constexpr = False):
+             F16_DOT: tl.constexpr = False):
     """acc (+ part) += x @ y for e4m3 operands, with the partial sum promoted into the fp32
     accumulator: Hopper's fp8 MMA keeps only about 14 bits while it accumulates (measured here:
     1.2e-2 relative error at K=2048 with Triton's sm_90 default of never promoting).
     PROMOTE_STEPS == 1: every K step, inside the dot (each step then waits for its MMAs; `part`
     is unused and returned as it came); > 1: the MMAs chain asynchronously through `part` for
-    that many steps (step counts from 0), then one promotion. IMPRECISE_K > 0: promoted every
-    IMPRECISE_K columns by the dot itself (FP8_IMPRECISE_K). F16_DOT: both operands converted
+    that many steps (step counts from 0), then one promotion. F16_DOT: both operands converted
     to f16 (exact) and an f16 MMA, nothing to promote (FP8_SWAP_F16). Returns (acc, part)."""
     if F16_DOT:
         acc = tl.dot(x.to(tl.float16), y.to(tl.float16), acc)
-    elif IMPRECISE_K > 0:
-        acc = tl.dot(x, y, acc, max_num_imprecise_acc=IMPRECISE_K)
     elif PROMOTE_STEPS == 1:
         acc = tl.dot(x, y, acc, max_num_imprecise_acc=BLOCK_K)
     else:
@@ -621,7 +621,6 @@ def _grouped_gemm_kernel(
     FAST_FP4: tl.constexpr = False,  # GPU, bf16: decode e2m1 with inline PTX (not interpretable)
     SPLIT_K: tl.constexpr = 1,      # programs sharing one output tile's reduction (ATOMIC_OUT)
     PROMOTE_STEPS: tl.constexpr = 1,  # fp8: K steps between promotions of the partial sum
-    IMPRECISE_K: tl.constexpr = 0,  # fp8: > 0, promotions inside the dot (FP8_IMPRECISE_K)
     F16_DOT: tl.constexpr = False,  # fp8 swap-AB: f16 operands (FP8_SWAP_F16)
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (common.pdl_prologue)
     NUM_K_STEPS: tl.constexpr = 0,  # > 0: cdiv(K, BLOCK_K) known at compile time (static_k_steps)
@@ -767,10 +766,10 @@ def _grouped_gemm_kernel(
         elif QUANT == "fp8":
             if SWAP_AB:
                 acc, part = _fp8_dot(w, a, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K,
-                                      IMPRECISE_K, F16_DOT)
+                                      F16_DOT)
             else:
                 acc, part = _fp8_dot(a, w, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K,
-                                      IMPRECISE_K, F16_DOT)
+                                      F16_DOT)
         else:
             if SWAP_AB:
                 acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
@@ -814,7 +813,6 @@ def _grouped_gemm_persistent_kernel(
     NUM_PROGRAMS: tl.constexpr,     # programs (persistent_programs_per_sm); tiles pid, pid + P, ...
     UPCAST: tl.constexpr,
     PROMOTE_STEPS: tl.constexpr = 1,
-    IMPRECISE_K: tl.constexpr = 0,
     F16_DOT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,  # w @ a^T: the weight tile on the MMA's M side (decode)
@@ -922,7 +920,7 @@ def _grouped_gemm_persistent_kernel(
                              input_precision="ieee")
             elif QUANT == "fp8":
                 acc, part = _fp8_dot(x_op, y_op, acc, part, kb, PROMOTE_STEPS, BLOCK_K,
-                                      IMPRECISE_K, F16_DOT)
+                                      F16_DOT)
             else:
                 acc = tl.dot(x_op, y_op, acc)
         if QUANT == "fp8" and PROMOTE_STEPS > 1:
@@ -1165,9 +1163,7 @@ def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",
         MUL_ROUTED_WEIGHT=gemm == 2, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_PROGRAMS=programs,
         UPCAST=interpret_upcast,
-        PROMOTE_STEPS=fp8_promote_steps(quant, config),
-        IMPRECISE_K=FP8_IMPRECISE_K if quant == "fp8" else 0,
-        F16_DOT=quant == "fp8" and config.swap_ab and FP8_SWAP_F16,
+        **fp8_dot_options(quant, config),
         USE_PDL=use_pdl(a.device), SWAP_AB=config.swap_ab, GATHER_A=gather_a,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch_options(a.device),
@@ -1274,9 +1270,7 @@ def _launch(a, a_scale, w, w_scale, bias, out, routing: Routing, config: GemmCon
         FAST_FP4=use_fast_fp4(quant, a.dtype, config),
         SPLIT_K=config.split_k, USE_PDL=use_pdl(a.device),
         NUM_K_STEPS=static_k_steps(quant, k, config),
-        PROMOTE_STEPS=fp8_promote_steps(quant, config),
-        IMPRECISE_K=FP8_IMPRECISE_K if quant == "fp8" else 0,
-        F16_DOT=quant == "fp8" and config.swap_ab and FP8_SWAP_F16,
+        **fp8_dot_options(quant, config),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_options(a.device),
     )
 
