@@ -341,6 +341,23 @@ def case_layer(shapes: Shapes, case: str,
     return quant, int(tokens), layer
 
 
+def case_experts_call(shapes: Shapes, case: str) -> tuple[str, moe_ops.FusedMoE, Callable]:
+    """A "model:quant:T" case of the developer scripts -> (quant, layer, call): call(**kwargs)
+    runs the layer's experts stage (kernels.experts.triton_experts, looked up at each call so a
+    script's patches of that module apply) on one routed batch of T tokens (routed_inputs),
+    kwargs going to triton_experts (gemm1_config, gemm2_config, ...)."""
+    from moe_ops.kernels import experts
+    quant, tokens, layer = case_layer(shapes, case)
+    x, ids, weights = routed_inputs(layer, tokens)
+    kw = layer.kernel_weights()
+
+    def call(**kwargs):
+        return experts.triton_experts(
+            x, ids, weights, kw["w13"], kw["w2"], kw.get("w13_scale"), kw.get("w2_scale"),
+            activation=layer.activation, quant=quant, **kwargs)
+    return quant, layer, call
+
+
 def routed_inputs(layer: moe_ops.FusedMoE, tokens: int,
                   generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, ...]:
     """Random (x [T, H] bf16, topk_ids, topk_weights in [0, 1)) for the layer's experts call on

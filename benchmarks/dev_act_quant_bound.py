@@ -35,15 +35,7 @@ def main() -> None:
     real_combine = experts.combine_pair_rows
     rows = []
     for case in args.cases:
-        quant, tokens, layer = bench.case_layer(shapes, case)
-        x, ids, weights = bench.routed_inputs(layer, tokens)
-        kw = layer.kernel_weights()
-
-        def call():
-            return experts.triton_experts(
-                x, ids, weights, kw["w13"], kw["w2"], kw.get("w13_scale"), kw.get("w2_scale"),
-                activation=layer.activation, quant=quant)
-
+        _, layer, call = bench.case_experts_call(shapes, case)
         # the quantized operands of one real call, by the act_quant call's position
         cached: list = []
 
@@ -82,7 +74,7 @@ def main() -> None:
         best = {name: min(v) for name, v in times.items()}
         rows.append((case, len(cached), best))
         print(case, {name: [round(t, 1) for t in v] for name, v in times.items()}, flush=True)
-        del graphs, layer, kw
+        del graphs, layer, call
         torch.cuda.empty_cache()
     print("best replay of each arm, us (act_quant launches in the call; saved: without them)")
     print(f"{'case':28s} {'aq':>3s} {'shipped':>9s} {'no aq':>9s} {'no 2nd aq':>9s} "

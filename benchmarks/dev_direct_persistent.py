@@ -38,15 +38,10 @@ def main() -> None:
     shipped_direct_max = experts.DIRECT_MAX_PAIRS
     table = []
     for case in args.cases:
-        quant, tokens, layer = bench.case_layer(shapes, case)
-        x, ids, weights = bench.routed_inputs(layer, tokens)
-        kw = layer.kernel_weights()
+        quant, layer, run = bench.case_experts_call(shapes, case)
 
         def call(config=None):
-            return experts.triton_experts(
-                x, ids, weights, kw["w13"], kw["w2"], kw.get("w13_scale"), kw.get("w2_scale"),
-                activation=layer.activation, quant=quant, gemm1_config=config,
-                gemm2_config=config)
+            return run(gemm1_config=config, gemm2_config=config)
 
         arms = [("shipped", True, None), ("no direct", False, None)]
         arms += [(f"no direct {c.block_m}x{c.block_n}x{c.block_k} s{c.num_stages}"
@@ -73,7 +68,7 @@ def main() -> None:
             table.append((case, name, min(times[name]), errors[name]))
             print(case, name, [round(t, 1) for t in times[name]], f"err {errors[name]:.1e}",
                   flush=True)
-        del graphs, layer, kw, reference
+        del graphs, layer, run, call, reference
         torch.cuda.empty_cache()
     print("best replay of each arm, us (err: output against the shipped call's)")
     for case, name, us, err in table:

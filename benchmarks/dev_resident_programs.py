@@ -21,7 +21,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (puts the repository root on sys.path)
 from moe_ops.kernels import grouped_gemm as gg  # noqa: E402
-from moe_ops.kernels.experts import triton_experts  # noqa: E402
 
 
 def parse_config(text: str) -> gg.GemmConfig:
@@ -39,14 +38,10 @@ def main() -> None:
     args = parser.parse_args()
     shapes = bench.load_shapes()
     for case in args.cases:
-        quant, tokens, layer = bench.case_layer(shapes, case)
-        x, ids, weights = bench.routed_inputs(layer, tokens)
-        kw = layer.kernel_weights()
+        _, layer, run = bench.case_experts_call(shapes, case)
 
         def call(config=None):
-            return triton_experts(x, ids, weights, kw["w13"], kw["w2"], kw.get("w13_scale"),
-                                  kw.get("w2_scale"), activation=layer.activation, quant=quant,
-                                  gemm1_config=config, gemm2_config=config)
+            return run(gemm1_config=config, gemm2_config=config)
         reference = call()
         torch.cuda.synchronize()
         for config in [None] + args.configs:
@@ -54,7 +49,7 @@ def main() -> None:
             torch.cuda.synchronize()
             err = bench.relative_error(out, reference)
             print(f"{case} {config or 'tables'}: output vs tables {err:.2e}", flush=True)
-        del layer, kw
+        del layer, run, call
         torch.cuda.empty_cache()
     print("settled programs an SM (launch signature -> count; estimate from shared memory and "
           "threads):")
