@@ -267,9 +267,6 @@ def main() -> int:
                              "atomic output)")
     parser.add_argument("--loop", action="store_true",
                         help="print the K loop's SASS instruction counts (nvdisasm)")
-    parser.add_argument("--fp8-swap-f16", action="store_true",
-                        help="fp8 per tensor: swap-AB configs run swapped (GEMM1 too) with f16 "
-                             "operands (grouped_gemm.FP8_SWAP_F16, an experiment)")
     parser.add_argument("--dynamic-k", action="store_true",
                         help="4-bit: pass the K-step count at run time (FP4_STATIC_K_STEPS off)")
     parser.add_argument("--digest", action="store_true",
@@ -284,8 +281,6 @@ def main() -> int:
             if quant == "nvfp4":
                 print(prepare_summary(quant, amax_next=True), flush=True)
         return 0
-    if args.fp8_swap_f16:
-        gg.FP8_SWAP_F16 = experts_mod.FP8_SWAP_AB = True
     if args.dynamic_k:
         gg.FP4_STATIC_K_STEPS = False
     directs = {"no": (False,), "yes": (True,), "both": (False, True)}[args.direct]

@@ -5,8 +5,8 @@ replay, median).
 
     python benchmarks/dev_fp8_decode_precision.py > benchmarks/results/h200_fp8_decode_precision.txt
     python benchmarks/dev_fp8_decode_precision.py qwen3_30b_a3b:fp8:16 llama4_scout:fp8:16  # cases
-    (--all: also the first run's variants; --gemm2: GEMM2 alone swapped; --f16: swapped with
-    f16 operands, FP8_SWAP_F16; --shipped: the tables alone)
+    (--all: also the first run's variants; --gemm2: GEMM2 alone swapped; --shipped: the tables
+    alone)
 
 Why: swap-AB decode tiles (the fp8 MMA with the weight tile on its 64-row side) err about twice
 as much as 16-row tiles that are not swapped, and their worst batch passed the 1e-2 bound, when
@@ -41,43 +41,32 @@ def swapped(block_k: int, stages: int) -> GemmConfig:
 
 # (name, config of both GEMMs (None: the shipped tables; ("gemm2", config): GEMM1 from the
 # tables), FP8_PROMOTE_K, exact dots, experts.FP8_SWAP_AB: whether GEMM1's swap-AB configs run
-# swapped, grouped_gemm.FP8_SWAP_F16). "shipped" is what a call runs. (The twenty-first
-# session's promotion-interval variants, "swap k128 i32" / "i64", ran with a knob of the
-# kernel removed after them, grouped_gemm.FP8_IMPRECISE_K: at commit 57f664e.)
-VARIANTS = (("shipped", None, 256, False, False, False),
-            ("swap k128 p128", swapped(128, 4), 128, False, True, False),
-            ("swap k256 p256", swapped(256, 4), 256, False, True, False),
-            ("swap 128x128", GemmConfig(16, 128, 128, 8, 4, 4, swap_ab=True), 256, False, True,
-             False),
-            ("noswap k128", GemmConfig(16, 64, 128, 8, 4, 4), 256, False, True, False),
-            ("swap k128 exact", swapped(128, 4), 256, True, True, False))
+# swapped). "shipped" is what a call runs. (Variants of knobs removed once refuted: the
+# twenty-first session's "swap k128 i32" / "i64", grouped_gemm.FP8_IMPRECISE_K, at commit
+# 57f664e; the twenty-second's --f16, swapped tiles on f16 operands, FP8_SWAP_F16, at dc6985a.)
+VARIANTS = (("shipped", None, 256, False, False),
+            ("swap k128 p128", swapped(128, 4), 128, False, True),
+            ("swap k256 p256", swapped(256, 4), 256, False, True),
+            ("swap 128x128", GemmConfig(16, 128, 128, 8, 4, 4, swap_ab=True), 256, False, True),
+            ("noswap k128", GemmConfig(16, 64, 128, 8, 4, 4), 256, False, True),
+            ("swap k128 exact", swapped(128, 4), 256, True, True))
 # GEMM2 alone swapped (GEMM1 on the tables' unswapped tiles): its output is not requantized,
 # so the e4m3 wgmma's small accumulation error (benchmarks/dev_fp8_wgmma_precision.py) is not
 # amplified by the intermediate's per-token fp8 rounding as GEMM1's is.
 if "--gemm2" in sys.argv:
     VARIANTS = (VARIANTS[0],
-                ("swap2 k128", ("gemm2", swapped(128, 4)), 256, False, True, False),
+                ("swap2 k128", ("gemm2", swapped(128, 4)), 256, False, True),
                 ("swap2 128x128", ("gemm2", GemmConfig(16, 128, 128, 8, 4, 4, swap_ab=True)),
-                 256, False, True, False),
-                ("swap2 k256", ("gemm2", swapped(256, 4)), 256, False, True, False),
-                ("swap2 k256 s3", ("gemm2", swapped(256, 3)), 256, False, True, False),
-                ("swap both k128", swapped(128, 4), 256, False, True, False))
-# Both GEMMs swapped with f16 operands (exact products, so GEMM1's requantized output should
-# match the reference's as the unswapped tiles' does).
-if "--f16" in sys.argv:
-    VARIANTS = (VARIANTS[0],
-                ("swap both f16 k128", swapped(128, 4), 256, False, True, True),
-                ("swap both f16 k256", swapped(256, 3), 256, False, True, True),
-                ("swap both f16 128x128", GemmConfig(16, 128, 128, 8, 4, 4, swap_ab=True), 256,
-                 False, True, True),
-                ("swap2 k128", ("gemm2", swapped(128, 4)), 256, False, True, False),
-                ("swap2 f16 k128", ("gemm2", swapped(128, 4)), 256, False, True, True))
+                 256, False, True),
+                ("swap2 k256", ("gemm2", swapped(256, 4)), 256, False, True),
+                ("swap2 k256 s3", ("gemm2", swapped(256, 3)), 256, False, True),
+                ("swap both k128", swapped(128, 4), 256, False, True))
 if "--shipped" in sys.argv:   # what a call runs, alone (e.g. after a re-tune)
     VARIANTS = VARIANTS[:1]
 if "--all" in sys.argv:   # the first run's variants too
-    VARIANTS += (("swap k128 p256", swapped(128, 4), 256, False, True, False),
-                 ("swap k64 p64", swapped(64, 6), 64, False, True, False),
-                 ("noswap k128 exact", GemmConfig(16, 64, 128, 8, 4, 4), 256, True, True, False))
+    VARIANTS += (("swap k128 p256", swapped(128, 4), 256, False, True),
+                 ("swap k64 p64", swapped(64, 6), 64, False, True),
+                 ("noswap k128 exact", GemmConfig(16, 64, 128, 8, 4, 4), 256, True, True))
 
 
 def exact_dots(gemm):
@@ -109,9 +98,8 @@ def main() -> int:
                 None, activation=layer.activation, quant=quant, gemm1_config=config1,
                 gemm2_config=config2)
 
-        for name, config, promote_k, exact, swap_ab, f16 in VARIANTS:
+        for name, config, promote_k, exact, swap_ab in VARIANTS:
             gg.FP8_PROMOTE_K = promote_k
-            gg.FP8_SWAP_F16 = f16
             experts_mod.FP8_SWAP_AB = swap_ab
             experts_mod.gemm1 = exact_dots(gg.gemm1) if exact else gg.gemm1
             experts_mod.gemm2 = exact_dots(gg.gemm2) if exact else gg.gemm2
@@ -122,7 +110,7 @@ def main() -> int:
                                                    return_mode="median") * 1e3
             print(f"{case:22} {name:16} median {statistics.median(errors):.2e} "
                   f"max {max(errors):.2e} {us:8.1f} us", flush=True)
-        gg.FP8_PROMOTE_K, gg.FP8_SWAP_F16 = 256, False
+        gg.FP8_PROMOTE_K = 256
         experts_mod.FP8_SWAP_AB = False
         experts_mod.gemm1, experts_mod.gemm2 = gg.gemm1, gg.gemm2
         del layer, kw

@@ -11,8 +11,9 @@ counts to the decode grid (2 warps: a 16-row tile's shared activation fragments 
 half as many warps; benchmarks/NOTES.md, eighteenth session); --deadline-s stops the sweep of
 a GEMM's candidates when passed (the rest recorded as skipped); --persistent sweeps decode's
 row tiles on the persistent TMA kernel (GemmConfig.persistent with block_m 16 / 32); --skew
-routes with the tuner's skewed logits instead of uniform ones. Every candidate's output is
-compared with the starting pair's (MAX_ERR); one off by more is reported and never best.
+routes with the tuner's skewed logits instead of uniform ones; --gemms sweeps one GEMM alone.
+Every candidate's output is compared with the starting pair's (MAX_ERR); one off by more is
+reported and never best.
 
     python benchmarks/sweep_configs.py --cases qwen3_30b_a3b:none:1 mixtral_8x7b:fp8:1 \
         --out sweep.json
@@ -20,6 +21,8 @@ compared with the starting pair's (MAX_ERR); one off by more is reported and nev
         --warps 2 4 --stages 3 4 --deadline-s 100 --out sweep_warps.json
     python benchmarks/sweep_configs.py --cases qwen3_30b_a3b:none:16 --against tables \
         --persistent --stages 4 6 --out sweep_persistent.json
+    python benchmarks/sweep_configs.py --cases llama4_scout:fp8:16 --against tables \
+        --persistent --gemms 2 --stages 3 4 --out sweep_persistent_gemm2.json
 """
 from __future__ import annotations
 
@@ -50,13 +53,14 @@ def candidates(problem, decode: bool, warps=(4,), stages=(3, 4, 5),
     """A small grid around the default: narrow swap-AB tiles for decode (fp8 per tensor
     unswapped where the experts call runs them so, grouped_gemm.fp8_swap_ok), 32/64-row tiles
     else. persistent: decode's row tiles on the persistent kernel instead (16 rows, and 32 where
-    experts get more than 12; swapped and not, as config_problems allows)."""
+    experts get more than 12; swapped and not, fp8's GEMM1 unswapped alone)."""
     if persistent:
         rows = (16, 32) if problem.tokens_per_expert > 12 else (16,)
         grid = itertools.product(rows, (64, 128), (128, 256), warps, stages, (True, False))
         configs = [GemmConfig(bm, bn, bk, 8, w, st, swap, persistent=True)
                    for bm, bn, bk, w, st, swap in grid]
-        return [c for c in configs if is_valid_config(problem, c)]
+        return [c for c in configs if is_valid_config(problem, c) and not (
+            problem.quant == "fp8" and c.swap_ab and not fp8_swap_ok(problem.gemm, c))]
     if decode:
         swap = problem.quant != "fp8" or fp8_swap_ok(problem.gemm, GemmConfig(16, 64, 128))
         grid = itertools.product((16,), (32, 64, 128), (128, 256), warps, stages, (swap,))
@@ -91,6 +95,9 @@ def main() -> None:
                         help="route with Zipf-skewed logits (the tuner's second input set)")
     parser.add_argument("--persistent", action="store_true",
                         help="candidates: decode's row tiles on the persistent TMA kernel")
+    parser.add_argument("--gemms", type=int, nargs="+", choices=(1, 2), default=[1, 2],
+                        help="the GEMMs whose candidates are swept (the other stays at the "
+                             "starting pair's)")
     parser.add_argument("--deadline-s", type=float, default=0.0,
                         help="per GEMM of a case: stop timing candidates after this long "
                              "(0: no limit)")
@@ -150,11 +157,13 @@ def main() -> None:
                     best, best_us = config, us
             return best, best_us
 
-        found1, found1_us = sweep(1, problem1, lambda c: call(c1=c, c2=base2))
-        if found1_us < best1_us:
-            best1, best1_us = found1, found1_us
+        if 1 in args.gemms:
+            found1, found1_us = sweep(1, problem1, lambda c: call(c1=c, c2=base2))
+            if found1_us < best1_us:
+                best1, best1_us = found1, found1_us
         best2, best2_us = base2, time_call(call(best1, base2))
-        found2, found2_us = sweep(2, problem2, lambda c: call(c1=best1, c2=c))
+        found2, found2_us = (sweep(2, problem2, lambda c: call(c1=best1, c2=c))
+                             if 2 in args.gemms else (None, float("inf")))
         if found2_us < best2_us:
             best2, best2_us = found2, found2_us
         again_us = time_call(call(base1, base2))

@@ -482,7 +482,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--cache", default=None,
                    help=f"cache file to merge the results into (default {DEFAULT_CACHE})")
     p.add_argument("--ship", action="store_true",
-                   help="write the package's shipped table for this GPU instead of --cache")
+                   help="write the package's shipped table for this GPU instead of --cache "
+                        "(replaced whole; with --buckets, only those buckets' entries)")
     p.add_argument("--report", default=None,
                    help="also write a JSON report (per bucket: default vs tuned us, configs)")
     p.add_argument("--seed", type=int, default=0)
@@ -551,8 +552,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             budget_s=args.budget_s)
         if args.ship:
             path = shipped_path(report["gpu"], shape.name, quant)
-            if path.exists():
-                path.unlink()  # a shipped table is replaced whole, not merged
+            if path.exists() and buckets is None:
+                path.unlink()  # a shipped table is replaced whole, not merged ...
+            # ... unless --buckets names some: theirs are replaced, the other buckets kept
         else:
             path = Path(args.cache or DEFAULT_CACHE)
         tuner.save(path)

@@ -582,15 +582,16 @@ def test_experts_persistent_tma(quant, activation, bias, combine, promote_k, mon
 
 @pytest.mark.parametrize("quant,activation,bias,swap,block_m", [
     ("none", "swiglu", True, True, 16), ("none", "relu2", False, False, 32),
-    ("fp8", "swiglu", True, False, 16), ("fp8_block", "swiglu", False, True, 16),
-    ("fp8_block", "geglu", True, False, 32)])
+    ("fp8", "swiglu", True, False, 16), ("fp8", "relu2", False, "gemm2", 32),
+    ("fp8_block", "swiglu", False, True, 16), ("fp8_block", "geglu", True, False, 32)])
 def test_experts_persistent_decode_tiles(quant, activation, bias, swap, block_m, monkeypatch,
                                          gemm_calls, poisoned_empty):
     """Decode's row tiles (block_m 16 / 32) on the persistent kernel, swapped (the weight tile on
     the MMA's M side) or not: GEMM1 reads its token rows by pointer (no gather_rows launch), K
     not a multiple of block_k (the rows' masked tail, TMA's zero fill for the weights), N not a
     multiple of block_n, more tiles than programs, padding slots, expert-parallel ids and ids
-    of no local expert; fp8_block over several scale groups of K and N. One program an SM (four
+    of no local expert; fp8_block over several scale groups of K and N; fp8 per tensor with GEMM2
+    alone swapped (grouped_gemm.fp8_swap_ok). One program an SM (four
     programs in the interpreter), so every program walks several tiles. (The mask of the rows'
     K tail only keeps the last row's loads in bounds: its values meet TMA's zero fill, so no
     result here depends on it; compute-sanitizer runs these tests on the GPU.)"""
@@ -602,13 +603,16 @@ def test_experts_persistent_decode_tiles(quant, activation, bias, swap, block_m,
     tensors, kwargs = make_problem(12, H, I, 4, 2, activation=activation, quant=quant,
                                    bias=bias, local_expert_offset=2, num_global_experts=8,
                                    invalid_ids=True, seed=31)
-    config = GemmConfig(block_m, 64, 32, 2, 4, 2, swap_ab=swap, persistent=True)
+    config = GemmConfig(block_m, 64, 32, 2, 4, 2, swap_ab=swap is True, persistent=True)
+    config2 = dataclasses.replace(config, swap_ab=bool(swap))
     assert gg.is_decode_persistent(config)
     assert not gg.config_problems(GemmProblem(1, 4, 2 * I, H, 6.0, torch.bfloat16, quant,
                                               activation != "relu2"), config)
+    swaps = _record_swap_ab(monkeypatch, "_launch_persistent")
     check_experts(tensors, kwargs, FP8_TOL if quant != "none" else 1e-2,
-                  gemm1_config=config, gemm2_config=config)
+                  gemm1_config=config, gemm2_config=config2)
     assert persistent_gemms == [1, 2]
+    assert swaps == [swap is True, bool(swap)]
     assert gathers == []
 
 
@@ -718,25 +722,11 @@ def test_fp8_runs_swap_ab_tiles_unswapped(swap_allowed, split2, monkeypatch, poi
     config2 = dataclasses.replace(config, split_k=split2)   # (split: GEMM2's atomic form)
     check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config2)
     assert launched == [swap_allowed, True]
-    # GEMM2's persistent swapped config runs unswapped (that kernel's fp8 swap not measured)
+    # the same on the persistent kernel's decode tiles
     seen = _record_swap_ab(monkeypatch, "_launch_persistent")
-    check_experts(tensors, kwargs, FP8_TOL, gemm2_config=GemmConfig(
-        16, 64, 32, 8, 4, 2, swap_ab=True, persistent=True))
-    assert seen == [swap_allowed]
-
-
-def test_fp8_swap_f16_dot_experiment(monkeypatch, poisoned_empty):
-    """grouped_gemm.FP8_SWAP_F16 (an experiment, off): fp8's swap-AB tiles dot f16 operands;
-    with experts.FP8_SWAP_AB both GEMMs run so, and the result is right."""
-    import moe_ops.kernels.grouped_gemm as gg
-    monkeypatch.setattr(experts_mod, "FP8_SWAP_AB", True)
-    monkeypatch.setattr(gg, "FP8_SWAP_F16", True)
-    seen = _record_swap_ab(monkeypatch, "_launch")
-    tensors, kwargs = make_problem(5, 64, 48, 4, 2, quant="fp8", seed=53)
-    config = GemmConfig(16, 64, 32, 8, 4, 2, swap_ab=True)
-    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=config, gemm2_config=config)
-    assert seen == [True, True]
-    assert gg.fp8_dot_options("fp8", config) == dict(PROMOTE_STEPS=1, F16_DOT=True)
+    persistent = dataclasses.replace(config, persistent=True)
+    check_experts(tensors, kwargs, FP8_TOL, gemm1_config=persistent, gemm2_config=persistent)
+    assert seen == [swap_allowed, True]
 
 
 def test_pdl_early_launch_scopes_nest(monkeypatch):
@@ -800,10 +790,11 @@ def test_persistent_config_falls_back_where_it_cannot_run(poisoned_empty):
     prefill = GemmProblem(1, 8, 256, 128, 300.0, torch.bfloat16)
     assert any("swap_ab" in why for why in config_problems(prefill, GemmConfig(
         64, 64, 32, 2, 4, 2, swap_ab=True, persistent=True)))
-    fp8 = GemmProblem(1, 8, 256, 128, 1.0, torch.bfloat16, "fp8")
-    assert any("fp8 per tensor" in why for why in config_problems(fp8, GemmConfig(
-        16, 64, 32, 2, 4, 2, swap_ab=True, persistent=True)))
-    assert not config_problems(fp8, GemmConfig(16, 64, 32, 2, 4, 2, persistent=True))
+    # fp8's decode tiles, swapped or not (a swapped GEMM1 runs unswapped: experts.FP8_SWAP_AB)
+    fp8 = GemmProblem(2, 8, 256, 128, 1.0, torch.bfloat16, "fp8")
+    for swap in (False, True):
+        assert not config_problems(fp8, GemmConfig(16, 64, 32, 2, 4, 2, swap_ab=swap,
+                                                   persistent=True))
 
 
 # ---------------------------------------------------------------- configs

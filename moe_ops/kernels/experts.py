@@ -79,9 +79,15 @@ PDL_MAX_PAIRS = 512
 # requantized: with GEMM2 alone swapped the call errs as the unswapped one (2.9e-3 at most at
 # Mixtral T = 7 / 16 / 64, Qwen3 3.5e-3, Llama 4 1.7e-3) and runs faster (Mixtral T = 64 414
 # -> 390 us, Llama 4 T = 4 156 -> 143; results/h200_fp8_decode_precision_gemm2_twentyfirst.log),
-# so GEMM2 may swap on the tile kernel (the tuner's fp8 GEMM2 decode candidates are swapped
-# tiles), and GEMM1's swap-AB configs (explicit ones, a user's cache), like GEMM2's persistent
-# ones, run as their unswapped twins unless FP8_SWAP_AB (for measurements).
+# so GEMM2 may swap, on both kernels (the tuner's fp8 GEMM2 decode candidates are swapped
+# tiles; on the persistent kernel's decode tiles swapped beat unswapped by 1-8% at Mixtral,
+# Llama 4 and Qwen3 T = 4-64, results/h200_sweep_persd_swap2_twentysecond.log), and GEMM1's
+# swap-AB configs (explicit ones, a user's cache) run as their unswapped twins unless
+# FP8_SWAP_AB (for measurements). GEMM1 swapped on f16 operands (e4m3 -> f16 is exact, so the
+# sums are as exact as mma.sync's) errs like the unswapped tile and ran 9-51% slower than the
+# shipped pair (Mixtral T = 7 / 64, Llama 4 T = 4 / 16, Qwen3 T = 16 / 64;
+# results/h200_fp8_swap_f16_precision_twentysecond.log): removed (commit dc6985a has it as
+# grouped_gemm.FP8_SWAP_F16).
 FP8_SWAP_AB = False
 # fp8_block launches whose config is persistent (the tables' choice at prefill; not decode's
 # row tiles, block_m < 64, which run grouped_gemm's persistent kernel) run the

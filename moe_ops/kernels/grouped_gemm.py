@@ -91,15 +91,6 @@ PERSISTENT_DECODE_PROGRAMS = env_int("MOE_OPS_PERSISTENT_DECODE_PROGRAMS", 4) or
 # 512 then failed the bound on a small layer (gpu_check --sanitize, fp8 H=512 with -1 padding
 # at T=16: 1.11e-2, against 4.8e-3 promoting every step): 256 keeps the margin.
 FP8_PROMOTE_K = 256
-# True: fp8's swap-AB tiles convert both e4m3 operands to f16 in registers and run an f16 MMA
-# (exact products, fp32 sums: as exact as the unswapped tiles' mma.sync, which converts so
-# itself), so that GEMM1 could swap without its requantized output drifting from the
-# reference's (experts.FP8_SWAP_AB). sm_90 K loops, SASS instructions a weight value
-# (`python benchmarks/aot_sm90.py --quant fp8 --direct no --loop --configs 16x64x128:4:4:swap
-# 16x128x128:4:4:swap --fp8-swap-f16`, against the same without the flag and unswapped):
-# 16 x 64 x 128 2.36 (the unswapped mma.sync tile 2.39), 16 x 128 x 128 1.90. Not measured on a
-# GPU (benchmarks/dev_fp8_decode_precision.py --f16): off.
-FP8_SWAP_F16 = False
 # bf16 4-bit weights decode with inline PTX on the GPU (_dequant_fp4_tile_bf16_asm); False
 # forces the portable bit arithmetic everywhere (the interpreter and fp16 always use it).
 FP4_FAST_DEQUANT = True
@@ -207,10 +198,6 @@ def config_problems(problem: GemmProblem, config: GemmConfig) -> List[str]:
             why.append("persistent: no split_k")
         if config.swap_ab and config.block_m >= 64:
             why.append("persistent: swap_ab only for decode's row tiles (block_m < 64)")
-        if config.swap_ab and problem.quant == "fp8":
-            # (GEMM1 swapped errs past the bound, experts.FP8_SWAP_AB; GEMM2's swapped fp8
-            # tiles run on the tile kernel: this kernel's fp8 swap is not measured)
-            why.append("persistent: no swap_ab with fp8 per tensor (not measured)")
         if (problem.k * problem.operand_bytes) % 16:
             why.append("persistent: rows of K elements must be whole 16-byte units (TMA)")
     if problem.quant == "fp8_block" and config.block_k > FP8_BLOCK:
@@ -290,8 +277,8 @@ _DECODE_CANDIDATES = [  # (block_m, block_n, block_k, group_m, warps, stages, sw
     (16, 64, 256, 8, 4, 3, True), (16, 64, 256, 8, 4, 5, True), (16, 32, 256, 8, 4, 4, True),
     (16, 64, 128, 8, 4, 6, True), (16, 128, 64, 8, 4, 5, True), (32, 64, 128, 8, 4, 4, True),
 ]
-# Decode's row tiles on the persistent kernel (last field; fp8 per tensor unswapped, see
-# tuning_candidates): an SM's weight stream runs on through its tiles. Against the shipped
+# Decode's row tiles on the persistent kernel (last field; fp8 per tensor's GEMM1 unswapped,
+# see tuning_candidates): an SM's weight stream runs on through its tiles. Against the shipped
 # tables' tile-kernel pair on an H200 (benchmarks/sweep_configs.py --persistent, one routed
 # batch, graph replays): Mixtral fp8 T = 64 424 -> 388 us (32-row tiles), T = 4 192 -> 179,
 # Llama 4 fp8 T = 4 / 16 148 -> 139 / 300 -> 286, Qwen3 bf16 T = 4 / 16 81.4 -> 78.0 /
@@ -502,35 +489,29 @@ def _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 
 
 def fp8_swap_ok(gemm: int, config: "GemmConfig") -> bool:
-    """Whether an fp8 (per tensor) swap-AB config of GEMM `gemm` runs swapped: GEMM2 on the tile
-    kernel only. GEMM1's requantized output amplifies the swapped e4m3 wgmma's ~1e-4 error past
-    SPEC's bound (experts.FP8_SWAP_AB); the persistent kernel's fp8 swap is not measured."""
-    return gemm == 2 and not config.persistent
+    """Whether an fp8 (per tensor) swap-AB config of GEMM `gemm` runs swapped: GEMM2 only.
+    GEMM1's requantized output amplifies the swapped e4m3 wgmma's ~1e-4 error past SPEC's bound
+    (experts.FP8_SWAP_AB)."""
+    return gemm == 2
 
 
 def fp8_dot_options(quant: str, config: "GemmConfig") -> dict:
-    """The fp8 K loop's constexprs of a launch (both kernels): PROMOTE_STEPS, K steps between
-    promotions of the partial sum (1 where the dot needs none), and F16_DOT (FP8_SWAP_F16)."""
+    """The fp8 K loop's constexpr of a launch (both kernels): PROMOTE_STEPS, K steps between
+    promotions of the partial sum (1 where the dot needs none)."""
     if quant != "fp8":
-        return dict(PROMOTE_STEPS=1, F16_DOT=False)
-    f16 = FP8_SWAP_F16 and config.swap_ab
-    return dict(PROMOTE_STEPS=1 if f16 else max(1, FP8_PROMOTE_K // config.block_k),
-                F16_DOT=f16)
+        return dict(PROMOTE_STEPS=1)
+    return dict(PROMOTE_STEPS=max(1, FP8_PROMOTE_K // config.block_k))
 
 
 @triton.jit
-def _fp8_dot(x, y, acc, part, step, PROMOTE_STEPS: tl.constexpr, BLOCK_K: tl.constexpr,
-             F16_DOT: tl.constexpr = False):
+def _fp8_dot(x, y, acc, part, step, PROMOTE_STEPS: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc (+ part) += x @ y for e4m3 operands, with the partial sum promoted into the fp32
     accumulator: Hopper's fp8 MMA keeps only about 14 bits while it accumulates (measured here:
     1.2e-2 relative error at K=2048 with Triton's sm_90 default of never promoting).
     PROMOTE_STEPS == 1: every K step, inside the dot (each step then waits for its MMAs; `part`
     is unused and returned as it came); > 1: the MMAs chain asynchronously through `part` for
-    that many steps (step counts from 0), then one promotion. F16_DOT: both operands converted
-    to f16 (exact) and an f16 MMA, nothing to promote (FP8_SWAP_F16). Returns (acc, part)."""
-    if F16_DOT:
-        acc = tl.dot(x.to(tl.float16), y.to(tl.float16), acc)
-    elif PROMOTE_STEPS == 1:
+    that many steps (step counts from 0), then one promotion. Returns (acc, part)."""
+    if PROMOTE_STEPS == 1:
         acc = tl.dot(x, y, acc, max_num_imprecise_acc=BLOCK_K)
     else:
         part = tl.dot(x, y, part)
@@ -621,7 +602,6 @@ def _grouped_gemm_kernel(
     FAST_FP4: tl.constexpr = False,  # GPU, bf16: decode e2m1 with inline PTX (not interpretable)
     SPLIT_K: tl.constexpr = 1,      # programs sharing one output tile's reduction (ATOMIC_OUT)
     PROMOTE_STEPS: tl.constexpr = 1,  # fp8: K steps between promotions of the partial sum
-    F16_DOT: tl.constexpr = False,  # fp8 swap-AB: f16 operands (FP8_SWAP_F16)
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (common.pdl_prologue)
     NUM_K_STEPS: tl.constexpr = 0,  # > 0: cdiv(K, BLOCK_K) known at compile time (static_k_steps)
 ):
@@ -765,11 +745,9 @@ def _grouped_gemm_kernel(
                 acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
         elif QUANT == "fp8":
             if SWAP_AB:
-                acc, part = _fp8_dot(w, a, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K,
-                                      F16_DOT)
+                acc, part = _fp8_dot(w, a, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K)
             else:
-                acc, part = _fp8_dot(a, w, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K,
-                                      F16_DOT)
+                acc, part = _fp8_dot(a, w, acc, part, kb - kb_start, PROMOTE_STEPS, BLOCK_K)
         else:
             if SWAP_AB:
                 acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
@@ -813,7 +791,6 @@ def _grouped_gemm_persistent_kernel(
     NUM_PROGRAMS: tl.constexpr,     # programs (persistent_programs_per_sm); tiles pid, pid + P, ...
     UPCAST: tl.constexpr,
     PROMOTE_STEPS: tl.constexpr = 1,
-    F16_DOT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,  # w @ a^T: the weight tile on the MMA's M side (decode)
     GATHER_A: tl.constexpr = False,  # GEMM1 decode: a_desc is x itself, rows read by pointer
@@ -919,8 +896,7 @@ def _grouped_gemm_persistent_kernel(
                 acc = tl.dot(x_op.to(tl.float32), y_op.to(tl.float32), acc,
                              input_precision="ieee")
             elif QUANT == "fp8":
-                acc, part = _fp8_dot(x_op, y_op, acc, part, kb, PROMOTE_STEPS, BLOCK_K,
-                                      F16_DOT)
+                acc, part = _fp8_dot(x_op, y_op, acc, part, kb, PROMOTE_STEPS, BLOCK_K)
             else:
                 acc = tl.dot(x_op, y_op, acc)
         if QUANT == "fp8" and PROMOTE_STEPS > 1:
