@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -167,6 +167,11 @@
 # T = 1 / 4 / 16 / 64 (graph replays, no baseline) on the new tables; about 6 minutes.
 # ws4rest: the ws_fp4 GPU tests the tenth session's runs did not reach on its tree (mxfp4,
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
+# wspair: fp8 per tensor's prefill GEMMs (kernels/ws_gemm.py) promoting every other K step
+# (MOE_OPS_WS_FP8_PROMOTE_STEPS=2): its GPU tests and compute-sanitizer, then Qwen3, Mixtral
+# and Llama 4 fp8 at T = 1024-16384 (graph replays, no baseline) with 1 (the default), 2, and
+# 2 without the wide tiles for fp8 per tensor's GEMM1 (MOE_OPS_WS_WIDE=gemm2: its "rows" form
+# pairs), two alternated passes; about 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -801,6 +806,16 @@ if [[ "$what" == tune8 ]]; then
   ship_tables qwen3_30b_a3b:fp8 mixtral_8x7b:fp8 llama4_scout:fp8 deepseek_v3:fp8_block
   layer_arm "tune8_after" 60 16 MOE_OPS_PDL=1 -- --models qwen3_30b_a3b mixtral_8x7b llama4_scout \
     deepseek_v3 --quant fp8 fp8_block --tokens 1 4 16 64
+fi
+if [[ "$what" == wspair ]]; then
+  tests_then_sanitize wspair tests/test_ws_gemm.py "paired or pairs" "paired_gemm2 and 384" 120
+  for pass in 1 2; do
+    for arm in 1:all 2:all 2:gemm2; do
+      layer_arm "ab_wspair_${arm/:/_}_$pass" 100 8 MOE_OPS_WS_FP8_PROMOTE_STEPS="${arm%%:*}" \
+        MOE_OPS_WS_WIDE="${arm#*:}" -- --models qwen3_30b_a3b mixtral_8x7b llama4_scout \
+        --quant fp8 --tokens 1024 2048 4096 16384
+    done
+  done
 fi
 if [[ "$what" == tune16 ]]; then
   ship_tables qwen3_30b_a3b:none qwen3_30b_a3b:fp8 mixtral_8x7b:none mixtral_8x7b:fp8 \

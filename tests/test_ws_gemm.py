@@ -313,6 +313,99 @@ def gemm2_problem(tile, quant, E, N, K, T, k, seed):
     return a, a_scale, w, w_scale, routing
 
 
+PAIRS_K_LOOP = """
+import sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops
+from moe_ops.kernels import ws_gemm
+ws_gemm.SKIP_PADDING = "0"
+for tile in ("rows", "cols"):
+    for gemm, activation in ((1, "swiglu"), (2, "none")):
+        kernel = ws_gemm.compile_sm90(tile=tile, gemm=gemm, activation=activation, quant="fp8",
+                                      pairs=True)
+        blocks = loops(kernel)
+        # each consumer's pair loop (two steps' 8 wgmmas) and its odd last step's loop (4)
+        for n in (8, 4):
+            k_loops = sorted((b for b in blocks if sum("QGMMA" in i for i in b) == n),
+                             key=len)[:2]
+            local = max(sum(i.split()[0].startswith(("LDL", "STL")) for i in b)
+                        for b in k_loops)
+            print(tile, gemm, n, len(k_loops), max(len(b) for b in k_loops), local)
+"""
+
+
+def test_paired_promotion_k_loops():
+    """fp8 per tensor with two K steps a promotion (ws_gemm.FP8_PROMOTE_STEPS 2): each
+    consumer's K loop of the "rows" and "cols" forms, GEMM1 and GEMM2, holds two steps' 8
+    wgmmas in fewer instructions than two single steps (the singles: 105-120 a step) and no
+    local memory; the odd last step keeps a loop of its own."""
+    rows, done = sm90_script_rows(PAIRS_K_LOOP)
+    assert len(rows) == 8, done.stdout
+    for tile, gemm, wgmmas, count, longest, local in rows:
+        assert local == "0", done.stdout
+        if wgmmas == "8":
+            assert count == "2" and int(longest) < 200, done.stdout
+
+
+def test_pairs_only_for_fp8_on_narrow_tiles(monkeypatch):
+    """Paired promotion is fp8 per tensor's, off by default, and never on the wide tiles (their
+    three accumulator tiles spill with it); asking for it elsewhere is refused before any
+    launch."""
+    assert ws_gemm.FP8_PROMOTE_STEPS == 1 and not ws_gemm.promote_pairs("fp8", "rows")
+    monkeypatch.setattr(ws_gemm, "FP8_PROMOTE_STEPS", 2)
+    assert ws_gemm.promote_pairs("fp8", "rows") and ws_gemm.promote_pairs("fp8", "cols")
+    assert not ws_gemm.promote_pairs("fp8", "wide")
+    assert not ws_gemm.promote_pairs("fp8_block", "rows")
+    for quant, tile in (("fp8_block", "rows"), ("fp8", "wide")):
+        with pytest.raises(ValueError, match="pairs=True"):
+            ws_gemm.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
+                         tile=tile, quant=quant, pairs=True)
+    monkeypatch.setenv("MOE_OPS_WS_FP8_PROMOTE_STEPS", "4")
+    with pytest.raises(ValueError, match="MOE_OPS_WS_FP8_PROMOTE_STEPS"):
+        ws_gemm.env_choice("MOE_OPS_WS_FP8_PROMOTE_STEPS", "1", ("1", "2"))
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile", ["cols", "rows"])
+@pytest.mark.parametrize("programs,K", [(5, 1024), (132, 384)])
+def test_paired_gemm2_matches_the_triton_persistent_kernel(tile, programs, K):
+    """fp8 per tensor's GEMM2 with two K steps a promotion (K = 384: an odd last step) against
+    grouped_gemm's persistent kernel, which promotes every 256 columns too: equal but for the
+    order of the fp32 adds of a promotion."""
+    E, N, T, k = 8, 512, 700, 4
+    dev = torch.device("cuda")
+    a, a_scale, w, w_scale, routing = gemm2_problem(tile, "fp8", E, N, K, T, k, seed=7)
+    outs = []
+    for use_ws in (True, False):
+        out = torch.full((T * k, N), float("nan"), device=dev, dtype=torch.bfloat16)
+        if use_ws:
+            ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=2, activation="none",
+                         tile=tile, quant="fp8", programs=programs, pairs=True)
+        else:
+            gg.gemm2(a, a_scale, w, w_scale, None, out, routing,
+                     GemmConfig(64, 128, 128, 8, 4, 3, persistent=True), quant="fp8",
+                     atomic_out=False)
+        outs.append(out.float())
+    assert torch.isfinite(outs[0]).all(), "a pair's row was not written"
+    err = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
+    assert err < 1e-3, err
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile", ["cols", "rows"])
+@pytest.mark.parametrize("activation,bias", [("swiglu", True), ("relu2", False)])
+def test_experts_with_paired_promotion(tile, activation, bias, monkeypatch, ws_gemm_calls,
+                                       poisoned_empty):
+    """The experts call of fp8 per tensor on the kernel with two K steps a promotion
+    (MOE_OPS_WS_FP8_PROMOTE_STEPS=2): GEMM1 over 4 steps, GEMM2 over 3 (an odd last step), both
+    against the oracle."""
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
+    monkeypatch.setattr(experts_mod, "WS_FP8", True)
+    monkeypatch.setattr(ws_gemm, "FP8_PROMOTE_STEPS", 2)
+    check_skewed_experts("fp8", activation, bias, seed=53)
+    assert ws_gemm_calls == [1, 2]
+
+
 @needs_hopper
 @pytest.mark.parametrize("tile", ["cols", "rows", "wide"])
 @pytest.mark.parametrize("programs,quant", [(3, "fp8_block"), (132, "fp8_block"), (5, "fp8")])

@@ -30,7 +30,8 @@ Same contract as grouped_gemm's persistent kernel: activation rows in dispatch o
 gathered by grouped_gemm.gather_rows), one scale per row per 128 columns ([slots, K/128]),
 weights [E, N, K] e4m3 with [E, N/128, K/128] scales (w13's gate/up rows interleaved, their
 scale rows too); fp8 per tensor (BLOCK_SCALES 0): the partial sums still promoted every K
-step, a scale per row ([slots]) and per weight row ([E, N]) applied in the epilogue. GEMM1
+step (every other with FP8_PROMOTE_STEPS 2), a scale per row ([slots]) and per weight row
+([E, N]) applied in the epilogue. GEMM1
 applies the activation (and bias) and writes intermediate[slot], GEMM2 multiplies by the
 routing weight and writes out[pair] (then combine_pair_rows). Padding slots are never written;
 with SKIP_PADDING a warpgroup whose rows are all padding skips its MMAs. Gluon has no
@@ -179,6 +180,23 @@ def skip_padding(gemm: int) -> bool:
     return SKIP_PADDING == "1" or (SKIP_PADDING == "gemm2" and gemm == 2)
 
 
+# fp8 per tensor: K steps (of 128 columns) whose wgmmas chain into one fp32 partial before it
+# joins the accumulator. 1 promotes every step (as fp8_block must, its scales changing every
+# step); 2 halves the promotions (the accumulator's adds, between a consumer's wgmmas) at
+# grouped_gemm.FP8_PROMOTE_K's interval, 256 columns (measured there: 5.9e-3 against the
+# reference at T = 4096, 4.8e-3 at 128). Its sm_90 K loop (two steps, 8 wgmmas): 144-154 SASS
+# instructions against 105-120 a step promoted singly, no local memory; the "rows" and "cols"
+# forms only (promote_pairs). An experiment, not yet run on a GPU: 1 until measured
+# (MOE_OPS_WS_FP8_PROMOTE_STEPS=2; `bash benchmarks/h200_run.sh wspair`).
+FP8_PROMOTE_STEPS = int(env_choice("MOE_OPS_WS_FP8_PROMOTE_STEPS", "1", ("1", "2")))
+
+
+def promote_pairs(quant: str, tile: str) -> bool:
+    """Whether a launch's K loop promotes every other step (FP8_PROMOTE_STEPS): fp8 per tensor
+    on the "rows" and "cols" forms ("wide" holds three accumulator tiles: see _mma_steps_wide)."""
+    return quant == "fp8" and FP8_PROMOTE_STEPS == 2 and tile != "wide"
+
+
 # MOE_OPS_WS_GEMM=0 turns the kernel off (every launch then runs grouped_gemm's kernels).
 ENABLED = env_choice("MOE_OPS_WS_GEMM", "1", ("0", "1")) == "1"
 
@@ -293,28 +311,58 @@ def _promote(acc, part, s_a, s_b, GATED: gl.constexpr, SECOND: gl.constexpr):
 
 
 @gluon.jit
+def _half_tiles(a_bufs, w_bufs, index, FORM: gl.constexpr, ROW0: gl.constexpr,
+                COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """Ring slot `index`'s operands of this warpgroup's half of the tile: its 128 weight rows
+    ("cols") or its 64 activation rows (the other forms)."""
+    a_tile = a_bufs.index(index)
+    w_tile = w_bufs.index(index)
+    if FORM == 1:
+        w_tile = w_tile.slice(COL0, COLS, dim=0)
+    else:
+        a_tile = a_tile.slice(ROW0, ROWS, dim=0)
+    return a_tile, w_tile
+
+
+@gluon.jit
 def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
                w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED: gl.constexpr,
                BLOCK_SCALES: gl.constexpr, FORM: gl.constexpr, ROW0: gl.constexpr,
                COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
-               SCALES_AFTER_MMA: gl.constexpr, go, arrive_at, STAGGER: gl.constexpr):
+               SCALES_AFTER_MMA: gl.constexpr, go, arrive_at, STAGGER: gl.constexpr,
+               PAIRS: gl.constexpr):
     """A consumer's K loop over one tile: each step waits for its ring slot, multiplies its
     half of the tile (use_acc False: the step's partial product alone), releases the slot and
     promotes the partial product into the fp32 accumulator (fp8_block: times the step's row and
     weight block scales). Returns the accumulator and the ring position after the tile.
-    STAGGER: after step arrive_at's release (-1: none) the `go` barrier gets its arrive."""
+    STAGGER: after step arrive_at's release (-1: none) the `go` barrier gets its arrive.
+    PAIRS (fp8 per tensor, FP8_PROMOTE_STEPS 2): two steps' wgmmas chain into the partial, each
+    slot released as its wgmma completes, then one promotion; an odd last step alone."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     w_scale_a, w_scale_b = _scale_rows(w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED)
-    for kb in range(k_steps):
+    first = 0
+    if PAIRS:
+        gl.static_assert(BLOCK_SCALES == 0 and STAGGER == 0)
+        first = k_steps - k_steps % 2
+        for kp in range(0, first, 2):
+            index1, phase1 = ring_next(index, phase, STAGES)
+            mbarrier.wait(ready.index(index), phase)
+            a0, w0 = _half_tiles(a_bufs, w_bufs, index, FORM, ROW0, COL0, ROWS, COLS)
+            part = warpgroup_mma(a0, w0.permute((1, 0)), acc, use_acc=False, is_async=True)
+            mbarrier.wait(ready.index(index1), phase1)
+            a1, w1 = _half_tiles(a_bufs, w_bufs, index1, FORM, ROW0, COL0, ROWS, COLS)
+            part = warpgroup_mma(a1, w1.permute((1, 0)), part, is_async=True)
+            part = warpgroup_mma_wait(num_outstanding=1, deps=(part, ))
+            mbarrier.arrive(empty.index(index), count=1)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+            mbarrier.arrive(empty.index(index1), count=1)
+            acc += part
+            index, phase = ring_next(index1, phase1, STAGES)
+    for kb in range(first, k_steps):
         if BLOCK_SCALES and not SCALES_AFTER_MMA:
             s_a, s_b = _step_scales(a_scale_rows, kb, w_scale_a, w_scale_b, GATED)
         mbarrier.wait(ready.index(index), phase)
-        a_tile = a_bufs.index(index)
-        w_tile = w_bufs.index(index)
-        if FORM == 1:
-            w_tile = w_tile.slice(COL0, COLS, dim=0)
-        else:
-            a_tile = a_tile.slice(ROW0, ROWS, dim=0)
+        a_tile, w_tile = _half_tiles(a_bufs, w_bufs, index, FORM, ROW0, COL0, ROWS, COLS)
         part = warpgroup_mma(a_tile, w_tile.permute((1, 0)), acc, use_acc=False,
                              is_async=True)
         # SCALES_AFTER_MMA: the step's scales are loaded while its MMAs run. (Loaded before
@@ -346,7 +394,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
               SCALES_AFTER_MMA: gl.constexpr, STAGGER: gl.constexpr, EARLY: gl.constexpr,
-              HALF: gl.constexpr):
+              PAIRS: gl.constexpr, HALF: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty, go = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
@@ -422,7 +470,8 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                 acc, index, phase = _mma_steps(
                     acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
                     w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED, BLOCK_SCALES,
-                    FORM, ROW0, COL0, ROWS, COLS, SCALES_AFTER_MMA, go, arrive_at, STAGGER)
+                    FORM, ROW0, COL0, ROWS, COLS, SCALES_AFTER_MMA, go, arrive_at, STAGGER,
+                    PAIRS)
             else:
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
@@ -506,7 +555,8 @@ def _mma_steps_wide(acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_s
     """_mma_steps for the "wide" form: each K step multiplies this warpgroup's 64 rows by both
     128-column halves of the slot's 256 weight rows in turn into one partial, promoted into
     acc (columns col0..) and acc_hi (col0 + 128..) before the next (two partials would not fit
-    the registers). The slot is released after the second."""
+    the registers). The slot is released after the second. (No PAIRS form: two steps' halves
+    chained, both slots held, spill its swiglu build's K loop: 86 local accesses a step.)"""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     # gated: both halves of a 256-column span share the gate and up scale rows; otherwise the
     # low half's block and the high half's
@@ -596,7 +646,7 @@ def _ws_fp8_block_kernel(
     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
     BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
-    STAGGER: gl.constexpr, EARLY: gl.constexpr,
+    STAGGER: gl.constexpr, EARLY: gl.constexpr, PAIRS: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
@@ -622,10 +672,10 @@ def _ws_fp8_block_kernel(
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, EARLY, 0)),
+                     STAGGER, EARLY, PAIRS, 0)),
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, EARLY, 1)),
+                     STAGGER, EARLY, PAIRS, 1)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -675,16 +725,21 @@ def _descriptors(a: torch.Tensor, w: torch.Tensor, tile: str):
 
 def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: str,
          alpha: float = 0.0, limit: float = 0.0, tile: str = "cols", quant: str = "fp8_block",
-         programs: Optional[int] = None, early: Optional[bool] = None) -> None:
+         programs: Optional[int] = None, early: Optional[bool] = None,
+         pairs: Optional[bool] = None) -> None:
     """One GEMM over the dispatch's live slots (see the module docstring).
 
     a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
     [E, N/128, K/128]; fp8: a_scale [slots], w_scale [E, N]. w [E, N, K] e4m3; bias [E, N] or
     None. GEMM1 (gemm=1): out = intermediate [slots, N/2 gated, N otherwise],
     act(a @ w^T + bias); GEMM2: out [pairs, N] = topk_weight * (a @ w^T + bias). early: the
-    slots' epilogue operands loaded before each tile's K loop (default: EARLY_EPILOGUE)."""
+    slots' epilogue operands loaded before each tile's K loop (default: EARLY_EPILOGUE).
+    pairs: fp8 per tensor's promotion every other K step (default: promote_pairs)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+    if pairs and (quant != "fp8" or tile == "wide"):
+        raise ValueError(f"pairs=True is for quant 'fp8' (fp8_block's scales change every K "
+                         f"step) on the 'rows' / 'cols' tiles, got {quant!r}, {tile!r}")
     if gemm == 1 and activation == "none":
         raise ValueError("gemm=1 needs an activation (GEMM1's epilogue applies it)")
     bm, bn = TILES[tile]
@@ -714,12 +769,14 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
         BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
         SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
-        EARLY=int(EARLY_EPILOGUE if early is None else early), num_warps=4, maxnreg=MAXNREG)
+        EARLY=int(EARLY_EPILOGUE if early is None else early),
+        PAIRS=int(promote_pairs(quant, tile) if pairs is None else pairs), num_warps=4,
+        maxnreg=MAXNREG)
 
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
                  has_bias: bool = False, out_dtype: str = "bf16", quant: str = "fp8_block",
-                 early: Optional[bool] = None):
+                 early: Optional[bool] = None, pairs: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
     run, Gluon having no interpreter. Returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
@@ -742,7 +799,8 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                   PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
                   BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
                   SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
-                  EARLY=int(EARLY_EPILOGUE if early is None else early))
+                  EARLY=int(EARLY_EPILOGUE if early is None else early),
+                  PAIRS=int(promote_pairs(quant, tile) if pairs is None else pairs))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om")}
