@@ -12,7 +12,11 @@ profiled with GEMM2 at its default, then GEMM2's with GEMM1 at its winner (the d
 max(block_m) of the two, is shared: tuning GEMM2 second sees it). Each candidate's output must
 match the default config's; timing replays CUDA graphs with L2 flushed before every call
 (tuning.graph_timer). Last, the tuned pair is timed head to head with the default pair,
-interleaved, and kept only if it is faster: a shipped table never makes a bucket slower.
+interleaved, and kept only if it is faster: a shipped table never makes a bucket slower. Where
+the layer already had configs for the bucket (a shipped table, a loaded cache: the "current"
+pair), they join that head to head and stay unless the new pair beats them there: a re-tune
+replaces an entry only on a measured win in one interleaved comparison, not on the spread
+between two runs' candidate timings.
 
 The candidate kernels of every bucket are compiled first, all in one parallel batch (Triton's
 AsyncCompileMode on a thread pool), which is most of the wall time of a cold run. The profiling
@@ -44,7 +48,7 @@ from moe_ops import synthetic
 from moe_ops.models import MODELS, MoEShape
 from moe_ops.tuning import (
     SHIPPED_DIR, ProblemKey, Timer, Tuner, autotune, default_timer, experts_keys, force_config,
-    get_tuner, gpu_name, token_buckets,
+    get_tuner, gpu_name, outputs_match, token_buckets,
 )
 
 DEFAULT_CACHE = "tuning.json"
@@ -193,16 +197,13 @@ def _per_call(timer: Timer, calls: int) -> Timer:
     return lambda fn: timer(fn) / calls
 
 
-def head_to_head(timer: Timer, run_a: Callable[[], Any], run_b: Callable[[], Any],
-                 rounds: int = 3) -> tuple:
-    """Median times of two runs measured alternately (a, b, a, b, ...): drift hits both."""
-    a_times, b_times = [], []
+def head_to_head(timer: Timer, *runs: Callable[[], Any], rounds: int = 3) -> tuple:
+    """Median times of the runs measured in turn (a, b, [c,] a, b, ...): drift hits them all."""
+    times: List[List[float]] = [[] for _ in runs]
     for _ in range(rounds):
-        a_times.append(timer(run_a))
-        b_times.append(timer(run_b))
-    a_times.sort()
-    b_times.sort()
-    return a_times[len(a_times) // 2], b_times[len(b_times) // 2]
+        for run, measured in zip(runs, times):
+            measured.append(timer(run))
+    return tuple(sorted(measured)[len(measured) // 2] for measured in times)
 
 
 @dataclass
@@ -212,12 +213,14 @@ class BucketResult:
     tuned_us: float
     gemm1: Dict[str, Any]
     gemm2: Dict[str, Any]
-    kept: bool            # a tuned pair other than the defaults beat them head to head
+    kept: bool            # a pair other than the defaults beat them head to head
     candidates: int
     rejected: int
     compile_s: float
     seconds: float
     skipped: int = 0      # candidates left unprofiled when the bucket's time ran out
+    current_us: Optional[float] = None   # the layer's configs before this run, head to head
+    current_kept: bool = False           # ... and they stayed (the new pair did not beat them)
 
     @property
     def speedup(self) -> float:
@@ -235,34 +238,45 @@ class BucketPlan:
     default2: Any
     cands1: List[Any]
     cands2: List[Any]
+    current: Optional[tuple] = None   # the layer's (config1, config2) before this run, if not
+                                      # the defaults (a shipped table's, a loaded cache's)
 
     def compile_jobs(self, layer, tuner: Tuner) -> List[Callable[[], Any]]:
         """One layer call per candidate, for precompile: GEMM2's candidates are compiled beside
         GEMM1's default; a GEMM1 winner with a larger block_m changes the dispatch tile, and
-        those few variants compile when first profiled."""
+        those few variants compile when first profiled. The current pair too."""
         inputs, default1, default2 = self.inputs[:1], self.default1, self.default2
         jobs = [lambda c=c: run_layer(layer, inputs, tuner, c, default2) for c in self.cands1]
         jobs += [lambda c=c: run_layer(layer, inputs, tuner, default1, c) for c in self.cands2]
+        if self.current is not None:
+            jobs.append(lambda: run_layer(layer, inputs, tuner, *self.current))
         return jobs
 
 
 def plan_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *,
                 seed: int = 0, max_candidates: Optional[int] = None) -> BucketPlan:
-    """The bucket's inputs, keys, defaults and candidates; forgets what this process had tuned
-    for its keys (a re-tune)."""
-    from moe_ops.kernels.grouped_gemm import default_config
+    """The bucket's inputs, keys, defaults, candidates and current pair (what the layer's calls
+    would launch before this run: this process's earlier result, a loaded cache's or a shipped
+    table's entries); forgets what this process had tuned for its keys (a re-tune)."""
+    from moe_ops.kernels.grouped_gemm import default_config, is_valid_config
     from moe_ops import tuning
 
     inputs = make_inputs(layer, shape, bucket, seed=seed + bucket)
     (key1, _), (key2, _) = bucket_keys(layer, shape, quant, inputs, bucket, tuner)
-    for key in (key1, key2):
+    defaults = (default_config(key1.problem()), default_config(key2.problem()))
+    current = []
+    for key, default in zip((key1, key2), defaults):
+        tuner._resolved.pop(key, None)
+        config = tuner.lookup(key)
+        current.append(config if config is not None and is_valid_config(key.problem(), config)
+                       else default)
         tuner.memory.pop(key, None)
         tuner.records.pop(key, None)
         tuner._resolved.pop(key, None)
-    return BucketPlan(bucket, inputs, key1, key2, default_config(key1.problem()),
-                      default_config(key2.problem()),
+    return BucketPlan(bucket, inputs, key1, key2, *defaults,
                       tuning.experts_candidates(key1.problem())[:max_candidates],
-                      tuning.experts_candidates(key2.problem())[:max_candidates])
+                      tuning.experts_candidates(key2.problem())[:max_candidates],
+                      current=None if tuple(current) == defaults else tuple(current))
 
 
 def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *,
@@ -324,11 +338,25 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
                        deadline=share(2 / 3))  # to 80% of the bucket's time if GEMM1 took 40%
     record1, record2 = tuner.records[key1], tuner.records[key2]
 
-    default_s, tuned_s = head_to_head(
-        timer, lambda: run_layer(layer, inputs, tuner, default1, default2),
-        lambda: run_layer(layer, inputs, tuner, best1, best2))
+    runs = [lambda: run_layer(layer, inputs, tuner, default1, default2),
+            lambda: run_layer(layer, inputs, tuner, best1, best2)]
+    current = plan.current if plan.current not in (None, (best1, best2)) else None
+    if current is not None:
+        # (checked as every candidate is: against the defaults' output; a pair that fails to
+        # run or differs has no say)
+        try:
+            if not outputs_match(run_layer(layer, inputs, tuner, *current),
+                                 run_layer(layer, inputs, tuner, default1, default2)):
+                current = None
+        except Exception:
+            current = None
+    if current is not None:
+        runs.append(lambda: run_layer(layer, inputs, tuner, *current))
+    default_s, tuned_s, *current_s = head_to_head(timer, *runs)
+    current_s = current_s[0] if current_s else None
     same = (best1, best2) == (default1, default2)
     kept = tuned_s < default_s and not same
+    stored = None
     if same:
         # the defaults won every stage: the two timings are of the same configs (their gap is
         # run-to-run spread), so the tuned time is the default's
@@ -337,19 +365,29 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
         # not faster than the defaults head to head: store the defaults (a tuned table never
         # makes a bucket slower)
         best1, best2, tuned_s = default1, default2, default_s
-        for key, config, record in ((key1, default1, record1), (key2, default2, record2)):
+        stored = default_s
+    current_kept = current_s is not None and current_s < tuned_s
+    if current_kept:
+        # the configs the layer had beat this run's pair head to head: they stay
+        (best1, best2), tuned_s, kept = current, current_s, True
+        stored = current_s
+    if stored is not None:
+        for key, config, record in ((key1, best1, record1), (key2, best2, record2)):
             tuner.memory[key] = config
             tuner._resolved.pop(key, None)
             record["config"] = dataclasses.asdict(config)
-            record["us"] = default_s * 1e6
+            record["us"] = stored * 1e6
     for record in (record1, record2):
         record["layer_default_us"] = default_s * 1e6
         record["layer_tuned_us"] = tuned_s * 1e6
+        if current_s is not None:
+            record["layer_current_us"] = current_s * 1e6
     return BucketResult(bucket, default_s * 1e6, tuned_s * 1e6, dataclasses.asdict(best1),
                         dataclasses.asdict(best2), kept,
                         record1["candidates"] + record2["candidates"],
                         record1["rejected"] + record2["rejected"], compile_s,
-                        time.perf_counter() - start, record1["skipped"] + record2["skipped"])
+                        time.perf_counter() - start, record1["skipped"] + record2["skipped"],
+                        None if current_s is None else current_s * 1e6, current_kept)
 
 
 class Progress:
@@ -530,6 +568,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tuner = get_tuner()
     if args.max_tokens is not None:
         tuner.max_num_tokens = args.max_tokens
+    if not args.ship and Path(args.cache or DEFAULT_CACHE).exists():
+        # its entries are the current pairs this run's must beat (the shipped tables' are
+        # looked up anyway)
+        tuner.load(Path(args.cache or DEFAULT_CACHE))
     buckets = None
     if args.buckets is not None:
         # Only the buckets themselves: another count would be profiled at that count but stored
@@ -586,14 +628,21 @@ def format_report(report: Dict[str, Any]) -> str:
              f", setup {report['setup_s']:.1f} s"
              f"{', %d candidates skipped for the budget' % report['skipped'] if report.get('skipped') else ''}) "
              f"-> {report.get('written_to', '')}",
-             f"{'bucket':>7} {'default us':>11} {'tuned us':>10} {'speedup':>8}  gemm1 / gemm2"]
+             f"{'bucket':>7} {'default us':>11} {'tuned us':>10} {'speedup':>8}  gemm1 / gemm2"
+             "  (P: persistent kernel; 'current kept': the layer's configs before the run "
+             "won the head to head)"]
     for b in report["buckets"]:
         c1, c2 = b["gemm1"], b["gemm2"]
         short = lambda c: (f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} "
                            f"s{c['num_stages']}{' swap' if c['swap_ab'] else ''}"
-                           f"{' split%d' % c['split_k'] if c.get('split_k', 1) > 1 else ''}")
+                           f"{' split%d' % c['split_k'] if c.get('split_k', 1) > 1 else ''}"
+                           f"{' P' if c.get('persistent') else ''}")
+        note = ""
+        if b.get("current_us") is not None:
+            note = (f"  current {b['current_us']:.1f} us"
+                    f"{', current kept' if b.get('current_kept') else ''}")
         lines.append(f"{b['bucket']:>7} {b['default_us']:>11.1f} {b['tuned_us']:>10.1f} "
-                     f"{b['speedup']:>7.2f}x  {short(c1)} / {short(c2)}")
+                     f"{b['speedup']:>7.2f}x  {short(c1)} / {short(c2)}{note}")
     return "\n".join(lines)
 
 

@@ -259,6 +259,70 @@ def test_head_to_head_keeps_defaults_when_tuned_is_slower(tuner):
         assert tuner.lookup(key) == config
 
 
+def pair_timer(monkeypatch, times: dict, other: float = 2.0):
+    """A fake timer by the (GEMM1, GEMM2) configs each timed layer call runs: times[pair], else
+    `other`."""
+    last = {}
+    run_layer = tune.run_layer
+
+    def recording(layer, inputs, tuner, config1, config2):
+        last["pair"] = (config1, config2)
+        return run_layer(layer, inputs, tuner, config1, config2)
+
+    monkeypatch.setattr(tune, "run_layer", recording)
+
+    def timer(fn):
+        fn()
+        return times.get(last["pair"], other)
+    return timer
+
+
+@pytest.mark.parametrize("current_s,kept", [(1.0, True), (2.5, False)])
+def test_current_configs_stay_unless_beaten_head_to_head(tuner, monkeypatch, current_s, kept):
+    """A re-tune of a bucket the layer already has configs for (here this process's memory; a
+    shipped table or a loaded cache alike) times them in the last head to head beside the
+    defaults and the new pair: they stay unless the new pair is faster there."""
+    layer = tune.build_layer(TINY, "none", dtype=torch.bfloat16, device=DEVICE)
+    plan = tune.plan_bucket(layer, TINY, "none", 1, tuner, max_candidates=3)
+    assert plan.current is None  # nothing tuned yet: the defaults are what the layer runs
+    current = (plan.cands1[2], plan.cands2[2])
+    tuner.memory[plan.key1], tuner.memory[plan.key2] = current
+    defaults = (plan.default1, plan.default2)
+    timer = pair_timer(monkeypatch, {defaults: 3.0, current: current_s})
+    with tuning.autotune(tuner=tuner):
+        result = tune.tune_bucket(layer, TINY, "none", 1, tuner, timer=timer, max_candidates=3)
+    # GEMM1: its first non-default candidate (2.0 against the default's 3.0; ties never win);
+    # GEMM2 (beside it, every candidate 2.0): its default
+    new = (plan.cands1[1], plan.default2)
+    stored = (tuner.memory[plan.key1], tuner.memory[plan.key2])
+    assert result.kept and result.current_kept == kept
+    assert stored == (current if kept else new)
+    assert (dataclasses.asdict(stored[0]), dataclasses.asdict(stored[1])) == (result.gemm1,
+                                                                              result.gemm2)
+    calls = len(plan.inputs)  # (a timing covers every input set; results are per call)
+    assert result.current_us == pytest.approx(current_s / calls * 1e6)
+    assert result.tuned_us == pytest.approx(min(current_s, 2.0) / calls * 1e6)
+    assert tuner.records[plan.key1]["layer_current_us"] == result.current_us
+    line = tune.format_report(dict(
+        model="tiny", quant="none", gpu="cpu", tuning_s=1.0, compile_s=0.0, setup_s=0.0,
+        buckets=[dict(dataclasses.asdict(result), speedup=result.speedup)])).splitlines()[-1]
+    assert "current" in line and ("current kept" in line) == kept
+
+
+def test_current_configs_with_other_outputs_have_no_say(tuner, monkeypatch):
+    layer = tune.build_layer(TINY, "none", dtype=torch.bfloat16, device=DEVICE)
+    plan = tune.plan_bucket(layer, TINY, "none", 1, tuner, max_candidates=3)
+    current = (plan.cands1[2], plan.cands2[2])
+    tuner.memory[plan.key1], tuner.memory[plan.key2] = current
+    timer = pair_timer(monkeypatch, {(plan.default1, plan.default2): 3.0, current: 1.0})
+    monkeypatch.setattr(tune, "outputs_match", lambda out, ref: False)
+    with tuning.autotune(tuner=tuner):
+        result = tune.tune_bucket(layer, TINY, "none", 1, tuner, timer=timer, max_candidates=3)
+    assert result.current_us is None and not result.current_kept
+    assert (tuner.memory[plan.key1], tuner.memory[plan.key2]) == (plan.cands1[1],
+                                                                  plan.default2)
+
+
 def test_cli_on_the_interpreter(tuner, tmp_path, capsys):
     cache, report = tmp_path / "t.json", tmp_path / "r.json"
     rc = tune.main(["--experts", "4", "--hidden", "64", "--intermediate", "32", "--top-k", "2",
