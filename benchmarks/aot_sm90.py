@@ -291,7 +291,7 @@ def main() -> int:
         builds = table_configs(args.quant)
     seen, failures = set(), 0
     for quant, gemm, k, config in builds:
-        if (quant == "fp8" and config.swap_ab and not gg.fp8_swap_ok(gemm, config)
+        if (quant == "fp8" and config.swap_ab and not gg.fp8_swap_ok(gemm)
                 and not experts_mod.FP8_SWAP_AB):
             config = dataclasses.replace(config, swap_ab=False)
         for direct in directs:

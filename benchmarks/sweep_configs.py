@@ -60,9 +60,9 @@ def candidates(problem, decode: bool, warps=(4,), stages=(3, 4, 5),
         configs = [GemmConfig(bm, bn, bk, 8, w, st, swap, persistent=True)
                    for bm, bn, bk, w, st, swap in grid]
         return [c for c in configs if is_valid_config(problem, c) and not (
-            problem.quant == "fp8" and c.swap_ab and not fp8_swap_ok(problem.gemm, c))]
+            problem.quant == "fp8" and c.swap_ab and not fp8_swap_ok(problem.gemm))]
     if decode:
-        swap = problem.quant != "fp8" or fp8_swap_ok(problem.gemm, GemmConfig(16, 64, 128))
+        swap = problem.quant != "fp8" or fp8_swap_ok(problem.gemm)
         grid = itertools.product((16,), (32, 64, 128), (128, 256), warps, stages, (swap,))
     else:
         grid = itertools.product((32, 64), (64, 128), (64, 128), (4,), (3, 4), (False,))

@@ -345,7 +345,7 @@ def triton_experts(
 
     if quant == "fp8" and not FP8_SWAP_AB:
         config1, config2 = (
-            dataclasses.replace(c, swap_ab=False) if c.swap_ab and not fp8_swap_ok(gemm, c)
+            dataclasses.replace(c, swap_ab=False) if c.swap_ab and not fp8_swap_ok(gemm)
             else c for gemm, c in ((1, config1), (2, config2)))
 
     x = x.contiguous()

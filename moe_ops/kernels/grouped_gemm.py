@@ -363,7 +363,7 @@ def tuning_candidates(problem: GemmProblem) -> List[GemmConfig]:
     configs = [default_config(problem)]
     for entry in table:
         config = GemmConfig(*entry)
-        if problem.quant == "fp8" and config.swap_ab and not fp8_swap_ok(problem.gemm, config):
+        if problem.quant == "fp8" and config.swap_ab and not fp8_swap_ok(problem.gemm):
             config = dataclasses.replace(config, swap_ab=False)  # see default_config's decode
         if config not in configs and is_valid_config(problem, config):
             configs.append(config)
@@ -488,8 +488,9 @@ def _tile_coords(tile, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-def fp8_swap_ok(gemm: int, config: "GemmConfig") -> bool:
-    """Whether an fp8 (per tensor) swap-AB config of GEMM `gemm` runs swapped: GEMM2 only.
+def fp8_swap_ok(gemm: int) -> bool:
+    """Whether an fp8 (per tensor) swap-AB config of GEMM `gemm` runs swapped: GEMM2 only (on
+    both kernels).
     GEMM1's requantized output amplifies the swapped e4m3 wgmma's ~1e-4 error past SPEC's bound
     (experts.FP8_SWAP_AB)."""
     return gemm == 2
