@@ -13,10 +13,10 @@ max(block_m) of the two, is shared: tuning GEMM2 second sees it). Each candidate
 match the default config's; timing replays CUDA graphs with L2 flushed before every call
 (tuning.graph_timer). Last, the tuned pair is timed head to head with the default pair,
 interleaved, and kept only if it is faster: a shipped table never makes a bucket slower. Where
-the layer already had configs for the bucket (a shipped table, a loaded cache: the "current"
-pair), they join that head to head and stay unless the new pair beats them there: a re-tune
-replaces an entry only on a measured win in one interleaved comparison, not on the spread
-between two runs' candidate timings.
+the layer already had configs for the bucket (a shipped table, the --cache file: the "current"
+pair), they join that head to head and stay unless the new pair beats them there by more than
+REPLACE_MARGIN: a re-tune replaces an entry only on a measured win in one interleaved
+comparison, not on the spread between two runs' candidate timings.
 
 The candidate kernels of every bucket are compiled first, all in one parallel batch (Triton's
 AsyncCompileMode on a thread pool), which is most of the wall time of a cold run. The profiling
@@ -63,7 +63,11 @@ DEFAULT_BUDGET_S = 55.0
 # candidates; with the compile up front that starved the first buckets (Llama 4 bf16's buckets 1
 # and 2 profiled nothing: 28 s left for 14 buckets, less than 13 reserves).
 BUCKET_SHARE_FACTOR = 2.0
-BUCKET_RESERVE_S = 1.0
+BUCKET_RESERVE_S = 1.0   # (with a current pair the head to head times three pairs, not two)
+# A re-tune replaces the layer's current configs of a bucket only when its pair beats them head
+# to head by more than this fraction: near-equal pairs (most decode buckets' top few) would
+# otherwise trade places on the spread of one run to the next.
+REPLACE_MARGIN = 0.01
 
 
 def bucket_share(now: float, deadline: float, buckets_left: int) -> float:
@@ -341,6 +345,7 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
     runs = [lambda: run_layer(layer, inputs, tuner, default1, default2),
             lambda: run_layer(layer, inputs, tuner, best1, best2)]
     current = plan.current if plan.current not in (None, (best1, best2)) else None
+    same_as_current = plan.current is not None and current is None
     if current is not None:
         # (checked as every candidate is: against the defaults' output; a pair that fails to
         # run or differs has no say)
@@ -353,7 +358,7 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
     if current is not None:
         runs.append(lambda: run_layer(layer, inputs, tuner, *current))
     default_s, tuned_s, *current_s = head_to_head(timer, *runs)
-    current_s = current_s[0] if current_s else None
+    current_s = current_s[0] if current_s else (tuned_s if same_as_current else None)
     same = (best1, best2) == (default1, default2)
     kept = tuned_s < default_s and not same
     stored = None
@@ -366,7 +371,8 @@ def tune_bucket(layer, shape: MoEShape, quant: str, bucket: int, tuner: Tuner, *
         # makes a bucket slower)
         best1, best2, tuned_s = default1, default2, default_s
         stored = default_s
-    current_kept = current_s is not None and current_s < tuned_s
+    current_kept = (current is not None and current_s is not None
+                    and current_s <= tuned_s * (1 + REPLACE_MARGIN))
     if current_kept:
         # the configs the layer had beat this run's pair head to head: they stay
         (best1, best2), tuned_s, kept = current, current_s, True
@@ -518,7 +524,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--buckets", default=None,
                    help="comma-separated token buckets to tune (default: all)")
     p.add_argument("--cache", default=None,
-                   help=f"cache file to merge the results into (default {DEFAULT_CACHE})")
+                   help=f"cache file to merge the results into (default {DEFAULT_CACHE}); its "
+                        "entries, read first, are the current configs a re-tune must beat")
     p.add_argument("--ship", action="store_true",
                    help="write the package's shipped table for this GPU instead of --cache "
                         "(replaced whole; with --buckets, only those buckets' entries)")

@@ -351,15 +351,22 @@ def test_pairs_only_for_fp8_on_narrow_tiles(monkeypatch):
     """Paired promotion is fp8 per tensor's, off by default, and never on the wide tiles (their
     three accumulator tiles spill with it); asking for it elsewhere is refused before any
     launch."""
-    assert ws_gemm.FP8_PROMOTE_STEPS == 1 and not ws_gemm.promote_pairs("fp8", "rows")
+    assert ws_gemm.FP8_PROMOTE_STEPS == 1 and not ws_gemm.promote_pairs("fp8", "rows", 2)
     monkeypatch.setattr(ws_gemm, "FP8_PROMOTE_STEPS", 2)
-    assert ws_gemm.promote_pairs("fp8", "rows") and ws_gemm.promote_pairs("fp8", "cols")
-    assert not ws_gemm.promote_pairs("fp8", "wide")
-    assert not ws_gemm.promote_pairs("fp8_block", "rows")
+    monkeypatch.setattr(ws_gemm, "SKIP_PADDING", "0")
+    assert ws_gemm.promote_pairs("fp8", "rows", 1) and ws_gemm.promote_pairs("fp8", "cols", 2)
+    assert not ws_gemm.promote_pairs("fp8", "wide", 1)
+    assert not ws_gemm.promote_pairs("fp8_block", "rows", 1)
     for quant, tile in (("fp8_block", "rows"), ("fp8", "wide")):
         with pytest.raises(ValueError, match="pairs=True"):
             ws_gemm.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
                          tile=tile, quant=quant, pairs=True)
+    # the staggered consumers' K loop holds the `go` arrive the pair loop has not
+    monkeypatch.setattr(ws_gemm, "STAGGER", 2)
+    assert not ws_gemm.promote_pairs("fp8", "rows", 2)
+    with pytest.raises(ValueError, match="stagger 2"):
+        ws_gemm.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
+                     tile="rows", quant="fp8", pairs=True)
     monkeypatch.setenv("MOE_OPS_WS_FP8_PROMOTE_STEPS", "4")
     with pytest.raises(ValueError, match="MOE_OPS_WS_FP8_PROMOTE_STEPS"):
         ws_gemm.env_choice("MOE_OPS_WS_FP8_PROMOTE_STEPS", "1", ("1", "2"))
@@ -367,9 +374,10 @@ def test_pairs_only_for_fp8_on_narrow_tiles(monkeypatch):
 
 @needs_hopper
 @pytest.mark.parametrize("tile", ["cols", "rows"])
-@pytest.mark.parametrize("programs,K", [(5, 1024), (132, 384)])
+@pytest.mark.parametrize("programs,K", [(5, 1024), (132, 384), (7, 128)])
 def test_paired_gemm2_matches_the_triton_persistent_kernel(tile, programs, K):
-    """fp8 per tensor's GEMM2 with two K steps a promotion (K = 384: an odd last step) against
+    """fp8 per tensor's GEMM2 with two K steps a promotion (K = 384: an odd last step; 128: one
+    step, no pair) against
     grouped_gemm's persistent kernel, which promotes every 256 columns too: equal but for the
     order of the fp32 adds of a promotion."""
     E, N, T, k = 8, 512, 700, 4
@@ -397,8 +405,8 @@ def test_paired_gemm2_matches_the_triton_persistent_kernel(tile, programs, K):
 def test_experts_with_paired_promotion(tile, activation, bias, monkeypatch, ws_gemm_calls,
                                        poisoned_empty):
     """The experts call of fp8 per tensor on the kernel with two K steps a promotion
-    (MOE_OPS_WS_FP8_PROMOTE_STEPS=2): GEMM1 over 4 steps, GEMM2 over 3 (an odd last step), both
-    against the oracle."""
+    (MOE_OPS_WS_FP8_PROMOTE_STEPS=2): GEMM1 over 4 steps, GEMM2 over 3 (swiglu: I = 384, an odd
+    last step) or 4 (relu2: I = 512), both against the oracle."""
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
     monkeypatch.setattr(experts_mod, "WS_FP8", True)
     monkeypatch.setattr(ws_gemm, "FP8_PROMOTE_STEPS", 2)

@@ -191,10 +191,12 @@ def skip_padding(gemm: int) -> bool:
 FP8_PROMOTE_STEPS = int(env_choice("MOE_OPS_WS_FP8_PROMOTE_STEPS", "1", ("1", "2")))
 
 
-def promote_pairs(quant: str, tile: str) -> bool:
+def promote_pairs(quant: str, tile: str, gemm: int) -> bool:
     """Whether a launch's K loop promotes every other step (FP8_PROMOTE_STEPS): fp8 per tensor
-    on the "rows" and "cols" forms ("wide" holds three accumulator tiles: see _mma_steps_wide)."""
-    return quant == "fp8" and FP8_PROMOTE_STEPS == 2 and tile != "wide"
+    on the "rows" and "cols" forms ("wide" holds three accumulator tiles: see _mma_steps_wide),
+    not staggered (the pair loop has no `go` arrive; STAGGER is off by default)."""
+    return (quant == "fp8" and FP8_PROMOTE_STEPS == 2 and tile != "wide"
+            and stagger_steps(tile, gemm) == 0)
 
 
 # MOE_OPS_WS_GEMM=0 turns the kernel off (every launch then runs grouped_gemm's kernels).
@@ -737,9 +739,10 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     pairs: fp8 per tensor's promotion every other K step (default: promote_pairs)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
-    if pairs and (quant != "fp8" or tile == "wide"):
+    if pairs and (quant != "fp8" or tile == "wide" or stagger_steps(tile, gemm)):
         raise ValueError(f"pairs=True is for quant 'fp8' (fp8_block's scales change every K "
-                         f"step) on the 'rows' / 'cols' tiles, got {quant!r}, {tile!r}")
+                         f"step) on the 'rows' / 'cols' tiles without a stagger, got "
+                         f"{quant!r}, {tile!r}, stagger {stagger_steps(tile, gemm)}")
     if gemm == 1 and activation == "none":
         raise ValueError("gemm=1 needs an activation (GEMM1's epilogue applies it)")
     bm, bn = TILES[tile]
@@ -770,7 +773,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
         SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
         EARLY=int(EARLY_EPILOGUE if early is None else early),
-        PAIRS=int(promote_pairs(quant, tile) if pairs is None else pairs), num_warps=4,
+        PAIRS=int(promote_pairs(quant, tile, gemm) if pairs is None else pairs), num_warps=4,
         maxnreg=MAXNREG)
 
 
@@ -800,7 +803,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                   BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
                   SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
                   EARLY=int(EARLY_EPILOGUE if early is None else early),
-                  PAIRS=int(promote_pairs(quant, tile) if pairs is None else pairs))
+                  PAIRS=int(promote_pairs(quant, tile, gemm) if pairs is None else pairs))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om")}
