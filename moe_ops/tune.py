@@ -535,7 +535,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--compile-workers", type=int, default=None)
     p.add_argument("--max-candidates", type=int, default=None,
                    help="profile at most this many configs per GEMM (default: the whole short "
-                        "list, 8 to 18)")
+                        "list, 6 to 19 for the shapes of shapes.json)")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                    help="profiling (GPU) time allowed per quant mode, counted after the "
                         "candidates' compile: the candidates a bucket's share leaves are "
