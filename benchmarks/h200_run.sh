@@ -169,7 +169,7 @@
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
 # wspair: fp8 per tensor's prefill GEMMs (kernels/ws_gemm.py) promoting every other K step
 # (MOE_OPS_WS_FP8_PROMOTE_STEPS=2): its GPU tests and compute-sanitizer, then Qwen3, Mixtral
-# and Llama 4 fp8 at T = 1024-16384 (graph replays, no baseline) with 1 (the default), 2, and
+# and Llama 4 fp8 at T = 2048-16384 (graph replays, no baseline) with 1 (the default), 2, and
 # 2 without the wide tiles for fp8 per tensor's GEMM1 (MOE_OPS_WS_WIDE=gemm2: its "rows" form
 # pairs), two alternated passes; about 8 minutes.
 set -uo pipefail
@@ -811,9 +811,9 @@ if [[ "$what" == wspair ]]; then
   tests_then_sanitize wspair tests/test_ws_gemm.py "paired or pairs" "paired_gemm2 and 384" 120
   for pass in 1 2; do
     for arm in 1:all 2:all 2:gemm2; do
-      layer_arm "ab_wspair_${arm/:/_}_$pass" 100 8 MOE_OPS_WS_FP8_PROMOTE_STEPS="${arm%%:*}" \
+      layer_arm "ab_wspair_${arm/:/_}_$pass" 80 9 MOE_OPS_WS_FP8_PROMOTE_STEPS="${arm%%:*}" \
         MOE_OPS_WS_WIDE="${arm#*:}" -- --models qwen3_30b_a3b mixtral_8x7b llama4_scout \
-        --quant fp8 --tokens 1024 2048 4096 16384
+        --quant fp8 --tokens 2048 4096 16384
     done
   done
 fi
