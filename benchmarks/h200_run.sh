@@ -808,7 +808,8 @@ if [[ "$what" == tune8 ]]; then
     deepseek_v3 --quant fp8 fp8_block --tokens 1 4 16 64
 fi
 if [[ "$what" == wspair ]]; then
-  tests_then_sanitize wspair tests/test_ws_gemm.py "paired or pairs" "paired_gemm2 and 384" 120
+  tests_then_sanitize wspair tests/test_ws_gemm.py "paired or pairs or gemm2_matches" \
+    "gemm2_matches and 384" 150
   for pass in 1 2; do
     for arm in 1:all 2:all 2:gemm2; do
       layer_arm "ab_wspair_${arm/:/_}_$pass" 80 9 MOE_OPS_WS_FP8_PROMOTE_STEPS="${arm%%:*}" \

@@ -191,12 +191,16 @@ def skip_padding(gemm: int) -> bool:
 FP8_PROMOTE_STEPS = int(env_choice("MOE_OPS_WS_FP8_PROMOTE_STEPS", "1", ("1", "2")))
 
 
+def pairs_fit(quant: str, tile: str, gemm: int) -> bool:
+    """Whether a launch can promote every other K step: fp8 per tensor on the "rows" and "cols"
+    forms ("wide" holds three accumulator tiles: see _mma_steps_wide), not staggered (the pair
+    loop has no `go` arrive; STAGGER is off by default)."""
+    return quant == "fp8" and tile != "wide" and stagger_steps(tile, gemm) == 0
+
+
 def promote_pairs(quant: str, tile: str, gemm: int) -> bool:
-    """Whether a launch's K loop promotes every other step (FP8_PROMOTE_STEPS): fp8 per tensor
-    on the "rows" and "cols" forms ("wide" holds three accumulator tiles: see _mma_steps_wide),
-    not staggered (the pair loop has no `go` arrive; STAGGER is off by default)."""
-    return (quant == "fp8" and FP8_PROMOTE_STEPS == 2 and tile != "wide"
-            and stagger_steps(tile, gemm) == 0)
+    """Whether a launch's K loop promotes every other step (FP8_PROMOTE_STEPS 2, where it fits)."""
+    return FP8_PROMOTE_STEPS == 2 and pairs_fit(quant, tile, gemm)
 
 
 # MOE_OPS_WS_GEMM=0 turns the kernel off (every launch then runs grouped_gemm's kernels).
@@ -739,7 +743,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     pairs: fp8 per tensor's promotion every other K step (default: promote_pairs)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
-    if pairs and (quant != "fp8" or tile == "wide" or stagger_steps(tile, gemm)):
+    if pairs and not pairs_fit(quant, tile, gemm):
         raise ValueError(f"pairs=True is for quant 'fp8' (fp8_block's scales change every K "
                          f"step) on the 'rows' / 'cols' tiles without a stagger, got "
                          f"{quant!r}, {tile!r}, stagger {stagger_steps(tile, gemm)}")
