@@ -348,10 +348,11 @@ def test_paired_promotion_k_loops():
 
 
 def test_pairs_only_for_fp8_on_narrow_tiles(monkeypatch):
-    """Paired promotion is fp8 per tensor's, off by default, and never on the wide tiles (their
-    three accumulator tiles spill with it); asking for it elsewhere is refused before any
-    launch."""
-    assert ws_gemm.FP8_PROMOTE_STEPS == 1 and not ws_gemm.promote_pairs("fp8", "rows", 2)
+    """Paired promotion is fp8 per tensor's, on by default (off with FP8_PROMOTE_STEPS 1), and
+    never on the wide tiles (their three accumulator tiles spill with it); asking for it
+    elsewhere is refused before any launch."""
+    monkeypatch.setattr(ws_gemm, "FP8_PROMOTE_STEPS", 1)
+    assert not ws_gemm.promote_pairs("fp8", "rows", 2)
     monkeypatch.setattr(ws_gemm, "FP8_PROMOTE_STEPS", 2)
     monkeypatch.setattr(ws_gemm, "SKIP_PADDING", "0")
     assert ws_gemm.promote_pairs("fp8", "rows", 1) and ws_gemm.promote_pairs("fp8", "cols", 2)
@@ -369,7 +370,7 @@ def test_pairs_only_for_fp8_on_narrow_tiles(monkeypatch):
                      tile="rows", quant="fp8", pairs=True)
     monkeypatch.setenv("MOE_OPS_WS_FP8_PROMOTE_STEPS", "4")
     with pytest.raises(ValueError, match="MOE_OPS_WS_FP8_PROMOTE_STEPS"):
-        ws_gemm.env_choice("MOE_OPS_WS_FP8_PROMOTE_STEPS", "1", ("1", "2"))
+        ws_gemm.env_choice("MOE_OPS_WS_FP8_PROMOTE_STEPS", "2", ("1", "2"))
 
 
 @needs_hopper
