@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -172,6 +172,11 @@
 # and Llama 4 fp8 at T = 2048-16384 (graph replays, no baseline) with 1 (the default), 2, and
 # 2 without the wide tiles for fp8 per tensor's GEMM1 (MOE_OPS_WS_WIDE=gemm2: its "rows" form
 # pairs), two alternated passes; about 8 minutes.
+# prefill: the prefill layers kernel by kernel (profile_layer.py: Qwen3, Mixtral and Llama 4
+# bf16 and fp8, DeepSeek-V3 fp8_block at T = 4096 / 16384; no PDL above 512 routed pairs, so
+# each kernel's time is its own), then the warp-specialized kernel's ring of 4 slots (the
+# default) against 6 (MOE_OPS_WS_STAGES; the "cols" form holds 5, "wide" 4) on the fp8 and
+# fp8_block layers at T = 4096 / 16384, two alternated passes; about 5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -815,6 +820,19 @@ if [[ "$what" == wspair ]]; then
       layer_arm "ab_wspair_${arm/:/_}_$pass" 80 9 MOE_OPS_WS_FP8_PROMOTE_STEPS="${arm%%:*}" \
         MOE_OPS_WS_WIDE="${arm#*:}" -- --models qwen3_30b_a3b mixtral_8x7b llama4_scout \
         --quant fp8 --tokens 2048 4096 16384
+    done
+  done
+fi
+if [[ "$what" == prefill ]]; then
+  timeout 150 python3 benchmarks/profile_layer.py --models qwen3_30b_a3b mixtral_8x7b \
+    llama4_scout deepseek_v3 --quant none fp8 fp8_block --tokens 4096 16384 --calls 3 \
+    --out "$out/profile_layer_prefill.json" > "$out/profile_layer_prefill.log" 2>&1 || status=1
+  grep -A20 '^model' "$out/profile_layer_prefill.log" | cut -c1-240
+  for pass in 1 2; do
+    for stages in 4 6; do
+      layer_arm "ab_stages_${stages}_$pass" 60 8 MOE_OPS_WS_STAGES="$stages" -- --models \
+        qwen3_30b_a3b mixtral_8x7b llama4_scout deepseek_v3 --quant fp8 fp8_block \
+        --tokens 4096 16384
     done
   done
 fi
