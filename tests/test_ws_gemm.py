@@ -596,6 +596,27 @@ def test_stagger_limits(monkeypatch):
     assert ws_gemm.stagger_steps("rows", 1) == 0
 
 
+def test_short_k_rows_take_the_whole_ring(monkeypatch):
+    """Unset MOE_OPS_WS_STAGES: the "rows" form of a GEMM of at most SHORT_K_MAX_K columns of K
+    (Qwen3-30B-A3B's GEMM2, K = 768) takes its 6 slots, everything else STAGES; its sm_90 builds
+    fit the shared memory (227 KB) for both quant modes and GEMMs; a set MOE_OPS_WS_STAGES holds
+    for every K."""
+    monkeypatch.setattr(ws_gemm, "RING_STAGES", 0)
+    assert ws_gemm.ring_stages("rows", 768) == ws_gemm.ring_stages("rows", 1024) == 6
+    assert ws_gemm.ring_stages("rows", 1152) == ws_gemm.ring_stages("rows") == ws_gemm.STAGES
+    assert ws_gemm.ring_stages("cols", 768) == ws_gemm.ring_stages("wide", 768) == ws_gemm.STAGES
+    rows, done = sm90_script_rows(
+        "from moe_ops.kernels import ws_gemm\n"
+        "for quant, gemm, act, bias in (('fp8', 2, 'none', False), ('fp8_block', 1, 'swiglu', True)):\n"
+        "    print(ws_gemm.compile_sm90(tile='rows', gemm=gemm, activation=act, has_bias=bias,"
+        " quant=quant, k=768).metadata.shared)\n")
+    assert len(rows) == 2, done.stdout
+    for (shared, ) in rows:
+        assert 6 * 2 * 128 * 128 <= int(shared) <= 227 * 1024, done.stdout
+    monkeypatch.setattr(ws_gemm, "RING_STAGES", 4)
+    assert ws_gemm.ring_stages("rows", 768) == 4
+
+
 def test_tile_rule(monkeypatch):
     """fp8_block calls with a dispatch take the 128-row tiles from 256 routed rows an expert on
     and the 256-column ones below; fp8 per tensor likewise unless WS_FP8 is off (on by

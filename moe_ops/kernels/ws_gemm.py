@@ -113,12 +113,27 @@ CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168
 # slots and stagger 3 against the default 4 / 0, graph replays: Mixtral fp8 T = 16384 12285 ->
 # 13589 us, DeepSeek fp8_block 16389 -> 16505, Qwen3 fp8 equal. So 0 (and STAGES slots).
 STAGGER = env_int("MOE_OPS_WS_STAGGER", 0)
-RING_STAGES = env_int("MOE_OPS_WS_STAGES", STAGES)
+# MOE_OPS_WS_STAGES=n: n slots for every form (at most what it holds); unset (0): STAGES, but the
+# "rows" form's whole ring (6) for GEMMs of at most SHORT_K_MAX_K columns of K. Why: such a tile
+# is a few K steps (Qwen3-30B-A3B's GEMM2, K = 768: 6), so with 4 slots the producer can fetch
+# only part of the next tile while the consumers run this one's steps and epilogue. Measured on
+# an H200 (results/h200_ab_stages_*_twentythird.json, 2026-12-03, graph replays, two
+# alternated passes, 6 slots against 4 on every form): Qwen3 fp8 T = 4096 675 -> 661 us, T =
+# 16384 2152 -> 2089 (its GEMM2 the only launch that changes there), every pass faster; the
+# long-K layers (Mixtral, Llama 4 fp8, DeepSeek-V3 fp8_block at T = 4096 / 16384) -0.7% to
+# +4% (the geometric mean of the eight points 1.000), so they keep 4.
+RING_STAGES = env_int("MOE_OPS_WS_STAGES", 0)
+SHORT_K_MAX_K = 1024
 
 
-def ring_stages(tile: str) -> int:
-    """Slots of the operand ring for a tile form: RING_STAGES, at most what it holds."""
-    return max(2, min(RING_STAGES, MAX_STAGES[tile]))
+def ring_stages(tile: str, k: int = 0) -> int:
+    """Slots of the operand ring for a tile form and a GEMM's K (0: not known, STAGES):
+    RING_STAGES where set, at most what the form holds; else the rule above."""
+    if RING_STAGES:
+        return max(2, min(RING_STAGES, MAX_STAGES[tile]))
+    if tile == "rows" and 0 < k <= SHORT_K_MAX_K:
+        return MAX_STAGES["rows"]
+    return min(STAGES, MAX_STAGES[tile])
 
 
 def stagger_steps(tile: str, gemm: int) -> int:
@@ -772,7 +787,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         routing.topk_weights, N, K, routing.num_pairs, a_scale.stride(0), w_scale.stride(0),
         w_scale.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
         alpha, limit,
-        ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=ring_stages(tile),
+        ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=ring_stages(tile, K),
         FORM=FORMS[tile], ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
@@ -785,9 +800,10 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
                  has_bias: bool = False, out_dtype: str = "bf16", quant: str = "fp8_block",
-                 early: Optional[bool] = None, pairs: Optional[bool] = None):
+                 early: Optional[bool] = None, pairs: Optional[bool] = None, k: int = 0):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
-    run, Gluon having no interpreter. Returns triton's CompiledKernel."""
+    run, Gluon having no interpreter. k: the GEMM's K where the ring's slots depend on it
+    (ring_stages). Returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     bm, bn = TILES[tile]
@@ -802,7 +818,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "N": "i32", "K": "i32", "num_pairs": "i32", "stride_as": "i32", "stride_wse": "i32",
         "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32",
         "alpha": "fp32", "limit": "fp32"}
-    consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=ring_stages(tile), FORM=FORMS[tile],
+    consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=ring_stages(tile, k), FORM=FORMS[tile],
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
