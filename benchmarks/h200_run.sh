@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -177,6 +177,10 @@
 # each kernel's time is its own), then the warp-specialized kernel's ring of 4 slots (the
 # default) against 6 (MOE_OPS_WS_STAGES; the "cols" form holds 5, "wide" 4) on the fp8 and
 # fp8_block layers at T = 4096 / 16384, two alternated passes; about 5 minutes.
+# shortk: the "rows" form's whole ring for GEMMs of K <= 1024 (MOE_OPS_WS_SHORT_K_MAX_K=1024,
+# off by default): its GPU tests (the experts call against the oracle, GEMM2 against the
+# Triton persistent kernel), gpu_check of Qwen3 fp8 at T = 1000 / 4096 / 16384 with it, then
+# Qwen3 fp8 at T = 2048-16384 with 0 and 1024, two alternated passes; about 3 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -833,6 +837,21 @@ if [[ "$what" == prefill ]]; then
       layer_arm "ab_stages_${stages}_$pass" 60 8 MOE_OPS_WS_STAGES="$stages" -- --models \
         qwen3_30b_a3b mixtral_8x7b llama4_scout deepseek_v3 --quant fp8 fp8_block \
         --tokens 4096 16384
+    done
+  done
+fi
+if [[ "$what" == shortk ]]; then
+  MOE_OPS_WS_SHORT_K_MAX_K=1024 timeout 200 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_ws_gemm.py -k "short_k_ring or gemm2_matches" > "$out/pytest_shortk.log" 2>&1 || status=1
+  tail -n 2 "$out/pytest_shortk.log"
+  MOE_OPS_WS_SHORT_K_MAX_K=1024 timeout 120 python3 benchmarks/gpu_check.py --models \
+    qwen3_30b_a3b --quant fp8 --tokens 1000 4096 16384 --no-large \
+    --json "$out/gpu_check_shortk.json" > "$out/gpu_check_shortk.log" 2>&1 || status=1
+  tail -n 3 "$out/gpu_check_shortk.log"
+  for pass in 1 2; do
+    for k in 0 1024; do
+      layer_arm "ab_shortk_${k}_$pass" 40 4 MOE_OPS_WS_SHORT_K_MAX_K="$k" -- --models \
+        qwen3_30b_a3b --quant fp8 --tokens 2048 4096 16384
     done
   done
 fi

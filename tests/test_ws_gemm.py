@@ -389,6 +389,24 @@ def test_experts_with_paired_promotion(tile, activation, bias, monkeypatch, ws_g
 
 
 @needs_hopper
+@pytest.mark.parametrize("quant,activation,bias", [("fp8", "swiglu", True),
+                                                   ("fp8_block", "swiglu", False),
+                                                   ("fp8", "relu2", False)])
+def test_experts_with_the_short_k_ring(quant, activation, bias, monkeypatch, ws_gemm_calls,
+                                       poisoned_empty):
+    """MOE_OPS_WS_SHORT_K_MAX_K: the "rows" form's launches of K <= 1024 (here both GEMMs:
+    4 and 3 or 4 K steps, fewer than the ring's 6 slots) on the whole ring, the experts call
+    against the oracle."""
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "rows")
+    monkeypatch.setattr(experts_mod, "WS_FP8", True)
+    monkeypatch.setattr(ws_gemm, "RING_STAGES", 0)
+    monkeypatch.setattr(ws_gemm, "SHORT_K_MAX_K", 1024)
+    assert ws_gemm.ring_stages("rows", 512) == 6
+    check_skewed_experts(quant, activation, bias, seed=59)
+    assert ws_gemm_calls == [1, 2]
+
+
+@needs_hopper
 @pytest.mark.parametrize("tile", ["cols", "rows", "wide"])
 @pytest.mark.parametrize("programs,quant,K,pairs", [
     (3, "fp8_block", 1024, False), (132, "fp8_block", 1024, False), (5, "fp8", 1024, False),
@@ -597,16 +615,19 @@ def test_stagger_limits(monkeypatch):
 
 
 def test_short_k_rows_take_the_whole_ring(monkeypatch):
-    """Unset MOE_OPS_WS_STAGES: the "rows" form of a GEMM of at most SHORT_K_MAX_K columns of K
-    (Qwen3-30B-A3B's GEMM2, K = 768) takes its 6 slots, everything else STAGES; its sm_90 builds
-    fit the shared memory (227 KB) for both quant modes and GEMMs; a set MOE_OPS_WS_STAGES holds
-    for every K."""
+    """Unset MOE_OPS_WS_STAGES: with SHORT_K_MAX_K (off by default) the "rows" form of a GEMM
+    of at most that many columns of K (Qwen3-30B-A3B's GEMM2, K = 768) takes its 6 slots,
+    everything else STAGES; its sm_90 builds fit the shared memory (227 KB) for both quant modes
+    and GEMMs; a set MOE_OPS_WS_STAGES holds for every K."""
     monkeypatch.setattr(ws_gemm, "RING_STAGES", 0)
+    assert ws_gemm.SHORT_K_MAX_K == 0 and ws_gemm.ring_stages("rows", 768) == ws_gemm.STAGES
+    monkeypatch.setattr(ws_gemm, "SHORT_K_MAX_K", 1024)
     assert ws_gemm.ring_stages("rows", 768) == ws_gemm.ring_stages("rows", 1024) == 6
     assert ws_gemm.ring_stages("rows", 1152) == ws_gemm.ring_stages("rows") == ws_gemm.STAGES
     assert ws_gemm.ring_stages("cols", 768) == ws_gemm.ring_stages("wide", 768) == ws_gemm.STAGES
     rows, done = sm90_script_rows(
         "from moe_ops.kernels import ws_gemm\n"
+        "ws_gemm.SHORT_K_MAX_K = 1024\n"
         "for quant, gemm, act, bias in (('fp8', 2, 'none', False), ('fp8_block', 1, 'swiglu', True)):\n"
         "    print(ws_gemm.compile_sm90(tile='rows', gemm=gemm, activation=act, has_bias=bias,"
         " quant=quant, k=768).metadata.shared)\n")

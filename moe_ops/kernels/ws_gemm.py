@@ -103,7 +103,7 @@ CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168
 # so their epilogues leave the tensor cores idle at once. With MOE_OPS_WS_STAGGER=s, consumer 1
 # starts its first tile once consumer 0 has released s K steps' slots; the ring then keeps it
 # about s steps behind, and each one's epilogue runs beside the other's MMAs. s < the ring's
-# slots (MOE_OPS_WS_STAGES=n, up to MAX_STAGES of the form; default STAGES); off where the
+# slots (MOE_OPS_WS_STAGES=n, up to MAX_STAGES of the form; default: ring_stages); off where the
 # padding skip is on (a skipped half would not release in step) and for "wide" (its K loop
 # spills with the check in it: 104 local accesses a step). The check costs 7-9 instructions a
 # K step in "rows" / "cols" (no spill; tests/test_ws_gemm.py). Measured on an H200
@@ -113,17 +113,19 @@ CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168
 # slots and stagger 3 against the default 4 / 0, graph replays: Mixtral fp8 T = 16384 12285 ->
 # 13589 us, DeepSeek fp8_block 16389 -> 16505, Qwen3 fp8 equal. So 0 (and STAGES slots).
 STAGGER = env_int("MOE_OPS_WS_STAGGER", 0)
-# MOE_OPS_WS_STAGES=n: n slots for every form (at most what it holds); unset (0): STAGES, but the
-# "rows" form's whole ring (6) for GEMMs of at most SHORT_K_MAX_K columns of K. Why: such a tile
-# is a few K steps (Qwen3-30B-A3B's GEMM2, K = 768: 6), so with 4 slots the producer can fetch
-# only part of the next tile while the consumers run this one's steps and epilogue. Measured on
-# an H200 (results/h200_ab_stages_*_twentythird.json, 2026-12-03, graph replays, two
-# alternated passes, 6 slots against 4 on every form): Qwen3 fp8 T = 4096 675 -> 661 us, T =
-# 16384 2152 -> 2089 (its GEMM2 the only launch that changes there), every pass faster; the
-# long-K layers (Mixtral, Llama 4 fp8, DeepSeek-V3 fp8_block at T = 4096 / 16384) -0.7% to
-# +4% (the geometric mean of the eight points 1.000), so they keep 4.
+# MOE_OPS_WS_STAGES=n: n slots for every form (at most what it holds); unset (0): STAGES, but
+# with MOE_OPS_WS_SHORT_K_MAX_K=k (0, off, by default) the "rows" form's whole ring (6) for
+# GEMMs of at most k columns of K. Why: such a tile is a few K steps (Qwen3-30B-A3B's GEMM2,
+# K = 768: 6), so with 4 slots the producer can fetch only part of the next tile while the
+# consumers run this one's steps and epilogue. Measured on an H200
+# (results/h200_ab_stages_*_twentythird.json, 2026-12-03, graph replays, two alternated passes,
+# 6 slots against 4 on every form): Qwen3 fp8 T = 4096 675 -> 661 us, T = 16384 2152 -> 2089
+# (its GEMM2 the only launch that changes there), every pass faster; the long-K layers
+# (Mixtral, Llama 4 fp8, DeepSeek-V3 fp8_block at T = 4096 / 16384) -0.7% to +4% (geometric
+# mean of the eight points 1.000), so they keep 4. Off until the rule's own launches are
+# checked against the reference on a GPU (`bash benchmarks/h200_run.sh shortk`); 1024 then.
 RING_STAGES = env_int("MOE_OPS_WS_STAGES", 0)
-SHORT_K_MAX_K = 1024
+SHORT_K_MAX_K = env_int("MOE_OPS_WS_SHORT_K_MAX_K", 0)
 
 
 def ring_stages(tile: str, k: int = 0) -> int:
