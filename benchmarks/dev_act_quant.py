@@ -10,6 +10,8 @@ written over the median time). The exit status is 1 if any value differs.
     # decode sizes (rows = T * k at T = 1 ... 256), the kernel's two forms (split_k off / on),
     # timed as CUDA-graph replays with L2 flushed (launch overhead out, as served)
     python benchmarks/dev_act_quant.py --decode
+    # only some cases (by a word of their name)
+    python benchmarks/dev_act_quant.py --cases qwen3
 
 Writes JSON (command, GPU, date, records) and prints a table last.
 """
@@ -76,6 +78,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("act_quant.json"))
     parser.add_argument("--decode", action="store_true",
                         help="decode sizes, split_k off and on, as CUDA-graph replays")
+    parser.add_argument("--cases", nargs="+", default=None,
+                        help="only the cases whose name holds one of these words")
     args = parser.parse_args()
     variants = {"act_quant": act_quant}
     cases = CASES
@@ -86,6 +90,10 @@ def main() -> int:
         variants = {"act_quant": lambda x, quant: act_quant(x, quant, split_k=True),
                     "looped": lambda x, quant: act_quant(x, quant, split_k=False)}
         time_one = lambda fn: graph_timer(fn) * 1e6
+    if args.cases:
+        cases = tuple(c for c in cases if any(word in c[0] for word in args.cases))
+        if not cases:
+            parser.error(f"--cases: no case's name holds any of {args.cases}")
     if args.baseline:
         spec = importlib.util.spec_from_file_location("baseline_act_quant", args.baseline)
         module = importlib.util.module_from_spec(spec)

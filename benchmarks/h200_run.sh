@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -181,6 +181,10 @@
 # off by default): its GPU tests (the experts call against the oracle, GEMM2 against the
 # Triton persistent kernel), gpu_check of Qwen3 fp8 at T = 1000 / 4096 / 16384 with it, then
 # Qwen3 fp8 at T = 2048-16384 with 0 and 1024, two alternated passes; about 3 minutes.
+# aqwarps: act_quant's short rows at 1 / 2 / 4 warps a program (MOE_OPS_ACT_QUANT_SHORT_WARPS;
+# 0, the rule, is 4 for them): its tests on the GPU, dev_act_quant.py on Qwen3's 768-wide
+# intermediate with each (bit-exactness against the reference, TB/s), then Qwen3 fp8 at T =
+# 2048-16384 with 0 / 1 / 2, two alternated passes; about 3 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -851,6 +855,22 @@ if [[ "$what" == shortk ]]; then
   for pass in 1 2; do
     for k in 0 1024; do
       layer_arm "ab_shortk_${k}_$pass" 40 4 MOE_OPS_WS_SHORT_K_MAX_K="$k" -- --models \
+        qwen3_30b_a3b --quant fp8 --tokens 2048 4096 16384
+    done
+  done
+fi
+if [[ "$what" == aqwarps ]]; then
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_experts.py \
+    -k "short_rows" > "$out/pytest_aqwarps.log" 2>&1 || status=1
+  tail -n 1 "$out/pytest_aqwarps.log"
+  for w in 0 1 2; do
+    MOE_OPS_ACT_QUANT_SHORT_WARPS=$w timeout 60 python3 benchmarks/dev_act_quant.py --cases qwen3 \
+      --out "$out/act_quant_warps_$w.json" > "$out/act_quant_warps_$w.log" 2>&1 || status=1
+    echo "MOE_OPS_ACT_QUANT_SHORT_WARPS=$w"; tail -n 1 "$out/act_quant_warps_$w.log"
+  done
+  for pass in 1 2; do
+    for w in 0 1 2; do
+      layer_arm "ab_aqwarps_${w}_$pass" 40 4 MOE_OPS_ACT_QUANT_SHORT_WARPS="$w" -- --models \
         qwen3_30b_a3b --quant fp8 --tokens 2048 4096 16384
     done
   done

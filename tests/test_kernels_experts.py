@@ -418,6 +418,34 @@ def test_act_quant_short_rows_read_whole(monkeypatch, poisoned_empty, act_quant_
     assert [len(grid) for grid in act_quant_grids] == [2, 1, 1], act_quant_grids
 
 
+@pytest.mark.parametrize("warps", [1, 2])
+def test_act_quant_short_rows_at_fewer_warps(warps, monkeypatch, poisoned_empty):
+    """SHORT_ROW_WARPS: the short rows' programs at 1 or 2 warps (more of them resident an SM)
+    write the same codes and scales as the rule's 4, sentinel rows unwritten; the other forms
+    keep their warps."""
+    from moe_ops.kernels import act_quant as aq
+    num_pairs = 30
+    x, ids = rows_with_padding(11, 37, 768, num_pairs, 9)
+    q_ref, s_ref = act_quant(x, "fp8", ids, num_pairs, split_k=False)
+    launches = []
+    real = aq._act_quant_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((len(grid), kwargs["num_warps"], kwargs["LOAD_FIRST"]))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(aq, "_act_quant_kernel", Recorder())
+    monkeypatch.setattr(aq, "SPLIT_K_MAX_ROWS", {"fp8": 4, "fp8_block": 4})
+    monkeypatch.setattr(aq, "SHORT_ROW_WARPS", warps)
+    q, s = aq.act_quant(x, "fp8", ids, num_pairs)
+    assert_live_rows_equal(q, s, q_ref, s_ref, ids, num_pairs)
+    aq.act_quant(x, "fp8", ids, num_pairs, split_k=False)      # the looped form: its own warps
+    assert launches == [(2, warps, True), (1, 4, False)], launches
+
+
 # ---------------------------------------------------------------- experts: every mode
 
 ACTIVATIONS = ["swiglu", "geglu", "swiglu_oai", "relu2"]

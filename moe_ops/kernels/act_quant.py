@@ -164,6 +164,16 @@ WHOLE_ROW_MAX_K = 16384
 # in graph replays (two alternated passes), Mixtral's 4096- and 14336-wide rows untouched. So
 # up to 2048 columns (Qwen3's hidden rows too); MOE_OPS_ACT_QUANT_SHORT_ROW_K=0: off.
 SHORT_ROW_K = env_int("MOE_OPS_ACT_QUANT_SHORT_ROW_K", 2048)
+# Warps of a short row's program (0: the whole-row rule below, 4 for rows of up to 4096
+# columns). An experiment, not yet measured: the short-row form still moves 1.3-1.4 TB/s on
+# Qwen3's intermediate, and at 4 warps an SM holds 16 of its programs (64 warps), so ~16 rows'
+# loads in flight; at 1 or 2 warps it holds 32 (the programs-per-SM limit), twice the rows in
+# flight for the same latency. The codes and scales are the same at any count (a max and
+# elementwise divisions). `bash benchmarks/h200_run.sh aqwarps` measures 1 / 2 / 4.
+SHORT_ROW_WARPS = env_int("MOE_OPS_ACT_QUANT_SHORT_WARPS", 0)
+if SHORT_ROW_WARPS not in (0, 1, 2, 4, 8, 16):
+    raise ValueError(f"MOE_OPS_ACT_QUANT_SHORT_WARPS must be 0 (the rule) or a power of two up "
+                     f"to 16, got {SHORT_ROW_WARPS}")
 # fp8 rows read whole (SPLIT_K) wider than SLICE_K columns, at most SLICE_MAX_ROWS live rows:
 # each row's columns quantized by cdiv(K, SLICE_K) programs, each reading the whole row for its
 # amax. Why: one program a row runs all of the row's correctly rounded divisions on one SM
@@ -217,6 +227,8 @@ def act_quant(
         # the whole row: about 32 values a thread
         num_warps = (min(16, max(4, block_k // 1024)) if split_k
                      else 4 if block_k >= 512 else 1)
+        if load_first and SHORT_ROW_WARPS:
+            num_warps = SHORT_ROW_WARPS
         slice_k = (SLICE_K if split_k and not load_first and 0 < SLICE_K < K
                    and live_rows <= SLICE_MAX_ROWS else 0)
     else:
