@@ -166,10 +166,11 @@ WHOLE_ROW_MAX_K = 16384
 SHORT_ROW_K = env_int("MOE_OPS_ACT_QUANT_SHORT_ROW_K", 2048)
 # Warps of a short row's program (0: the whole-row rule below, 4 for rows of up to 4096
 # columns). An experiment, not yet measured: the short-row form still moves 1.3-1.4 TB/s on
-# Qwen3's intermediate, and at 4 warps an SM holds 16 of its programs (64 warps), so ~16 rows'
-# loads in flight; at 1 or 2 warps it holds 32 (the programs-per-SM limit), twice the rows in
-# flight for the same latency. The codes and scales are the same at any count (a max and
-# elementwise divisions). `bash benchmarks/h200_run.sh aqwarps` measures 1 / 2 / 4.
+# Qwen3's intermediate, and at 4 warps an SM holds 16 of its programs (the 2048 threads), so
+# ~16 rows' loads in flight; the sm_90 builds of its 1024-column block take 32 / 48 / 80
+# registers at 4 / 2 / 1 warps (no stack), so 21 programs an SM at 2 warps and 25 at 1 (the
+# register file). The codes and scales are the same at any count (a max and elementwise
+# divisions). `bash benchmarks/h200_run.sh aqwarps` measures 1 / 2 / 4.
 SHORT_ROW_WARPS = env_int("MOE_OPS_ACT_QUANT_SHORT_WARPS", 0)
 if SHORT_ROW_WARPS not in (0, 1, 2, 4, 8, 16):
     raise ValueError(f"MOE_OPS_ACT_QUANT_SHORT_WARPS must be 0 (the rule) or a power of two up "
