@@ -313,6 +313,78 @@ def gemm2_problem(tile, quant, E, N, K, T, k, seed):
     return a, a_scale, w, w_scale, routing
 
 
+ATOMIC_BUILDS = """
+import re, sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import resource_usage
+from moe_ops.kernels import ws_gemm
+for tile, quant, early in (("rows", "fp8", False), ("cols", "fp8_block", False),
+                           ("rows", "fp8_block", True)):
+    kernel = ws_gemm.compile_sm90(tile=tile, gemm=2, activation="none", out_dtype="fp32",
+                                  quant=quant, early=early, atomic_top_k=8)
+    ptx = kernel.asm["ptx"]
+    atomics = set(re.findall(r"\\b(?:red|atom)\\.global[a-z0-9.]*", ptx))
+    stores = len(re.findall(r"\\bst\\.global", ptx))
+    print(tile, quant, ",".join(sorted(atomics)), stores, resource_usage(kernel).split()[-2])
+"""
+
+
+def test_atomic_gemm2_builds():
+    """GEMM2's atomic form (ws_gemm.ATOMIC): its sm_90 builds add the rows with 16-byte float32
+    vector atomics and store nothing, without spilling (no stack), each form and quant mode;
+    the launcher refuses it for GEMM1 and for an output that is not float32 [num_pairs /
+    top_k, N], before any launch."""
+    rows, done = sm90_script_rows(ATOMIC_BUILDS)
+    assert len(rows) == 3, done.stdout
+    for tile, quant, atomics, stores, stack in rows:
+        assert atomics == "atom.global.gpu.relaxed.add.v4.f32", done.stdout
+        assert stores == "0" and stack == "0", done.stdout
+    routing = gg.Routing(torch.zeros(12, dtype=torch.int32), torch.ones(12), 4, 2, 0,
+                         torch.zeros(128, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                         128, torch.full((1,), 128, dtype=torch.int32))
+    for gemm, out in ((1, torch.zeros(3, 256)), (2, torch.zeros(4, 256)),
+                      (2, torch.zeros(3, 256, dtype=torch.bfloat16))):
+        with pytest.raises(ValueError, match="atomic=True"):
+            ws_gemm.gemm(None, None, None, None, None, out, routing, gemm=gemm,
+                         activation="swiglu" if gemm == 1 else "none", tile="rows",
+                         quant="fp8", atomic=True)
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile,quant", [("rows", "fp8"), ("cols", "fp8"), ("rows", "fp8_block"),
+                                        ("wide", "fp8_block")])
+def test_atomic_gemm2_sums_the_pair_rows(tile, quant):
+    """GEMM2's atomic form adds each pair's weighted row into its token's float32 row: equal,
+    up to the pair rows' bf16 rounding and the sums' order, to the pair rows (written by the
+    same kernel, NaN-poisoned first) summed per token; a token row no pair reaches stays 0."""
+    E, N, K, T, k = 8, 512, 1024, 300, 4
+    dev = torch.device("cuda")
+    a, a_scale, w, w_scale, routing = gemm2_problem(tile, quant, E, N, K, T, k, seed=13)
+    pair_rows = torch.full((T * k, N), float("nan"), device=dev, dtype=torch.bfloat16)
+    ws_gemm.gemm(a, a_scale, w, w_scale, None, pair_rows, routing, gemm=2, activation="none",
+                 tile=tile, quant=quant)
+    assert torch.isfinite(pair_rows.float()).all(), "a pair's row was not written"
+    expected = pair_rows.float().view(T, k, N).sum(1)
+    out = torch.zeros((T, N), device=dev, dtype=torch.float32)
+    ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=2, activation="none",
+                 tile=tile, quant=quant, atomic=True)
+    err = ((out - expected).norm() / expected.norm()).item()
+    assert err < 4e-3, err
+
+
+@needs_hopper
+@pytest.mark.parametrize("quant,activation,bias", [("fp8", "swiglu", True),
+                                                   ("fp8_block", "swiglu", False)])
+def test_experts_with_the_atomic_gemm2(quant, activation, bias, monkeypatch, ws_gemm_calls,
+                                       poisoned_empty):
+    """MOE_OPS_WS_ATOMIC: the experts call with GEMM2's atomic form (expert-parallel ids, ids of
+    no local expert, skewed routing) against the oracle."""
+    monkeypatch.setattr(experts_mod, "WS_FP8", True)
+    monkeypatch.setattr(ws_gemm, "ATOMIC", True)
+    check_skewed_experts(quant, activation, bias, seed=61)
+    assert ws_gemm_calls == [1, 2]
+
+
 PAIRS_K_LOOP = """
 import sys
 sys.path.insert(0, "benchmarks")

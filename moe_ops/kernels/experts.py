@@ -472,6 +472,12 @@ def triton_experts(
             combine = "rows"
         else:
             combine = "atomic" if pair_rows_bytes >= ATOMIC_COMBINE_MIN_BYTES else "rows"
+    if ws2 and ws_gemm.ATOMIC:
+        # (the warp-specialized GEMM2's atomic form: an experiment, see ws_gemm.ATOMIC)
+        out32 = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+        ws_gemm.gemm(a2, a2_scale, w2, w2_scale, b2, out32, routing, gemm=2,
+                     activation="none", tile=tile2, quant=quant, atomic=True)
+        return out32 if x.dtype == torch.float32 else out32.to(x.dtype)
     if combine == "atomic":
         out32 = torch.zeros((T, H), dtype=torch.float32, device=x.device)
         gemm2(a2, a2_scale, w2, w2_scale, b2, out32, routing, config2, quant=quant,

@@ -222,6 +222,16 @@ def promote_pairs(quant: str, tile: str, gemm: int) -> bool:
     return FP8_PROMOTE_STEPS == 2 and pairs_fit(quant, tile, gemm)
 
 
+# GEMM2 adding each pair's row into its token's float32 output row (MOE_OPS_WS_ATOMIC=1; vector
+# atomics, 16 bytes each, reduced at the L2) instead of writing pair rows that a second pass
+# sums. An experiment, not yet run on a GPU. Why: Qwen3-30B-A3B's fp8 GEMM2 at T = 16384 writes
+# 537 MB of pair rows (131072 x 2048 bf16) and the combine reads them back (143 us, 7% of the
+# call; results/h200_profile_layer_prefill_twentythird.log); the Triton tile kernels' atomic
+# form measured faster there at T = 4096 (experts.COMBINE). Against it: a zero fill and a cast
+# of [T, H] float32, 4 bytes a value reduced per pair, and, past the L2 (T = 16384: 134 MB), the
+# output's lines fetched again for the reductions; its sums' order varies run to run.
+# `bash benchmarks/h200_run.sh wsatomic` measures it.
+ATOMIC = env_choice("MOE_OPS_WS_ATOMIC", "0", ("0", "1")) == "1"
 # MOE_OPS_WS_GEMM=0 turns the kernel off (every launch then runs grouped_gemm's kernels).
 ENABLED = env_choice("MOE_OPS_WS_GEMM", "1", ("0", "1")) == "1"
 
@@ -419,7 +429,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
               SCALES_AFTER_MMA: gl.constexpr, STAGGER: gl.constexpr, EARLY: gl.constexpr,
-              PAIRS: gl.constexpr, HALF: gl.constexpr):
+              PAIRS: gl.constexpr, ATOMIC_TOP_K: gl.constexpr, HALF: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty, go = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
@@ -486,9 +496,9 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
             else:
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
-                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY)
+                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY, ATOMIC_TOP_K)
             _epilogue(acc_hi, slots, col0 + COLS, expert, a_scale_rows, ptrs, sizes, strides,
-                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY)
+                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY, ATOMIC_TOP_K)
         else:
             acc = gl.zeros([ROWS, COLS], gl.float32, mma)
             if live:
@@ -500,7 +510,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
             else:
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
-                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY)
+                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY, ATOMIC_TOP_K)
 
 
 @gluon.jit
@@ -538,11 +548,13 @@ def _epilogue_terms(slots, a_scale_rows, sorted_pair_ids_ptr, topk_weights_ptr, 
 @gluon.jit
 def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
-              BLOCK_SCALES: gl.constexpr, terms, EARLY: gl.constexpr):
+              BLOCK_SCALES: gl.constexpr, terms, EARLY: gl.constexpr,
+              ATOMIC_TOP_K: gl.constexpr):
     """A warpgroup's finished [64, 128] share of a tile at output column col0: fp8 per tensor's
     row and column scales, the bias, then GEMM1's activation into intermediate[slot] or GEMM2's
     routing weight into out[pair]; padding slots (pair id >= num_pairs) are not written.
-    EARLY: the slots' operands are `terms` (_epilogue_terms, loaded before the K loop)."""
+    EARLY: the slots' operands are `terms` (_epilogue_terms, loaded before the K loop).
+    ATOMIC_TOP_K > 0 (GEMM2, ATOMIC): added in float32 into out[pair // top_k], a token's row."""
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
      num_padded_ptr, topk_weights_ptr) = ptrs
     N, K, num_pairs, alpha, limit = sizes
@@ -563,7 +575,12 @@ def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
                * gl.load(w_scale_ptr + expert * stride_wse + cols * stride_wsn)[None, :])
     if HAS_BIAS:
         acc += gl.load(bias_ptr + expert * stride_be + cols)[None, :]
-    if EARLY and ACTIVATION == 0:
+    if ATOMIC_TOP_K > 0:
+        if not EARLY:
+            weights = gl.load(topk_weights_ptr + pair_ids, mask=row_ok, other=0.0)
+        _add_rows(out_ptr, acc * weights[:, None], (pair_ids // ATOMIC_TOP_K).to(gl.int64),
+                  row_ok, col0, stride_om, COALESCED)
+    elif EARLY and ACTIVATION == 0:
         # (the same float32 operations as write_rows', the weights already loaded)
         _store_rows(out_ptr, round_to_dtype(acc * weights[:, None], out_ptr.dtype.element_ty),
                     pair_ids.to(gl.int64), row_ok, col0, stride_om, COALESCED)
@@ -663,6 +680,22 @@ def _store_rows(out_ptr, values, rows, row_ok, first_col, stride_om, COALESCED: 
 
 
 @gluon.jit
+def _add_rows(out_ptr, values, rows, row_ok, first_col, stride_om, COALESCED: gl.constexpr):
+    """out[rows[i], first_col:first_col + C] += values[i] (float32 atomic adds, no value
+    returned: reductions at the L2) where row_ok[i]; COALESCED as _store_rows."""
+    C: gl.constexpr = values.type.shape[1]
+    if COALESCED:
+        values = gl.convert_layout(
+            values, gl.BlockedLayout([1, 4], [32 // (C // 4), C // 4], [4, 1], [1, 0]))
+    layout: gl.constexpr = values.type.layout
+    rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+    row_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, layout))
+    cols = first_col + gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+    gl.atomic_add(out_ptr + rows[:, None] * stride_om + cols[None, :], values,
+                  mask=row_ok[:, None], sem="relaxed")
+
+
+@gluon.jit
 def _ws_fp8_block_kernel(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr,
     block_expert_ptr, num_padded_ptr, topk_weights_ptr,
@@ -672,6 +705,7 @@ def _ws_fp8_block_kernel(
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
     BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
     STAGGER: gl.constexpr, EARLY: gl.constexpr, PAIRS: gl.constexpr,
+    ATOMIC_TOP_K: gl.constexpr = 0,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
@@ -697,10 +731,10 @@ def _ws_fp8_block_kernel(
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, EARLY, PAIRS, 0)),
+                     STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, 0)),
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, EARLY, PAIRS, 1)),
+                     STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, 1)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -751,7 +785,7 @@ def _descriptors(a: torch.Tensor, w: torch.Tensor, tile: str):
 def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: str,
          alpha: float = 0.0, limit: float = 0.0, tile: str = "cols", quant: str = "fp8_block",
          programs: Optional[int] = None, early: Optional[bool] = None,
-         pairs: Optional[bool] = None) -> None:
+         pairs: Optional[bool] = None, atomic: bool = False) -> None:
     """One GEMM over the dispatch's live slots (see the module docstring).
 
     a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
@@ -759,7 +793,9 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     None. GEMM1 (gemm=1): out = intermediate [slots, N/2 gated, N otherwise],
     act(a @ w^T + bias); GEMM2: out [pairs, N] = topk_weight * (a @ w^T + bias). early: the
     slots' epilogue operands loaded before each tile's K loop (default: EARLY_EPILOGUE).
-    pairs: fp8 per tensor's promotion every other K step (default: promote_pairs)."""
+    pairs: fp8 per tensor's promotion every other K step (default: promote_pairs). atomic
+    (GEMM2, see ATOMIC): out is float32 [tokens, N], zeroed by the caller, and each pair's row
+    is added into its token's (pair // top_k) instead of written."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if pairs and not pairs_fit(quant, tile, gemm):
@@ -768,6 +804,11 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
                          f"{quant!r}, {tile!r}, stagger {stagger_steps(tile, gemm)}")
     if gemm == 1 and activation == "none":
         raise ValueError("gemm=1 needs an activation (GEMM1's epilogue applies it)")
+    if atomic and (gemm != 2 or out.dtype != torch.float32
+                   or out.shape[0] * routing.top_k != routing.num_pairs):
+        raise ValueError(f"atomic=True is GEMM2's, into a float32 out of num_pairs / top_k = "
+                         f"{routing.num_pairs // routing.top_k} token rows; got gemm={gemm}, "
+                         f"out {out.dtype} {list(out.shape)}")
     bm, bn = TILES[tile]
     if tile == "wide" and not wide_admits(quant, activation if gemm == 1 else "none",
                                           bias is not None):
@@ -796,16 +837,18 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
         SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
         EARLY=int(EARLY_EPILOGUE if early is None else early),
-        PAIRS=int(promote_pairs(quant, tile, gemm) if pairs is None else pairs), num_warps=4,
-        maxnreg=MAXNREG)
+        PAIRS=int(promote_pairs(quant, tile, gemm) if pairs is None else pairs),
+        ATOMIC_TOP_K=routing.top_k if atomic else 0, num_warps=4, maxnreg=MAXNREG)
 
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
                  has_bias: bool = False, out_dtype: str = "bf16", quant: str = "fp8_block",
-                 early: Optional[bool] = None, pairs: Optional[bool] = None, k: int = 0):
+                 early: Optional[bool] = None, pairs: Optional[bool] = None, k: int = 0,
+                 atomic_top_k: int = 0):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
     run, Gluon having no interpreter. k: the GEMM's K where the ring's slots depend on it
-    (ring_stages). Returns triton's CompiledKernel."""
+    (ring_stages); atomic_top_k: GEMM2's atomic form for that top_k (out_dtype "fp32").
+    Returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     bm, bn = TILES[tile]
@@ -827,7 +870,8 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                   BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
                   SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
                   EARLY=int(EARLY_EPILOGUE if early is None else early),
-                  PAIRS=int(promote_pairs(quant, tile, gemm) if pairs is None else pairs))
+                  PAIRS=int(promote_pairs(quant, tile, gemm) if pairs is None else pairs),
+                  ATOMIC_TOP_K=atomic_top_k)
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om")}
