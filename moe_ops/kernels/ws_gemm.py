@@ -578,8 +578,8 @@ def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
     if ATOMIC_TOP_K > 0:
         if not EARLY:
             weights = gl.load(topk_weights_ptr + pair_ids, mask=row_ok, other=0.0)
-        _add_rows(out_ptr, acc * weights[:, None], (pair_ids // ATOMIC_TOP_K).to(gl.int64),
-                  row_ok, col0, stride_om, COALESCED)
+        _store_rows(out_ptr, acc * weights[:, None], (pair_ids // ATOMIC_TOP_K).to(gl.int64),
+                    row_ok, col0, stride_om, COALESCED, True)
     elif EARLY and ACTIVATION == 0:
         # (the same float32 operations as write_rows', the weights already loaded)
         _store_rows(out_ptr, round_to_dtype(acc * weights[:, None], out_ptr.dtype.element_ty),
@@ -663,36 +663,27 @@ def write_rows(values, slots, pair_ids, row_ok, first_col, topk_weights_ptr, out
 
 
 @gluon.jit
-def _store_rows(out_ptr, values, rows, row_ok, first_col, stride_om, COALESCED: gl.constexpr):
-    """out[rows[i], first_col:first_col + C] = values[i] where row_ok[i]. COALESCED: through a
-    layout where each thread holds 8 consecutive columns of a row (16-byte stores, a warp
-    writing whole rows' segments; the conversion goes through shared memory), not the MMA's
-    (2 columns a thread, 8 rows a warp store)."""
+def _store_rows(out_ptr, values, rows, row_ok, first_col, stride_om, COALESCED: gl.constexpr,
+                ADD: gl.constexpr = False):
+    """out[rows[i], first_col:first_col + C] = values[i] where row_ok[i]; ADD: += instead, as
+    float32 atomic adds whose value is not returned (reductions at the L2). COALESCED: through
+    a layout where each thread holds 16 consecutive bytes of a row (8 columns; 4 float32
+    columns for ADD's vector atomics), a warp writing whole rows' segments (the conversion goes
+    through shared memory), not the MMA's (2 columns a thread, 8 rows a warp store)."""
     C: gl.constexpr = values.type.shape[1]
     if COALESCED:
+        VEC: gl.constexpr = 4 if ADD else 8
         values = gl.convert_layout(
-            values, gl.BlockedLayout([1, 8], [32 // (C // 8), C // 8], [4, 1], [1, 0]))
+            values, gl.BlockedLayout([1, VEC], [32 // (C // VEC), C // VEC], [4, 1], [1, 0]))
     layout: gl.constexpr = values.type.layout
     rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
     row_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, layout))
     cols = first_col + gl.arange(0, C, layout=gl.SliceLayout(0, layout))
-    gl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], values, mask=row_ok[:, None])
-
-
-@gluon.jit
-def _add_rows(out_ptr, values, rows, row_ok, first_col, stride_om, COALESCED: gl.constexpr):
-    """out[rows[i], first_col:first_col + C] += values[i] (float32 atomic adds, no value
-    returned: reductions at the L2) where row_ok[i]; COALESCED as _store_rows."""
-    C: gl.constexpr = values.type.shape[1]
-    if COALESCED:
-        values = gl.convert_layout(
-            values, gl.BlockedLayout([1, 4], [32 // (C // 4), C // 4], [4, 1], [1, 0]))
-    layout: gl.constexpr = values.type.layout
-    rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
-    row_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, layout))
-    cols = first_col + gl.arange(0, C, layout=gl.SliceLayout(0, layout))
-    gl.atomic_add(out_ptr + rows[:, None] * stride_om + cols[None, :], values,
-                  mask=row_ok[:, None], sem="relaxed")
+    ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    if ADD:
+        gl.atomic_add(ptrs, values, mask=row_ok[:, None], sem="relaxed")
+    else:
+        gl.store(ptrs, values, mask=row_ok[:, None])
 
 
 @gluon.jit
