@@ -169,7 +169,8 @@
 # half blocks, early epilogue, pipelined and padding-block forms); about 4 minutes.
 # wspair: fp8 per tensor's prefill GEMMs (kernels/ws_gemm.py) promoting every other K step
 # (MOE_OPS_WS_FP8_PROMOTE_STEPS=2): its GPU tests and compute-sanitizer, then Qwen3, Mixtral
-# and Llama 4 fp8 at T = 2048-16384 (graph replays, no baseline) with 1 (the default), 2, and
+# and Llama 4 fp8 at T = 2048-16384 (graph replays, no baseline) with 1, 2 (the default since
+# its run), and
 # 2 without the wide tiles for fp8 per tensor's GEMM1 (MOE_OPS_WS_WIDE=gemm2: its "rows" form
 # pairs), two alternated passes; about 8 minutes.
 # prefill: the prefill layers kernel by kernel (profile_layer.py: Qwen3, Mixtral and Llama 4

@@ -318,27 +318,33 @@ import re, sys
 sys.path.insert(0, "benchmarks")
 from aot_sm90 import resource_usage
 from moe_ops.kernels import ws_gemm
-for tile, quant, early in (("rows", "fp8", False), ("cols", "fp8_block", False),
-                           ("rows", "fp8_block", True)):
+for tile, quant, early, short_k in (("rows", "fp8", False, 0), ("cols", "fp8_block", False, 0),
+                                    ("rows", "fp8_block", True, 0), ("wide", "fp8_block", False, 0),
+                                    ("rows", "fp8", False, 1024)):
+    ws_gemm.SHORT_K_MAX_K = short_k     # (1024: the 6-slot ring, K = 768)
     kernel = ws_gemm.compile_sm90(tile=tile, gemm=2, activation="none", out_dtype="fp32",
-                                  quant=quant, early=early, atomic_top_k=8)
+                                  quant=quant, early=early, atomic_top_k=8, k=768)
     ptx = kernel.asm["ptx"]
     atomics = set(re.findall(r"\\b(?:red|atom)\\.global[a-z0-9.]*", ptx))
     stores = len(re.findall(r"\\bst\\.global", ptx))
-    print(tile, quant, ",".join(sorted(atomics)), stores, resource_usage(kernel).split()[-2])
+    print(tile, quant, ",".join(sorted(atomics)), stores, resource_usage(kernel).split()[-2],
+          kernel.metadata.shared)
 """
 
 
 def test_atomic_gemm2_builds():
-    """GEMM2's atomic form (ws_gemm.ATOMIC): its sm_90 builds add the rows with 16-byte float32
-    vector atomics and store nothing, without spilling (no stack), each form and quant mode;
-    the launcher refuses it for GEMM1 and for an output that is not float32 [num_pairs /
-    top_k, N], before any launch."""
+    """GEMM2's atomic form (ws_gemm.ATOMIC): its sm_90 builds add the rows with 8-byte float32
+    vector atomics from the MMA's layout and store nothing, within the shared memory (227 KB:
+    no float32 tile staged beside the wide form's ring or the 6-slot ring), "rows" and "cols"
+    without spilling ("wide" fp8_block's stack 32 B, 8 B without the atomics); the launcher
+    refuses it for GEMM1 and for an output that is not float32 [num_pairs / top_k, N], before
+    any launch."""
     rows, done = sm90_script_rows(ATOMIC_BUILDS)
-    assert len(rows) == 3, done.stdout
-    for tile, quant, atomics, stores, stack in rows:
-        assert atomics == "atom.global.gpu.relaxed.add.v4.f32", done.stdout
-        assert stores == "0" and stack == "0", done.stdout
+    assert len(rows) == 5, done.stdout
+    for tile, quant, atomics, stores, stack, shared in rows:
+        assert atomics == "atom.global.gpu.relaxed.add.v2.f32", done.stdout
+        assert stores == "0" and int(shared) <= 227 * 1024, done.stdout
+        assert int(stack) <= (32 if tile == "wide" else 0), done.stdout
     routing = gg.Routing(torch.zeros(12, dtype=torch.int32), torch.ones(12), 4, 2, 0,
                          torch.zeros(128, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
                          128, torch.full((1,), 128, dtype=torch.int32))
@@ -351,34 +357,48 @@ def test_atomic_gemm2_builds():
 
 
 @needs_hopper
-@pytest.mark.parametrize("tile,quant", [("rows", "fp8"), ("cols", "fp8"), ("rows", "fp8_block"),
-                                        ("wide", "fp8_block")])
-def test_atomic_gemm2_sums_the_pair_rows(tile, quant):
-    """GEMM2's atomic form adds each pair's weighted row into its token's float32 row: equal,
-    up to the pair rows' bf16 rounding and the sums' order, to the pair rows (written by the
-    same kernel, NaN-poisoned first) summed per token; a token row no pair reaches stays 0."""
+@pytest.mark.parametrize("tile,quant,early", [
+    ("rows", "fp8", False), ("cols", "fp8", True), ("rows", "fp8_block", True),
+    ("wide", "fp8_block", False), ("wide", "fp8_block", True)])
+def test_atomic_gemm2_sums_the_pair_rows(tile, quant, early):
+    """GEMM2's atomic form (early: the slots' weights loaded before the K loop) adds each
+    routed pair's weighted row into its token's float32 row: equal, up to the pair rows' bf16
+    rounding and the sums' order, to the pair rows (written by the same kernel, NaN-poisoned
+    first) summed per token; the rows of tokens no pair of the dispatch reaches (their ids
+    given to no expert here: the dispatch is rebuilt without them) stay 0."""
     E, N, K, T, k = 8, 512, 1024, 300, 4
     dev = torch.device("cuda")
     a, a_scale, w, w_scale, routing = gemm2_problem(tile, quant, E, N, K, T, k, seed=13)
+    # tokens 0-9 routed to no local expert (ids -1): out of the dispatch
+    topk_ids = routing.topk_ids.view(T, k).clone()
+    topk_ids[:10] = -1
+    dispatch = moe_align(topk_ids, E, ws_gemm.block_m(tile), 0)
+    routing = gg.Routing(topk_ids.reshape(-1), routing.topk_weights, k, E, 0,
+                         dispatch.sorted_pair_ids, dispatch.block_expert_ids,
+                         ws_gemm.block_m(tile), dispatch.num_padded)
     pair_rows = torch.full((T * k, N), float("nan"), device=dev, dtype=torch.bfloat16)
     ws_gemm.gemm(a, a_scale, w, w_scale, None, pair_rows, routing, gemm=2, activation="none",
-                 tile=tile, quant=quant)
-    assert torch.isfinite(pair_rows.float()).all(), "a pair's row was not written"
-    expected = pair_rows.float().view(T, k, N).sum(1)
-    out = torch.zeros((T, N), device=dev, dtype=torch.float32)
+                 tile=tile, quant=quant, early=early)
+    routed = pair_rows[k * 10:].float()
+    assert torch.isfinite(routed).all(), "a routed pair's row was not written"
+    out = torch.full((T, N), 0.0, device=dev, dtype=torch.float32)
     ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=2, activation="none",
-                 tile=tile, quant=quant, atomic=True)
-    err = ((out - expected).norm() / expected.norm()).item()
+                 tile=tile, quant=quant, early=early, atomic=True)
+    assert torch.equal(out[:10], torch.zeros_like(out[:10]))
+    expected = routed.view(T - 10, k, N).sum(1)
+    err = ((out[10:] - expected).norm() / expected.norm()).item()
     assert err < 4e-3, err
 
 
 @needs_hopper
+@pytest.mark.parametrize("tile", ["cols", "rows"])
 @pytest.mark.parametrize("quant,activation,bias", [("fp8", "swiglu", True),
                                                    ("fp8_block", "swiglu", False)])
-def test_experts_with_the_atomic_gemm2(quant, activation, bias, monkeypatch, ws_gemm_calls,
-                                       poisoned_empty):
+def test_experts_with_the_atomic_gemm2(tile, quant, activation, bias, monkeypatch,
+                                       ws_gemm_calls, poisoned_empty):
     """MOE_OPS_WS_ATOMIC: the experts call with GEMM2's atomic form (expert-parallel ids, ids of
-    no local expert, skewed routing) against the oracle."""
+    no local expert, skewed routing) against the oracle, on each narrow form."""
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
     monkeypatch.setattr(experts_mod, "WS_FP8", True)
     monkeypatch.setattr(ws_gemm, "ATOMIC", True)
     check_skewed_experts(quant, activation, bias, seed=61)

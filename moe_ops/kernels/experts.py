@@ -130,10 +130,12 @@ WS_WIDE_MIN_ROWS = 512
 # re-tuned tables (the persistent candidates timed on this kernel) take it where it wins (Qwen3
 # fp8 T = 16384 2293 us in results/h200.json); so unset.
 WS_MIN_ROWS = env_int("MOE_OPS_WS_MIN_ROWS", 0)
-# fp8 per tensor on the same kernel (its partial sums promoted every K step, the scales in the
-# epilogue). Measured on an H200 (results/h200_ws_fp8_profile_*.json, 2026-12-01), the experts
-# call's kernels without PDL: Mixtral-8x7B T = 4096 / 16384 3.04 -> 2.79 / 12.34 -> 11.10 ms,
-# Llama 4 Scout 1.34 -> 1.28 / 4.39 -> 4.16 ms; so on (MOE_OPS_WS_FP8=0: the Triton kernels).
+# fp8 per tensor on the same kernel (its partial sums promoted every other K step since the
+# twenty-third session, ws_gemm.FP8_PROMOTE_STEPS; every step when this was measured; the
+# scales in the epilogue). Measured on an H200 (results/h200_ws_fp8_profile_*.json,
+# 2026-12-01), the experts call's kernels without PDL: Mixtral-8x7B T = 4096 / 16384 3.04 ->
+# 2.79 / 12.34 -> 11.10 ms, Llama 4 Scout 1.34 -> 1.28 / 4.39 -> 4.16 ms; so on
+# (MOE_OPS_WS_FP8=0: the Triton kernels).
 WS_FP8 = env_choice("MOE_OPS_WS_FP8", "1", ("0", "1")) == "1"
 # nvfp4 decode (up to WS_FP4_MAX_ROWS routed rows an expert on average) on the warp-specialized
 # Gluon kernel of ws_fp4 (the packed weights decoded straight into wgmma's register operand).

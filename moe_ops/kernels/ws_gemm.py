@@ -222,15 +222,16 @@ def promote_pairs(quant: str, tile: str, gemm: int) -> bool:
     return FP8_PROMOTE_STEPS == 2 and pairs_fit(quant, tile, gemm)
 
 
-# GEMM2 adding each pair's row into its token's float32 output row (MOE_OPS_WS_ATOMIC=1; vector
-# atomics, 16 bytes each, reduced at the L2) instead of writing pair rows that a second pass
-# sums. An experiment, not yet run on a GPU. Why: Qwen3-30B-A3B's fp8 GEMM2 at T = 16384 writes
-# 537 MB of pair rows (131072 x 2048 bf16) and the combine reads them back (143 us, 7% of the
-# call; results/h200_profile_layer_prefill_twentythird.log); the Triton tile kernels' atomic
-# form measured faster there at T = 4096 (experts.COMBINE). Against it: a zero fill and a cast
-# of [T, H] float32, 4 bytes a value reduced per pair, and, past the L2 (T = 16384: 134 MB), the
-# output's lines fetched again for the reductions; its sums' order varies run to run.
-# `bash benchmarks/h200_run.sh wsatomic` measures it.
+# GEMM2 adding each pair's row into its token's float32 output row (MOE_OPS_WS_ATOMIC=1;
+# 8-byte vector atomics from the MMA's layout, reduced at the L2) instead of writing pair rows
+# that a second pass sums. An experiment, not yet run on a GPU. Why: Qwen3-30B-A3B's fp8 GEMM2
+# at T = 16384 writes 537 MB of pair rows (131072 x 2048 bf16) and the combine reads them back
+# (143 us, 7% of the call; results/h200_profile_layer_prefill_twentythird.log); the Triton
+# tile kernels' atomic form measured faster there at T = 4096 (experts.COMBINE). Against it: a
+# zero fill and a cast of [T, H] float32, 4 bytes a value reduced per pair, and, past the L2
+# (T = 16384: 134 MB), the output's lines fetched again for the reductions; its sums' order
+# varies run to run. Its sm_90 builds: no stores, no stack in "rows" / "cols", the "wide"
+# fp8_block build's stack 8 -> 32 B. `bash benchmarks/h200_run.sh wsatomic` measures it.
 ATOMIC = env_choice("MOE_OPS_WS_ATOMIC", "0", ("0", "1")) == "1"
 # MOE_OPS_WS_GEMM=0 turns the kernel off (every launch then runs grouped_gemm's kernels).
 ENABLED = env_choice("MOE_OPS_WS_GEMM", "1", ("0", "1")) == "1"
@@ -666,15 +667,16 @@ def write_rows(values, slots, pair_ids, row_ok, first_col, topk_weights_ptr, out
 def _store_rows(out_ptr, values, rows, row_ok, first_col, stride_om, COALESCED: gl.constexpr,
                 ADD: gl.constexpr = False):
     """out[rows[i], first_col:first_col + C] = values[i] where row_ok[i]; ADD: += instead, as
-    float32 atomic adds whose value is not returned (reductions at the L2). COALESCED: through
-    a layout where each thread holds 16 consecutive bytes of a row (8 columns; 4 float32
-    columns for ADD's vector atomics), a warp writing whole rows' segments (the conversion goes
-    through shared memory), not the MMA's (2 columns a thread, 8 rows a warp store)."""
+    float32 atomic adds whose value is not returned (reductions at the L2), from the MMA's
+    layout (2 columns a thread: 8-byte vector atomics; a float32 tile staged through shared
+    memory would not fit beside the "wide" form's ring or a 6-slot "rows" ring). COALESCED
+    (stores): through a layout where each thread holds 8 consecutive columns of a row (16-byte
+    stores, a warp writing whole rows' segments; the conversion goes through shared memory),
+    not the MMA's (2 columns a thread, 8 rows a warp store)."""
     C: gl.constexpr = values.type.shape[1]
-    if COALESCED:
-        VEC: gl.constexpr = 4 if ADD else 8
+    if COALESCED and not ADD:
         values = gl.convert_layout(
-            values, gl.BlockedLayout([1, VEC], [32 // (C // VEC), C // VEC], [4, 1], [1, 0]))
+            values, gl.BlockedLayout([1, 8], [32 // (C // 8), C // 8], [4, 1], [1, 0]))
     layout: gl.constexpr = values.type.layout
     rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
     row_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, layout))
