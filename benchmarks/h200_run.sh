@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -190,6 +190,9 @@
 # (MOE_OPS_WS_ATOMIC=1, off by default) instead of pair rows and a combine: its GPU tests, then
 # Qwen3, Mixtral and Llama 4 fp8 and DeepSeek-V3 fp8_block at T = 2048 / 4096 / 16384 with 0 /
 # 1, two alternated passes; about 4 minutes.
+# gatherrows: GEMM1's row gather (align.gather_rows) at 1 / 4 / 8 slots a program
+# (MOE_OPS_GATHER_ROWS): its tests on the GPU, then Qwen3 bf16 and fp8, DeepSeek-V3 fp8_block
+# at T = 4096 / 16384 with each, two alternated passes; about 4 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -889,6 +892,17 @@ if [[ "$what" == wsatomic ]]; then
       layer_arm "ab_wsatomic_${on}_$pass" 60 12 MOE_OPS_WS_ATOMIC="$on" -- --models \
         qwen3_30b_a3b mixtral_8x7b llama4_scout deepseek_v3 --quant fp8 fp8_block \
         --tokens 2048 4096 16384
+    done
+  done
+fi
+if [[ "$what" == gatherrows ]]; then
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_experts.py \
+    -k "gather_rows" > "$out/pytest_gatherrows.log" 2>&1 || status=1
+  tail -n 1 "$out/pytest_gatherrows.log"
+  for pass in 1 2; do
+    for rows in 1 4 8; do
+      layer_arm "ab_gatherrows_${rows}_$pass" 60 6 MOE_OPS_GATHER_ROWS="$rows" -- --models \
+        qwen3_30b_a3b deepseek_v3 --quant none fp8 fp8_block --tokens 4096 16384
     done
   done
 fi

@@ -777,12 +777,18 @@ def test_pdl_early_launch_scopes_nest(monkeypatch):
         assert common.pdl_launch_options(device) == {"launch_pdl": True}
 
 
+@pytest.mark.parametrize("rows_per_program", [1, 4, 32])
 @pytest.mark.parametrize("quant", ["none", "fp8", "fp8_block"])
-def test_gather_rows_puts_token_rows_in_dispatch_order(quant, poisoned_empty):
+def test_gather_rows_puts_token_rows_in_dispatch_order(quant, rows_per_program, monkeypatch,
+                                                       poisoned_empty):
     """gather_rows (GEMM1's rows for the persistent kernel): slot s of the live ones gets
     x[pair // top_k] (and its fp8 scale), padding slots zeros; slots past the live ones are never
-    read, and left as they are."""
+    read, and left as they are. rows_per_program: align.GATHER_ROWS (32: a program's slots
+    past the live count, its column steps narrower than a row)."""
     import moe_ops.kernels.grouped_gemm as gg
+    from moe_ops.kernels import align
+    monkeypatch.setattr(align, "GATHER_ROWS", rows_per_program)
+    monkeypatch.setattr(align, "GATHER_STEP_ELEMENTS", 512)
     T, H, E, k = 37, 48 if quant != "fp8_block" else 272, 5, 3  # fp8_block: 3 scale groups
     g = torch.Generator().manual_seed(31)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -793,6 +799,7 @@ def test_gather_rows_puts_token_rows_in_dispatch_order(quant, poisoned_empty):
     a, a_scale = (x, None) if quant == "none" else act_quant(x, quant)
     rows, scales = gg.gather_rows(a, a_scale, routing)
     live = int(aligned.num_padded[0])
+    assert rows.shape[0] > live and torch.isnan(rows[live:].float()).all()
     pairs = aligned.sorted_pair_ids[:live].long().cpu()
     valid = pairs < T * k
     tokens = (pairs // k).clamp(max=T - 1)
@@ -802,6 +809,7 @@ def test_gather_rows_puts_token_rows_in_dispatch_order(quant, poisoned_empty):
         want_scales = a_scale.cpu()[tokens]
         mask = valid if want_scales.dim() == 1 else valid[:, None]
         assert torch.equal(scales[:live].cpu(), torch.where(mask, want_scales, 0.0))
+        assert torch.isnan(scales[live:]).all()
 
 
 def test_persistent_config_falls_back_where_it_cannot_run(poisoned_empty):

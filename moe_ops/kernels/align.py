@@ -27,7 +27,7 @@ The small path can also gather the routed token rows in dispatch order (`moe_ali
 what the warp-specialized GEMMs read through TMA, which cannot gather): the grid
 then spans x's columns, every program sorts the pairs (the same registers-only work, side by
 side) and copies its columns of the live rows; program 0 alone writes the dispatch. One launch
-instead of the dispatch's and grouped_gemm.gather_rows' two at decode, where each costs more in
+instead of the dispatch's and gather_rows' (below) two at decode, where each costs more in
 latency than in work.
 """
 from __future__ import annotations
@@ -40,6 +40,7 @@ import triton.language as tl
 
 from moe_ops.dispatch import AlignedPairs, max_padded_pairs
 from moe_ops.kernels.common import cdiv, next_power_of_2, pdl_launch_options, pdl_prologue, use_pdl
+from moe_ops.kernels.env import env_int
 
 # Up to this many (token, slot) pairs the single-program path holds them all in registers.
 SMALL_PATH_MAX_PAIRS = 1024
@@ -302,3 +303,94 @@ def _align(topk_ids, num_experts, block_m, local_expert_offset, small_path_max_p
         CHUNK=chunk_pairs, EXPERTS=experts_p2, num_warps=4, USE_PDL=pdl, **launch,
     )
     return AlignedPairs(sorted_pair_ids, block_expert_ids, num_padded), None
+
+
+# ---------------------------------------------------------------- the routed rows, gathered
+
+# Slots a gather_rows program copies (MOE_OPS_GATHER_ROWS, a power of two; 1 by default). An
+# experiment, not yet run on a GPU: with one slot a program, each program waits out its
+# dependent loads (the live count, the pair id, the row) for one row (Qwen3-30B-A3B's 2 KB of
+# e4m3 at T = 16384: 131072 programs, 178 us for 268 MB written, 1.5 TB/s;
+# results/h200_profile_layer_prefill_twentythird.log); several slots a program load their pair
+# ids as one vector and their rows side by side, more bytes in flight a program.
+# `bash benchmarks/h200_run.sh gatherrows` measures 1 / 4 / 8.
+GATHER_ROWS = env_int("MOE_OPS_GATHER_ROWS", 1)
+if GATHER_ROWS < 1 or GATHER_ROWS & (GATHER_ROWS - 1):
+    raise ValueError(f"MOE_OPS_GATHER_ROWS must be a power of two >= 1, got {GATHER_ROWS}")
+# elements of one program's rows a step (ROWS x BLOCK_K) with several slots a program
+GATHER_STEP_ELEMENTS = 8192
+
+
+@triton.jit
+def _gather_rows_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr, sorted_pair_ids_ptr,
+                        num_padded_ptr, num_pairs, top_k, K, stride_s, stride_d, scale_cols,
+                        stride_ss, HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SCALE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr, ROWS: tl.constexpr = 1):
+    """dst[slot] = src[pair // top_k] (and its row of scale_cols scales: one for fp8, one per 128
+    columns for fp8_block) for the live slots; padding slots get zeros, slots past num_padded are
+    left alone (the persistent kernels never read them). ROWS slots a program (GATHER_ROWS)."""
+    pdl_prologue(USE_PDL)
+    if ROWS == 1:
+        slot = tl.program_id(0)
+        if slot >= tl.load(num_padded_ptr):
+            return
+        pair = tl.load(sorted_pair_ids_ptr + slot)
+        valid = pair < num_pairs
+        row = (pair // top_k).to(tl.int64)
+        offs = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + offs
+            values = tl.load(src_ptr + row * stride_s + cols, mask=(cols < K) & valid, other=0.0)
+            tl.store(dst_ptr + slot.to(tl.int64) * stride_d + cols, values, mask=cols < K)
+        if HAS_SCALE:
+            offs_s = tl.arange(0, SCALE_BLOCK)
+            scale = tl.load(src_scale_ptr + row * stride_ss + offs_s,
+                            mask=(offs_s < scale_cols) & valid, other=0.0)
+            tl.store(dst_scale_ptr + slot.to(tl.int64) * scale_cols + offs_s, scale,
+                     mask=offs_s < scale_cols)
+    else:
+        slots = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        live = slots < tl.load(num_padded_ptr)
+        pairs = tl.load(sorted_pair_ids_ptr + slots, mask=live, other=num_pairs)
+        valid = (pairs < num_pairs)[:, None]
+        rows = (pairs // top_k).to(tl.int64)[:, None]
+        dst_rows = slots.to(tl.int64)[:, None]
+        offs = tl.arange(0, BLOCK_K)[None, :]
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + offs
+            values = tl.load(src_ptr + rows * stride_s + cols, mask=(cols < K) & valid,
+                             other=0.0)
+            tl.store(dst_ptr + dst_rows * stride_d + cols, values,
+                     mask=(cols < K) & live[:, None])
+        if HAS_SCALE:
+            offs_s = tl.arange(0, SCALE_BLOCK)[None, :]
+            scale = tl.load(src_scale_ptr + rows * stride_ss + offs_s,
+                            mask=(offs_s < scale_cols) & valid, other=0.0)
+            tl.store(dst_scale_ptr + dst_rows * scale_cols + offs_s, scale,
+                     mask=(offs_s < scale_cols) & live[:, None])
+
+
+def gather_rows(a: torch.Tensor, a_scale: Optional[torch.Tensor], routing):
+    """GEMM1's token rows (and their fp8 scales: [T] per token, or [T, K/128] per token and
+    128-column group) in dispatch order, [slots, K], for a grouped_gemm.Routing: the persistent
+    kernels read their activation tiles through TMA, which cannot gather. One read and one write
+    of the routed rows (at prefill a few percent of the GEMM's time)."""
+    slots = routing.num_slots
+    rows = torch.empty((slots, a.shape[1]), dtype=a.dtype, device=a.device)
+    scales, scale_cols, stride_ss = None, 0, 0
+    if a_scale is not None:
+        scales = torch.empty((slots,) + tuple(a_scale.shape[1:]), dtype=a_scale.dtype,
+                             device=a.device)
+        scale_cols = 1 if a_scale.dim() == 1 else a_scale.shape[1]
+        stride_ss = a_scale.stride(0)
+    per_program = GATHER_ROWS
+    block_k = min(next_power_of_2(a.shape[1]), 2048 if per_program == 1
+                  else max(16, GATHER_STEP_ELEMENTS // per_program))
+    _gather_rows_kernel[(cdiv(slots, per_program),)](
+        a, a_scale if a_scale is not None else a, rows, scales if scales is not None else rows,
+        routing.sorted_pair_ids, routing.num_padded, routing.num_pairs, routing.top_k,
+        a.shape[1], a.stride(0), rows.stride(0), scale_cols, stride_ss,
+        HAS_SCALE=a_scale is not None, BLOCK_K=block_k,
+        SCALE_BLOCK=max(1, next_power_of_2(scale_cols)), USE_PDL=use_pdl(a.device),
+        ROWS=per_program, num_warps=4, **pdl_launch_options(a.device))
+    return rows, scales

@@ -8,7 +8,7 @@ Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
   dispatch    moe_align (or nothing in direct mode, for tiny batches)
   GEMM1       gathered token rows, activation in the epilogue -> intermediate [slots, I]
               (a persistent config at prefill first copies the rows into dispatch order,
-              grouped_gemm.gather_rows: its TMA loads cannot gather; one of decode's row
+              align.gather_rows: its TMA loads cannot gather; one of decode's row
               tiles, block_m < 64, reads them by pointer; fp8_block's other persistent
               launches run ws_gemm's warp-specialized kernel on Hopper; the 4-bit ones ws_fp4's,
               whose rows the dispatch's launch can gather itself up to
@@ -29,15 +29,15 @@ from typing import Optional
 import torch
 
 from moe_ops.kernels.act_quant import act_quant
-from moe_ops.kernels.align import SMALL_PATH_MAX_PAIRS, moe_align, moe_align_gather
+from moe_ops.kernels.align import SMALL_PATH_MAX_PAIRS, gather_rows, moe_align, moe_align_gather
 from moe_ops.kernels import ws_fp4, ws_gemm
 from moe_ops.kernels.combine import combine_pair_rows
 from moe_ops.kernels.env import env_choice, env_int
 from moe_ops.kernels.common import device_properties, is_gated, pdl_early_launch, upcast_dots
 from moe_ops.quant import FP4_K_ALIGN
 from moe_ops.kernels.grouped_gemm import (
-    FP4_QUANTS, PERSISTENT_QUANTS, GemmConfig, GemmProblem, Routing, fp8_swap_ok, gather_rows,
-    gemm1, gemm2, is_decode_persistent, use_persistent,
+    FP4_QUANTS, PERSISTENT_QUANTS, GemmConfig, GemmProblem, Routing, fp8_swap_ok, gemm1, gemm2,
+    is_decode_persistent, use_persistent,
 )
 from moe_ops.tuning import experts_configs
 
@@ -185,7 +185,7 @@ WS_FP4_PREFILL_MIN_ROWS = env_int("MOE_OPS_WS_FP4_PREFILL_MIN_ROWS", 8)
 WS_FP4_WIDE_MIN_ROWS = env_int("MOE_OPS_WS_FP4_WIDE_MIN_ROWS", 64)
 # Up to this many routed pairs the 4-bit Gluon GEMM1's gathered token rows come from the
 # dispatch's launch (align.moe_align_gather) instead of a launch of their own
-# (grouped_gemm.gather_rows). Measured on an H200, the decode layers as graph replays in two
+# (align.gather_rows). Measured on an H200, the decode layers as graph replays in two
 # alternated runs (results/h200_ab_fp4_decode_c*_g*.json, 2026-12-01): DeepSeek-V3 nvfp4 T = 1
 # / 16 (8 / 128 pairs) 106.3, 106.4 -> 103.9, 104.2 us / 868 -> 861; T = 4 and gpt-oss within
 # 1 us; T = 64 (512 pairs) 1721 -> 1727. So up to 128 pairs; MOE_OPS_ALIGN_GATHER_MAX_PAIRS=0:

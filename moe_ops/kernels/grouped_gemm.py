@@ -37,10 +37,10 @@ Two kernels run these tiles. `_grouped_gemm_kernel` (one program per output tile
 pointer, so GEMM1 gathers its token rows inside the loads) serves every mode and size.
 `_grouped_gemm_persistent_kernel` (GemmConfig.persistent; quant none / fp8 / fp8_block, sm_90+)
 runs one program per SM (two for 4-warp configs) over the tiles with both operands read
-through TMA descriptors: its
-activation rows must be in dispatch order (GEMM1's are copied there first by `gather_rows`), and
-its GEMM2 writes one row per pair (then `combine_pair_rows`), never the fp32 atomics, whose
-conversion through shared memory does not fit beside its pipeline. With decode's row tiles
+through TMA descriptors: its activation rows must be in dispatch order (GEMM1's are copied
+there first by `align.gather_rows`), and its GEMM2 writes one row per pair (then
+`combine_pair_rows`), never the fp32 atomics, whose conversion through shared memory does not
+fit beside its pipeline. With decode's row tiles
 (block_m < 64) it runs up to PERSISTENT_DECODE_PROGRAMS programs an SM, optionally swap-AB, and
 GEMM1 reads its token rows by pointer instead (no gather launch).
 
@@ -69,6 +69,7 @@ from moe_ops.kernels.common import (
     pdl_launch_options, pdl_prologue, round_to_dtype, use_pdl,
 )
 from moe_ops.kernels import INTERPRET
+from moe_ops.kernels.align import gather_rows
 from moe_ops.kernels.env import env_int
 from moe_ops.kernels.fp4_decode import (  # noqa: F401  (the 4-bit decode's names, re-exported)
     MXFP4_FAST_BIAS, NVFP4_FAST_EPILOGUE, _E2M1_BF16_ASM, _E2M1_BF16_ASM_HEAD,
@@ -1047,58 +1048,6 @@ def _programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return device_properties(device).multi_processor_count
-
-
-@triton.jit
-def _gather_rows_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr, sorted_pair_ids_ptr,
-                        num_padded_ptr, num_pairs, top_k, K, stride_s, stride_d, scale_cols,
-                        stride_ss, HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SCALE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """dst[slot] = src[pair // top_k] (and its row of scale_cols scales: one for fp8, one per 128
-    columns for fp8_block) for the live slots; padding slots get zeros, slots past num_padded are
-    left alone (the persistent kernel never reads them)."""
-    pdl_prologue(USE_PDL)
-    slot = tl.program_id(0)
-    if slot >= tl.load(num_padded_ptr):
-        return
-    pair = tl.load(sorted_pair_ids_ptr + slot)
-    valid = pair < num_pairs
-    row = (pair // top_k).to(tl.int64)
-    offs = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + offs
-        values = tl.load(src_ptr + row * stride_s + cols, mask=(cols < K) & valid, other=0.0)
-        tl.store(dst_ptr + slot.to(tl.int64) * stride_d + cols, values, mask=cols < K)
-    if HAS_SCALE:
-        offs_s = tl.arange(0, SCALE_BLOCK)
-        scale = tl.load(src_scale_ptr + row * stride_ss + offs_s,
-                        mask=(offs_s < scale_cols) & valid, other=0.0)
-        tl.store(dst_scale_ptr + slot.to(tl.int64) * scale_cols + offs_s, scale,
-                 mask=offs_s < scale_cols)
-
-
-def gather_rows(a: torch.Tensor, a_scale: Optional[torch.Tensor], routing: "Routing"):
-    """GEMM1's token rows (and their fp8 scales: [T] per token, or [T, K/128] per token and
-    128-column group) in dispatch order, [slots, K]: the persistent kernel reads its activation
-    tiles through TMA, which cannot gather. One read and one write of the routed rows (at
-    prefill a few percent of the GEMM's time)."""
-    slots = routing.num_slots
-    rows = torch.empty((slots, a.shape[1]), dtype=a.dtype, device=a.device)
-    scales, scale_cols, stride_ss = None, 0, 0
-    if a_scale is not None:
-        scales = torch.empty((slots,) + tuple(a_scale.shape[1:]), dtype=a_scale.dtype,
-                             device=a.device)
-        scale_cols = 1 if a_scale.dim() == 1 else a_scale.shape[1]
-        stride_ss = a_scale.stride(0)
-    block_k = min(next_power_of_2(a.shape[1]), 2048)
-    _gather_rows_kernel[(slots,)](
-        a, a_scale if a_scale is not None else a, rows, scales if scales is not None else rows,
-        routing.sorted_pair_ids, routing.num_padded, routing.num_pairs, routing.top_k,
-        a.shape[1], a.stride(0), rows.stride(0), scale_cols, stride_ss,
-        HAS_SCALE=a_scale is not None, BLOCK_K=block_k,
-        SCALE_BLOCK=max(1, next_power_of_2(scale_cols)), USE_PDL=use_pdl(a.device),
-        num_warps=4, **pdl_launch_options(a.device))
-    return rows, scales
 
 
 def _launch_persistent(a, a_scale, w, w_scale, bias, out, routing: "Routing",

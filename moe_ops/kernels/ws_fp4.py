@@ -45,7 +45,7 @@ for the decode (quant.FP4_WORD_BITS: DeepSeek-V3 nvfp4 T = 1 / 16 / 64 103.6 / 7
 GEMMs 5-6% faster; results/h200_ab_fp4_layout_*.json).
 
 Contract (grouped_gemm's, dispatch mode only): activation rows [slots, K] in dispatch order
-(GEMM1's gathered by grouped_gemm.gather_rows, or by the dispatch's own launch,
+(GEMM1's gathered by align.gather_rows, or by the dispatch's own launch,
 align.moe_align_gather, whose padding rows hold anything, NaN included: a slot is its own
 column of the MMA, its results dropped), bf16; weights [E, N, Kp/2] kernel-order packed
 with e4m3 scales [E, N, Kp/16] (nvfp4) or e8m0 scales [E, N, Kp/32] at most 128 (mxfp4, Kp a
