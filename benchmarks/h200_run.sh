@@ -214,6 +214,18 @@ layer_arm() {
     --out "$out/$name.json" > "$out/$name.log" 2>&1 || status=1
   echo "$name ${vars[*]}"; grep -A"$rows" '^ *model' "$out/$name.log" | cut -c1-100
 }
+# ab_passes NAME DEADLINE ROWS VAR "ARM ..." -- BENCH_ARGS...: an A/B of environment variable
+# VAR over the arms, two alternated passes of layer_arm, into $out/ab_NAME_<arm>_<pass>.json
+ab_passes() {
+  local name=$1 deadline=$2 rows=$3 var=$4 arms=$5 pass arm
+  [[ ${6:-} == -- ]] || { echo "ab_passes: '--' expected before the bench arguments" >&2; return 1; }
+  shift 6
+  for pass in 1 2; do
+    for arm in $arms; do
+      layer_arm "ab_${name}_${arm}_$pass" "$deadline" "$rows" "$var=$arm" -- "$@"
+    done
+  done
+}
 FP4_DECODE=(--models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4)
 # tests_then_sanitize NAME FILE SELECTION SANITIZED LIMIT: `pytest FILE -k SELECTION` (at most
 # LIMIT seconds) into pytest_NAME.log, then compute-sanitizer memcheck on `-k SANITIZED` into
@@ -844,13 +856,8 @@ if [[ "$what" == prefill ]]; then
     llama4_scout deepseek_v3 --quant none fp8 fp8_block --tokens 4096 16384 --calls 3 \
     --out "$out/profile_layer_prefill.json" > "$out/profile_layer_prefill.log" 2>&1 || status=1
   grep -A20 '^model' "$out/profile_layer_prefill.log" | cut -c1-240
-  for pass in 1 2; do
-    for stages in 4 6; do
-      layer_arm "ab_stages_${stages}_$pass" 60 8 MOE_OPS_WS_STAGES="$stages" -- --models \
-        qwen3_30b_a3b mixtral_8x7b llama4_scout deepseek_v3 --quant fp8 fp8_block \
-        --tokens 4096 16384
-    done
-  done
+  ab_passes stages 60 8 MOE_OPS_WS_STAGES "4 6" -- --models qwen3_30b_a3b mixtral_8x7b \
+    llama4_scout deepseek_v3 --quant fp8 fp8_block --tokens 4096 16384
 fi
 if [[ "$what" == shortk ]]; then
   MOE_OPS_WS_SHORT_K_MAX_K=1024 timeout 200 python3 -m pytest -q -p no:cacheprovider \
@@ -860,12 +867,8 @@ if [[ "$what" == shortk ]]; then
     qwen3_30b_a3b --quant fp8 --tokens 1000 4096 16384 --no-large \
     --json "$out/gpu_check_shortk.json" > "$out/gpu_check_shortk.log" 2>&1 || status=1
   tail -n 3 "$out/gpu_check_shortk.log"
-  for pass in 1 2; do
-    for k in 0 1024; do
-      layer_arm "ab_shortk_${k}_$pass" 40 4 MOE_OPS_WS_SHORT_K_MAX_K="$k" -- --models \
-        qwen3_30b_a3b --quant fp8 --tokens 2048 4096 16384
-    done
-  done
+  ab_passes shortk 40 4 MOE_OPS_WS_SHORT_K_MAX_K "0 1024" -- --models qwen3_30b_a3b \
+    --quant fp8 --tokens 2048 4096 16384
 fi
 if [[ "$what" == aqwarps ]]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_experts.py \
@@ -876,35 +879,22 @@ if [[ "$what" == aqwarps ]]; then
       --out "$out/act_quant_warps_$w.json" > "$out/act_quant_warps_$w.log" 2>&1 || status=1
     echo "MOE_OPS_ACT_QUANT_SHORT_WARPS=$w"; tail -n 1 "$out/act_quant_warps_$w.log"
   done
-  for pass in 1 2; do
-    for w in 0 1 2; do
-      layer_arm "ab_aqwarps_${w}_$pass" 40 4 MOE_OPS_ACT_QUANT_SHORT_WARPS="$w" -- --models \
-        qwen3_30b_a3b --quant fp8 --tokens 2048 4096 16384
-    done
-  done
+  ab_passes aqwarps 40 4 MOE_OPS_ACT_QUANT_SHORT_WARPS "0 1 2" -- --models qwen3_30b_a3b \
+    --quant fp8 --tokens 2048 4096 16384
 fi
 if [[ "$what" == wsatomic ]]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_ws_gemm.py -k "atomic" \
     > "$out/pytest_wsatomic.log" 2>&1 || status=1
   tail -n 1 "$out/pytest_wsatomic.log"
-  for pass in 1 2; do
-    for on in 0 1; do
-      layer_arm "ab_wsatomic_${on}_$pass" 60 12 MOE_OPS_WS_ATOMIC="$on" -- --models \
-        qwen3_30b_a3b mixtral_8x7b llama4_scout deepseek_v3 --quant fp8 fp8_block \
-        --tokens 2048 4096 16384
-    done
-  done
+  ab_passes wsatomic 60 12 MOE_OPS_WS_ATOMIC "0 1" -- --models qwen3_30b_a3b mixtral_8x7b \
+    llama4_scout deepseek_v3 --quant fp8 fp8_block --tokens 2048 4096 16384
 fi
 if [[ "$what" == gatherrows ]]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_experts.py \
     -k "gather_rows" > "$out/pytest_gatherrows.log" 2>&1 || status=1
   tail -n 1 "$out/pytest_gatherrows.log"
-  for pass in 1 2; do
-    for rows in 1 4 8; do
-      layer_arm "ab_gatherrows_${rows}_$pass" 60 6 MOE_OPS_GATHER_ROWS="$rows" -- --models \
-        qwen3_30b_a3b deepseek_v3 --quant none fp8 fp8_block --tokens 4096 16384
-    done
-  done
+  ab_passes gatherrows 60 6 MOE_OPS_GATHER_ROWS "1 4 8" -- --models qwen3_30b_a3b \
+    deepseek_v3 --quant none fp8 fp8_block --tokens 4096 16384
 fi
 if [[ "$what" == tune16 ]]; then
   ship_tables qwen3_30b_a3b:none qwen3_30b_a3b:fp8 mixtral_8x7b:none mixtral_8x7b:fp8 \
