@@ -163,6 +163,15 @@ def test_not_used_off_hopper(monkeypatch, poisoned_empty):
     assert calls == []
 
 
+def on_ws_gemm(monkeypatch, tile, **settings):
+    """The experts call's fp8 and fp8_block GEMMs on this kernel in form `tile`, with the
+    module settings of ws_gemm given (e.g. EARLY_EPILOGUE=True)."""
+    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
+    monkeypatch.setattr(experts_mod, "WS_FP8", True)
+    for name, value in settings.items():
+        monkeypatch.setattr(ws_gemm, name, value)
+
+
 def check_skewed_experts(quant, activation, bias, seed):
     """The experts call with persistent configs on a problem with several weight scale blocks
     along N and K (gated: N13 = 768, 3 column tiles of 256, 6 gate/up scale rows; H = 512,
@@ -189,8 +198,7 @@ def test_experts_on_ws_gemm(tile, quant, activation, bias, monkeypatch, ws_gemm_
     `tile`; fp8 per tensor with WS_FP8 on): several weight scale blocks along N and K,
     expert-parallel ids, ids of no local expert, tokens all but one on one expert (many row
     blocks for one expert)."""
-    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
-    monkeypatch.setattr(experts_mod, "WS_FP8", True)
+    on_ws_gemm(monkeypatch, tile)
     check_skewed_experts(quant, activation, bias, seed=41)
     assert ws_gemm_calls == [1, 2]
 
@@ -236,8 +244,7 @@ def test_experts_on_wide_tiles(quant, activation, bias, monkeypatch, gemm_calls,
     GEMM2 and DeepSeek's swiglu GEMM1, fp8 per tensor's GEMM1 and its GEMM2 with a bias); the
     others on the rule's form of the same kernel, one 128-aligned dispatch for both. Several
     weight scale blocks along N and K, expert-parallel ids, one expert with most rows."""
-    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "wide")
-    monkeypatch.setattr(experts_mod, "WS_FP8", True)
+    on_ws_gemm(monkeypatch, "wide")
     tiles = gemm_calls(ws_gemm, "gemm", record="tile")
     check_skewed_experts(quant, activation, bias, seed=47)
     rule = experts_mod.ws_tile_rule(300 * 2, 4)
@@ -398,9 +405,7 @@ def test_experts_with_the_atomic_gemm2(tile, quant, activation, bias, monkeypatc
                                        ws_gemm_calls, poisoned_empty):
     """MOE_OPS_WS_ATOMIC: the experts call with GEMM2's atomic form (expert-parallel ids, ids of
     no local expert, skewed routing) against the oracle, on each narrow form."""
-    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
-    monkeypatch.setattr(experts_mod, "WS_FP8", True)
-    monkeypatch.setattr(ws_gemm, "ATOMIC", True)
+    on_ws_gemm(monkeypatch, tile, ATOMIC=True)
     check_skewed_experts(quant, activation, bias, seed=61)
     assert ws_gemm_calls == [1, 2]
 
@@ -473,9 +478,7 @@ def test_experts_with_paired_promotion(tile, activation, bias, monkeypatch, ws_g
     """The experts call of fp8 per tensor on the kernel with two K steps a promotion
     (MOE_OPS_WS_FP8_PROMOTE_STEPS=2): GEMM1 over 4 steps, GEMM2 over 3 (swiglu: I = 384, an odd
     last step) or 4 (relu2: I = 512), both against the oracle."""
-    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
-    monkeypatch.setattr(experts_mod, "WS_FP8", True)
-    monkeypatch.setattr(ws_gemm, "FP8_PROMOTE_STEPS", 2)
+    on_ws_gemm(monkeypatch, tile, FP8_PROMOTE_STEPS=2)
     check_skewed_experts("fp8", activation, bias, seed=53)
     assert ws_gemm_calls == [1, 2]
 
@@ -489,10 +492,7 @@ def test_experts_with_the_short_k_ring(quant, activation, bias, monkeypatch, ws_
     """MOE_OPS_WS_SHORT_K_MAX_K: the "rows" form's launches of K <= 1024 (here both GEMMs:
     4 and 3 or 4 K steps, fewer than the ring's 6 slots) on the whole ring, the experts call
     against the oracle."""
-    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "rows")
-    monkeypatch.setattr(experts_mod, "WS_FP8", True)
-    monkeypatch.setattr(ws_gemm, "RING_STAGES", 0)
-    monkeypatch.setattr(ws_gemm, "SHORT_K_MAX_K", 1024)
+    on_ws_gemm(monkeypatch, "rows", RING_STAGES=0, SHORT_K_MAX_K=1024)
     assert ws_gemm.ring_stages("rows", 512) == 6
     check_skewed_experts(quant, activation, bias, seed=59)
     assert ws_gemm_calls == [1, 2]
@@ -572,11 +572,7 @@ def test_experts_with_staggered_consumers(quant, activation, bias, monkeypatch, 
                                           poisoned_empty):
     """Both GEMMs (GEMM1's activation epilogue too) with consumer 1 three K steps behind, on
     the skewed experts problem, against the oracle."""
-    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "rows")
-    monkeypatch.setattr(experts_mod, "WS_FP8", True)
-    monkeypatch.setattr(ws_gemm, "RING_STAGES", 6)
-    monkeypatch.setattr(ws_gemm, "STAGGER", 3)
-    monkeypatch.setattr(ws_gemm, "SKIP_PADDING", "0")
+    on_ws_gemm(monkeypatch, "rows", RING_STAGES=6, STAGGER=3, SKIP_PADDING="0")
     assert ws_gemm.stagger_steps("rows", 1) == ws_gemm.stagger_steps("rows", 2) == 3
     check_skewed_experts(quant, activation, bias, seed=53)
     assert ws_gemm_calls == [1, 2]
@@ -615,9 +611,7 @@ def test_experts_with_early_epilogue(tile, quant, activation, bias, monkeypatch,
                                      poisoned_empty):
     """Both GEMMs (GEMM1's activation epilogue too) with the early epilogue, on the skewed
     experts problem, against the oracle."""
-    monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
-    monkeypatch.setattr(experts_mod, "WS_FP8", True)
-    monkeypatch.setattr(ws_gemm, "EARLY_EPILOGUE", True)
+    on_ws_gemm(monkeypatch, tile, EARLY_EPILOGUE=True)
     check_skewed_experts(quant, activation, bias, seed=59)
     assert ws_gemm_calls == [1, 2]
 

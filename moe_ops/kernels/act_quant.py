@@ -20,7 +20,7 @@ import triton.language as tl
 from moe_ops.kernels.common import (
     FP8_BLOCK, cdiv, fp8_quantize, next_power_of_2, pdl_launch_options, pdl_prologue, use_pdl,
 )
-from moe_ops.kernels.env import env_int
+from moe_ops.kernels.env import env_choice, env_int
 
 
 # fp8_quantize divides (v * 448) by amax: rows (or groups) with an amax below 2^-96 are first
@@ -171,10 +171,8 @@ SHORT_ROW_K = env_int("MOE_OPS_ACT_QUANT_SHORT_ROW_K", 2048)
 # registers at 4 / 2 / 1 warps (no stack), so 21 programs an SM at 2 warps and 25 at 1 (the
 # register file). The codes and scales are the same at any count (a max and elementwise
 # divisions). `bash benchmarks/h200_run.sh aqwarps` measures 1 / 2 / 4.
-SHORT_ROW_WARPS = env_int("MOE_OPS_ACT_QUANT_SHORT_WARPS", 0)
-if SHORT_ROW_WARPS not in (0, 1, 2, 4, 8, 16):
-    raise ValueError(f"MOE_OPS_ACT_QUANT_SHORT_WARPS must be 0 (the rule) or a power of two up "
-                     f"to 16, got {SHORT_ROW_WARPS}")
+SHORT_ROW_WARPS = int(env_choice("MOE_OPS_ACT_QUANT_SHORT_WARPS", "0",
+                                  ("0", "1", "2", "4", "8", "16")))
 # fp8 rows read whole (SPLIT_K) wider than SLICE_K columns, at most SLICE_MAX_ROWS live rows:
 # each row's columns quantized by cdiv(K, SLICE_K) programs, each reading the whole row for its
 # amax. Why: one program a row runs all of the row's correctly rounded divisions on one SM

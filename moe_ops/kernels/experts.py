@@ -464,7 +464,9 @@ def triton_experts(
                                  out_dtype=torch.float16 if fp8_ws else torch.float8_e4m3fn)
 
     combine = COMBINE
-    if ws2 or ws_fp4_2 or fp8_ws:
+    if ws2 and ws_gemm.ATOMIC:
+        combine = "atomic"  # (its atomic form: an experiment, see ws_gemm.ATOMIC)
+    elif ws2 or ws_fp4_2 or fp8_ws:
         combine = "rows"    # the warp-specialized kernels write one row per pair
     elif config2.split_k > 1:
         combine = "atomic"  # split-K partial products meet in the fp32 output
@@ -474,16 +476,14 @@ def triton_experts(
             combine = "rows"
         else:
             combine = "atomic" if pair_rows_bytes >= ATOMIC_COMBINE_MIN_BYTES else "rows"
-    if ws2 and ws_gemm.ATOMIC:
-        # (the warp-specialized GEMM2's atomic form: an experiment, see ws_gemm.ATOMIC)
-        out32 = torch.zeros((T, H), dtype=torch.float32, device=x.device)
-        ws_gemm.gemm(a2, a2_scale, w2, w2_scale, b2, out32, routing, gemm=2,
-                     activation="none", tile=tile2, quant=quant, atomic=True)
-        return out32 if x.dtype == torch.float32 else out32.to(x.dtype)
     if combine == "atomic":
         out32 = torch.zeros((T, H), dtype=torch.float32, device=x.device)
-        gemm2(a2, a2_scale, w2, w2_scale, b2, out32, routing, config2, quant=quant,
-              atomic_out=True, interpret_upcast=upcast, w2_global_scale=w2_global_scale)
+        if ws2:
+            ws_gemm.gemm(a2, a2_scale, w2, w2_scale, b2, out32, routing, gemm=2,
+                         activation="none", tile=tile2, quant=quant, atomic=True)
+        else:
+            gemm2(a2, a2_scale, w2, w2_scale, b2, out32, routing, config2, quant=quant,
+                  atomic_out=True, interpret_upcast=upcast, w2_global_scale=w2_global_scale)
         return out32 if x.dtype == torch.float32 else out32.to(x.dtype)
     # (a split GEMM2: split2 parts of every pair row, fp32 so that only the combine rounds)
     pair_out = torch.empty((split2 * routing.num_pairs, H),
