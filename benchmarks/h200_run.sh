@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -193,6 +193,11 @@
 # gatherrows: GEMM1's row gather (align.gather_rows) at 1 / 4 / 8 slots a program
 # (MOE_OPS_GATHER_ROWS): its tests on the GPU, then Qwen3 bf16 and fp8, DeepSeek-V3 fp8_block
 # at T = 4096 / 16384 with each, two alternated passes; about 4 minutes.
+# wsgather: GEMM1 of the warp-specialized kernel gathering its token rows by cp.async
+# (MOE_OPS_WS_GATHER=1, off by default) instead of align.gather_rows' copy: its GPU tests (bit
+# for bit against the copied rows; the experts call against the oracle) and compute-sanitizer
+# on one of them, then Qwen3 fp8, Mixtral fp8 and DeepSeek-V3 fp8_block at T = 2048 / 4096 /
+# 16384 with 0 / 1, two alternated passes; about 5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -895,6 +900,12 @@ if [[ "$what" == gatherrows ]]; then
   tail -n 1 "$out/pytest_gatherrows.log"
   ab_passes gatherrows 60 6 MOE_OPS_GATHER_ROWS "1 4 8" -- --models qwen3_30b_a3b \
     deepseek_v3 --quant none fp8 fp8_block --tokens 4096 16384
+fi
+if [[ "$what" == wsgather ]]; then
+  tests_then_sanitize wsgather tests/test_ws_gemm.py "gathering" \
+    "gathering_gemm1_is_bit_equal and rows-fp8 and 7-2" 170
+  ab_passes wsgather 50 9 MOE_OPS_WS_GATHER "0 1" -- --models qwen3_30b_a3b mixtral_8x7b \
+    deepseek_v3 --quant fp8 fp8_block --tokens 2048 4096 16384
 fi
 if [[ "$what" == tune16 ]]; then
   ship_tables qwen3_30b_a3b:none qwen3_30b_a3b:fp8 mixtral_8x7b:none mixtral_8x7b:fp8 \

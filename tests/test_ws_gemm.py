@@ -798,3 +798,112 @@ def test_padding_halves_skip_their_mmas(quant, monkeypatch):
     assert torch.isfinite(outs[0]).all(), "a pair's row was not written"
     assert torch.equal(outs[0], outs[1])
 
+
+
+GATHER_BUILDS = """
+import re, sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops, resource_usage
+from moe_ops.kernels import ws_gemm
+for tile, quant in (("rows", "fp8"), ("cols", "fp8"), ("rows", "fp8_block"),
+                    ("cols", "fp8_block"), ("wide", "fp8"), ("wide", "fp8_block")):
+    kernel = ws_gemm.compile_sm90(tile=tile, gemm=1, activation="swiglu", quant=quant,
+                                  gather_top_k=8)
+    ptx = kernel.asm["ptx"]
+    copies = len(re.findall(r"cp\\.async\\.cg\\.shared\\.global \\[[^]]*\\], \\[[^]]*\\], 0x10", ptx))
+    activation_tma = len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx))
+    # the producer's K loop: the loop of 16-byte copies and no wgmma
+    producer = [b for b in loops(kernel)
+                if any("LDGSTS" in i for i in b) and not any("QGMMA" in i for i in b)]
+    local = min((sum(i.split()[0].startswith(("LDL", "STL")) for i in b) for b in producer),
+                default=-1)
+    print(tile, quant, copies, activation_tma, "fence.proxy.async.shared::cta" in ptx,
+          len(producer) > 0, local, kernel.metadata.shared)
+"""
+
+
+def test_gathering_gemm1_builds():
+    """GEMM1 gathering its token rows (ws_gemm.GATHER): every form and fp8 mode builds for
+    sm_90 with a warpgroup producer whose K step copies the tile's rows by 16-byte cp.async
+    (8 a thread for 128 rows, 4 for "cols"' 64), the weights still by TMA (one tensor copy in
+    the code), the rows fenced for the wgmmas' async proxy, no local memory in its loop, within
+    the shared memory; the launcher refuses it for GEMM2 and for another top_k, before any
+    launch."""
+    rows, done = sm90_script_rows(GATHER_BUILDS)
+    assert len(rows) == 6, done.stdout
+    for tile, quant, copies, tma_copies, fenced, found, local, shared in rows:
+        assert copies == ("4" if tile == "cols" else "8"), done.stdout
+        assert tma_copies == "1" and fenced == "True" and found == "True", done.stdout
+        assert local == "0" and int(shared) <= 227 * 1024, done.stdout
+    routing = gg.Routing(torch.zeros(12, dtype=torch.int32), torch.ones(12), 4, 2, 0,
+                         torch.zeros(128, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                         128, torch.full((1,), 128, dtype=torch.int32))
+    for gemm, top_k in ((2, 4), (1, 2)):
+        with pytest.raises(ValueError, match="gather_top_k"):
+            ws_gemm.gemm(None, None, None, None, None, None, routing, gemm=gemm,
+                         activation="swiglu" if gemm == 1 else "none", tile="rows",
+                         quant="fp8", gather_top_k=top_k)
+    assert ws_gemm.gather_lag(4) == min(ws_gemm.GATHER_LAG, 2)
+    assert ws_gemm.gather_lag(3) == 1 and ws_gemm.gather_lag(6) == min(ws_gemm.GATHER_LAG, 4)
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile,quant", [("rows", "fp8"), ("cols", "fp8"), ("wide", "fp8"),
+                                        ("rows", "fp8_block"), ("cols", "fp8_block"),
+                                        ("wide", "fp8_block")])
+@pytest.mark.parametrize("programs,lag", [(7, 2), (132, 2), (132, 1)])
+def test_gathering_gemm1_is_bit_equal(tile, quant, programs, lag, monkeypatch):
+    """GEMM1 gathering the quantized token rows itself (GATHER; few programs: the ring wraps
+    across many tiles) against GEMM1 on the rows align.gather_rows copied into dispatch order:
+    the same operands, products and order, so every live slot's row is equal bit for bit;
+    padding slots are written by neither (NaN-poisoned, left so), and T = 700 tokens with
+    k = 4 of E = 8 leave part-padded 128-row blocks."""
+    from moe_ops.kernels.align import gather_rows
+    monkeypatch.setattr(ws_gemm, "GATHER_LAG", lag)
+    E, N, K, T, k = 8, 512, 1024, 700, 4
+    dev = torch.device("cuda")
+    torch.manual_seed(17)
+    topk_ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)]).to(torch.int32)
+    topk_ids[:50] = topk_ids[:50].clamp(max=E - 2)      # (skew: fewer rows for the last expert)
+    weights = torch.rand(T, k, device=dev)
+    align = ws_gemm.block_m(tile)
+    dispatch = moe_align(topk_ids, E, align, 0)
+    routing = gg.Routing(topk_ids.reshape(-1), weights.reshape(-1), k, E, 0,
+                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, align,
+                         dispatch.num_padded)
+    x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+    a, a_scale = act_quant(x, quant)
+    w = (torch.randn(E, N, K, device=dev) * 0.5).to(torch.float8_e4m3fn)
+    w_scale = (torch.rand(E, N // 128, K // 128, device=dev) if quant == "fp8_block"
+               else torch.rand(E, N, device=dev)) * 0.01 + 1e-3
+    slots = dispatch.sorted_pair_ids.numel()
+    outs = []
+    for gather in (True, False):
+        out = torch.full((slots, N // 2), float("nan"), device=dev, dtype=torch.bfloat16)
+        if gather:
+            ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=1,
+                         activation="swiglu", tile=tile, quant=quant, programs=programs,
+                         gather_top_k=k)
+        else:
+            rows, row_scales = gather_rows(a, a_scale, routing)
+            ws_gemm.gemm(rows, row_scales, w, w_scale, None, out, routing, gemm=1,
+                         activation="swiglu", tile=tile, quant=quant, programs=programs)
+        outs.append(out)
+    live = dispatch.sorted_pair_ids < T * k
+    assert torch.isfinite(outs[0][live]).all(), "a routed slot's row was not written"
+    assert torch.isnan(outs[0][~live]).all(), "a padding slot's row was written"
+    assert torch.equal(outs[0][live], outs[1][live])
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile", ["cols", "rows"])
+@pytest.mark.parametrize("quant,activation,bias", [("fp8", "swiglu", True),
+                                                   ("fp8_block", "swiglu", False),
+                                                   ("fp8", "relu2", False)])
+def test_experts_with_the_gathering_gemm1(tile, quant, activation, bias, monkeypatch,
+                                          ws_gemm_calls, poisoned_empty):
+    """MOE_OPS_WS_GATHER: the experts call with GEMM1 gathering its rows (expert-parallel ids,
+    ids of no local expert, skewed routing) against the oracle."""
+    on_ws_gemm(monkeypatch, tile, GATHER=True)
+    check_skewed_experts(quant, activation, bias, seed=67)
+    assert ws_gemm_calls == [1, 2]

@@ -46,8 +46,9 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moe_ops.kernels.common import (
@@ -233,19 +234,45 @@ def promote_pairs(quant: str, tile: str, gemm: int) -> bool:
 # varies run to run. Its sm_90 builds: no stores, no stack in "rows" / "cols", the "wide"
 # fp8_block build's stack 8 -> 32 B. `bash benchmarks/h200_run.sh wsatomic` measures it.
 ATOMIC = env_choice("MOE_OPS_WS_ATOMIC", "0", ("0", "1")) == "1"
+# GEMM1 gathering its token rows itself (MOE_OPS_WS_GATHER=1): the producer is a warpgroup
+# that copies each K step's activation rows from the per-token quantized x [T, K] by cp.async
+# (16-byte vectors, one row per slot: token = pair id // top_k, padding slots zero-filled)
+# while one of its threads issues the weight tile's TMA load, instead of GEMM1 reading rows
+# that align.gather_rows copied into dispatch order first. An experiment, not yet run on a GPU.
+# Why: the gather is a launch of its own that writes and GEMM1 reads back one row per pair
+# (Qwen3-30B-A3B fp8 at T = 16384: 268 MB, 178 us, 8.6% of the call; results/
+# h200_profile_layer_prefill_twentythird.log); gathered in the loads, a token's row comes from
+# the L2 (x quantized: 33 MB there). The cp.async writes reach the ring through the generic
+# proxy, so the producer waits for a step's copies GATHER_LAG steps later (cp.async.wait_group),
+# fences them for the wgmmas' async proxy, and arrives on the slot's ready barrier (which then
+# counts the TMA's arrival and this one). GATHER_LAG < the ring's slots - 1 (the paired K loop
+# holds two slots before it releases either).
+GATHER = env_choice("MOE_OPS_WS_GATHER", "0", ("0", "1")) == "1"
+GATHER_LAG = env_int("MOE_OPS_WS_GATHER_LAG", 2)
+# the gathering producer's warps (a warpgroup: its 128 threads' copies, 8 vectors each for a
+# 128 x 128 tile)
+GATHER_WARPS = gl.constexpr(4)
+
+
+def gather_lag(stages: int) -> int:
+    """Steps between a gathered step's issue and its arrival: GATHER_LAG, at most the ring's
+    slots - 2 (see GATHER), at least 1."""
+    return max(1, min(GATHER_LAG, stages - 2))
+
+
 # MOE_OPS_WS_GEMM=0 turns the kernel off (every launch then runs grouped_gemm's kernels).
 ENABLED = env_choice("MOE_OPS_WS_GEMM", "1", ("0", "1")) == "1"
 
 
 @gluon.jit
-def ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+def ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr, READY: gl.constexpr = 1):
     """The mbarriers of a STAGES-slot operand ring: ready[s] completes when the producer's
-    expected TMA bytes have landed, empty[s] when each of the CONSUMERS warpgroups has released
-    the slot (one arrive each)."""
+    expected TMA bytes have landed (and, with READY 2, its gathered rows' arrive: see GATHER),
+    empty[s] when each of the CONSUMERS warpgroups has released the slot (one arrive each)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=READY)
         mbarrier.init(empty.index(i), count=CONSUMERS)
     return ready, empty
 
@@ -274,7 +301,18 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
 def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               ALIGN_M: gl.constexpr, FORM: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
-              BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr):
+              BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
+              GATHER_TOP_K: gl.constexpr, GATHER_LAG: gl.constexpr):
+    if GATHER_TOP_K > 0:
+        _gather_producer(descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, GATHER_TOP_K,
+                         GATHER_LAG)
+    else:
+        _tma_producer(descs, smem, ptrs, sizes, GROUP_M, ALIGN_M)
+
+
+@gluon.jit
+def _tma_producer(descs, smem, ptrs, sizes, GROUP_M: gl.constexpr, ALIGN_M: gl.constexpr):
+    """One warp: each K step's activation and weight tiles by TMA into the next free slot."""
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty, go = smem
     block_expert_ptr = ptrs[5]
@@ -301,6 +339,71 @@ def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                                             a_bufs.index(index))
             tma.async_copy_global_to_shared(w_desc, [w_row, kb * BK], bar, w_bufs.index(index))
             index, phase = ring_next(index, phase, STAGES)
+
+
+@gluon.jit
+def _gather_producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
+                     ALIGN_M: gl.constexpr, TOP_K: gl.constexpr, LAG: gl.constexpr):
+    """A warpgroup (GATHER): each K step's weight tile by TMA (one thread; the slot's ready
+    barrier expects its bytes) and its activation rows by cp.async from the token rows of a
+    [T, K] (a padding slot's row zero-filled); a step's copies are waited for LAG steps later,
+    fenced for the async proxy and arrived on its ready barrier (the second of its two
+    arrivals), so the wgmmas never read a row before it has landed."""
+    a_desc, w_desc = descs
+    a_bufs, w_bufs, ready, empty, go = smem
+    sorted_pair_ids_ptr = ptrs[4]
+    block_expert_ptr = ptrs[5]
+    num_padded_ptr = ptrs[6]
+    a_ptr = ptrs[8]
+    N, K, num_pairs = sizes[0], sizes[1], sizes[2]
+    stride_am = strides[5]
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    gl.static_assert(LAG >= 1 and LAG <= STAGES - 2)
+    # 16 bytes (e4m3 values) a thread a row, 8 threads a 128-column row, 16 rows a pass of the
+    # warpgroup's 128 threads
+    rows_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    rows_in = gl.arange(0, BM, layout=gl.SliceLayout(1, rows_l))
+    cols_in = gl.arange(0, BK, layout=gl.SliceLayout(0, rows_l))
+    num_m = gl.load(num_padded_ptr) // BM
+    num_n = gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    index = 0
+    phase = 1  # a fresh mbarrier counts as having completed the phase before its first
+    late = 0   # the slot of the oldest step whose rows are not yet arrived for
+    issued = 0
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
+        w_row = expert * N + pid_n * BN
+        pair_ids = gl.load(sorted_pair_ids_ptr + pid_m * BM + rows_in)
+        live = pair_ids < num_pairs
+        tokens = gl.where(live, pair_ids // TOP_K, 0)
+        row_ptrs = a_ptr + tokens.to(gl.int64) * stride_am
+        for kb in range(k_steps):
+            mbarrier.wait(empty.index(index), phase)
+            bar = ready.index(index)
+            mbarrier.expect(bar, w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [w_row, kb * BK], bar, w_bufs.index(index))
+            async_copy.async_copy_global_to_shared(
+                a_bufs.index(index), row_ptrs[:, None] + (kb * BK + cols_in)[None, :],
+                mask=live[:, None])
+            async_copy.commit_group()
+            index, phase = ring_next(index, phase, STAGES)
+            issued += 1
+            if issued > LAG:
+                async_copy.wait_group(LAG)
+                fence_async_shared()
+                mbarrier.arrive(ready.index(late), count=1)
+                late = (late + 1) % STAGES
+    # the last steps' rows
+    async_copy.wait_group(0)
+    fence_async_shared()
+    for i in range(gl.minimum(issued, LAG)):
+        mbarrier.arrive(ready.index(late), count=1)
+        late = (late + 1) % STAGES
 
 
 @gluon.jit
@@ -430,13 +533,14 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
               SCALES_AFTER_MMA: gl.constexpr, STAGGER: gl.constexpr, EARLY: gl.constexpr,
-              PAIRS: gl.constexpr, ATOMIC_TOP_K: gl.constexpr, HALF: gl.constexpr):
+              PAIRS: gl.constexpr, ATOMIC_TOP_K: gl.constexpr, GATHER_TOP_K: gl.constexpr,
+              HALF: gl.constexpr):
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty, go = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
-     num_padded_ptr, topk_weights_ptr) = ptrs
+     num_padded_ptr, topk_weights_ptr, a_ptr) = ptrs
     N, K, num_pairs, alpha, limit = sizes
-    stride_as, stride_wse, stride_wsn, stride_be, stride_om = strides
+    stride_as, stride_wse, stride_wsn, stride_be, stride_om, stride_am = strides
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -471,7 +575,13 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
         expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
         slots = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=row_l)
         col0 = pid_n * BN + COL0          # first weight row (output column) of this half
-        a_scale_rows = a_scale_ptr + slots * stride_as
+        if GATHER_TOP_K > 0:
+            # the rows are the tokens' (GATHER): so are their scales (a padding slot: token 0's)
+            slot_pairs = gl.load(sorted_pair_ids_ptr + slots)
+            a_scale_rows = a_scale_ptr + gl.where(slot_pairs < num_pairs,
+                                                  slot_pairs // GATHER_TOP_K, 0) * stride_as
+        else:
+            a_scale_rows = a_scale_ptr + slots * stride_as
         if EARLY:
             # (see EARLY_EPILOGUE: issued now, used after the K loop)
             terms = _epilogue_terms(slots, a_scale_rows, sorted_pair_ids_ptr, topk_weights_ptr,
@@ -557,9 +667,9 @@ def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
     EARLY: the slots' operands are `terms` (_epilogue_terms, loaded before the K loop).
     ATOMIC_TOP_K > 0 (GEMM2, ATOMIC): added in float32 into out[pair // top_k], a token's row."""
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
-     num_padded_ptr, topk_weights_ptr) = ptrs
+     num_padded_ptr, topk_weights_ptr, a_ptr) = ptrs
     N, K, num_pairs, alpha, limit = sizes
-    stride_as, stride_wse, stride_wsn, stride_be, stride_om = strides
+    stride_as, stride_wse, stride_wsn, stride_be, stride_om, stride_am = strides
     COLS: gl.constexpr = acc.type.shape[1]
     col_l: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
     if EARLY:
@@ -691,20 +801,21 @@ def _store_rows(out_ptr, values, rows, row_ok, first_col, stride_om, COALESCED: 
 @gluon.jit
 def _ws_fp8_block_kernel(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr,
-    block_expert_ptr, num_padded_ptr, topk_weights_ptr,
-    N, K, num_pairs, stride_as, stride_wse, stride_wsn, stride_be, stride_om, alpha, limit,
+    block_expert_ptr, num_padded_ptr, topk_weights_ptr, a_ptr,
+    N, K, num_pairs, stride_as, stride_wse, stride_wsn, stride_be, stride_om, stride_am, alpha,
+    limit,
     ALIGN_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, FORM: gl.constexpr,
     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
     BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
     STAGGER: gl.constexpr, EARLY: gl.constexpr, PAIRS: gl.constexpr,
-    ATOMIC_TOP_K: gl.constexpr = 0,
+    ATOMIC_TOP_K: gl.constexpr = 0, GATHER_TOP_K: gl.constexpr = 0, GATHER_LAG: gl.constexpr = 2,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                        w_desc.layout)
-    ready, empty = ring_barriers(STAGES, 2)
+    ready, empty = ring_barriers(STAGES, 2, 2 if GATHER_TOP_K > 0 else 1)
     # (a skipped half would never arrive on `go`, and the wide K loop has no arrive: the host
     # never builds those with a stagger, see stagger_steps)
     gl.static_assert(STAGGER == 0 or (SKIP_PADDING == 0 and FORM != 2))
@@ -715,22 +826,23 @@ def _ws_fp8_block_kernel(
         go = ready      # (unused)
     descs = (a_desc, w_desc)
     smem = (a_bufs, w_bufs, ready, empty, go)
+    # (a_ptr: GATHER's token rows [T, K]; otherwise a_desc's rows, unused)
     ptrs = (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
-            num_padded_ptr, topk_weights_ptr)
+            num_padded_ptr, topk_weights_ptr, a_ptr)
     sizes = (N, K, num_pairs, alpha, limit)
-    strides = (stride_as, stride_wse, stride_wsn, stride_be, stride_om)
+    strides = (stride_as, stride_wse, stride_wsn, stride_be, stride_om, stride_am)
     # (the constexprs are spelled out in each tuple: a tuple held in a variable would turn them
     # into tensors)
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, 0)),
+                     STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 0)),
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, 1)),
+                     STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 1)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
-                     HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+                     HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, GATHER_TOP_K, GATHER_LAG)),
+    ], [4, GATHER_WARPS if GATHER_TOP_K > 0 else 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def available(device: torch.device) -> bool:
@@ -778,7 +890,7 @@ def _descriptors(a: torch.Tensor, w: torch.Tensor, tile: str):
 def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: str,
          alpha: float = 0.0, limit: float = 0.0, tile: str = "cols", quant: str = "fp8_block",
          programs: Optional[int] = None, early: Optional[bool] = None,
-         pairs: Optional[bool] = None, atomic: bool = False) -> None:
+         pairs: Optional[bool] = None, atomic: bool = False, gather_top_k: int = 0) -> None:
     """One GEMM over the dispatch's live slots (see the module docstring).
 
     a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
@@ -788,7 +900,9 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     slots' epilogue operands loaded before each tile's K loop (default: EARLY_EPILOGUE).
     pairs: fp8 per tensor's promotion every other K step (default: promote_pairs). atomic
     (GEMM2, see ATOMIC): out is float32 [tokens, N], zeroed by the caller, and each pair's row
-    is added into its token's (pair // top_k) instead of written."""
+    is added into its token's (pair // top_k) instead of written. gather_top_k (GEMM1, see
+    GATHER): the routing's top_k, and a / a_scale are the token rows [T, K] / their scales,
+    gathered by the kernel's producer, instead of rows in dispatch order."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if pairs and not pairs_fit(quant, tile, gemm):
@@ -802,6 +916,9 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         raise ValueError(f"atomic=True is GEMM2's, into a float32 out of num_pairs / top_k = "
                          f"{routing.num_pairs // routing.top_k} token rows; got gemm={gemm}, "
                          f"out {out.dtype} {list(out.shape)}")
+    if gather_top_k and (gemm != 1 or gather_top_k != routing.top_k):
+        raise ValueError(f"gather_top_k is GEMM1's, the routing's top_k {routing.top_k}; got "
+                         f"gemm={gemm}, gather_top_k={gather_top_k}")
     bm, bn = TILES[tile]
     if tile == "wide" and not wide_admits(quant, activation if gemm == 1 else "none",
                                           bias is not None):
@@ -815,15 +932,16 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     if programs is None:
         programs = device_properties(a.device).multi_processor_count
     dummy = routing.topk_weights
+    stages = ring_stages(tile, K)
     # grouped_gemm's launcher: inside its compile_only() (the tuner's parallel precompile) this
     # compiles the kernel without running it
     _launcher((programs, ), _ws_fp8_block_kernel)(
         a_desc, w_desc, a_scale, w_scale, bias if bias is not None else dummy, out,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
-        routing.topk_weights, N, K, routing.num_pairs, a_scale.stride(0), w_scale.stride(0),
+        routing.topk_weights, a, N, K, routing.num_pairs, a_scale.stride(0), w_scale.stride(0),
         w_scale.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
-        alpha, limit,
-        ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=ring_stages(tile, K),
+        a.stride(0), alpha, limit,
+        ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=stages,
         FORM=FORMS[tile], ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
         HAS_BIAS=bias is not None, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
@@ -831,16 +949,18 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
         EARLY=int(EARLY_EPILOGUE if early is None else early),
         PAIRS=int(promote_pairs(quant, tile, gemm) if pairs is None else pairs),
-        ATOMIC_TOP_K=routing.top_k if atomic else 0, num_warps=4, maxnreg=MAXNREG)
+        ATOMIC_TOP_K=routing.top_k if atomic else 0, GATHER_TOP_K=gather_top_k,
+        GATHER_LAG=gather_lag(stages), num_warps=4, maxnreg=MAXNREG)
 
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
                  has_bias: bool = False, out_dtype: str = "bf16", quant: str = "fp8_block",
                  early: Optional[bool] = None, pairs: Optional[bool] = None, k: int = 0,
-                 atomic_top_k: int = 0):
+                 atomic_top_k: int = 0, gather_top_k: int = 0):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
     run, Gluon having no interpreter. k: the GEMM's K where the ring's slots depend on it
-    (ring_stages); atomic_top_k: GEMM2's atomic form for that top_k (out_dtype "fp32").
+    (ring_stages); atomic_top_k: GEMM2's atomic form for that top_k (out_dtype "fp32");
+    gather_top_k: GEMM1 gathering its rows for that top_k (GATHER).
     Returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -852,11 +972,12 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "w_desc": f"tensordesc<fp8e4nv[{bn}, {FP8_BLOCK}],{w_layout!r}>",
         "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32",
         "out_ptr": f"*{out_dtype}", "sorted_pair_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-        "num_padded_ptr": "*i32", "topk_weights_ptr": "*fp32",
+        "num_padded_ptr": "*i32", "topk_weights_ptr": "*fp32", "a_ptr": "*fp8e4nv",
         "N": "i32", "K": "i32", "num_pairs": "i32", "stride_as": "i32", "stride_wse": "i32",
-        "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32",
+        "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32", "stride_am": "i32",
         "alpha": "fp32", "limit": "fp32"}
-    consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=ring_stages(tile, k), FORM=FORMS[tile],
+    stages = ring_stages(tile, k)
+    consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=stages, FORM=FORMS[tile],
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
@@ -864,10 +985,11 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                   SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
                   EARLY=int(EARLY_EPILOGUE if early is None else early),
                   PAIRS=int(promote_pairs(quant, tile, gemm) if pairs is None else pairs),
-                  ATOMIC_TOP_K=atomic_top_k)
+                  ATOMIC_TOP_K=atomic_top_k, GATHER_TOP_K=gather_top_k,
+                  GATHER_LAG=gather_lag(stages))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
-             if name.endswith("_ptr") or name in ("N", "K", "stride_om")}
+             if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_am")}
     source = GluonASTSource(fn=_ws_fp8_block_kernel, signature=signature, constexprs=consts,
                             attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
