@@ -8,8 +8,9 @@ Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
   dispatch    moe_align (or nothing in direct mode, for tiny batches)
   GEMM1       gathered token rows, activation in the epilogue -> intermediate [slots, I]
               (a persistent config at prefill first copies the rows into dispatch order,
-              align.gather_rows: its TMA loads cannot gather; one of decode's row
-              tiles, block_m < 64, reads them by pointer; fp8_block's other persistent
+              align.gather_rows: its TMA loads cannot gather (ws_gemm.GATHER, an
+              experiment: the warp-specialized GEMM1 gathers them by cp.async); one of
+              decode's row tiles, block_m < 64, reads them by pointer; fp8_block's other persistent
               launches run ws_gemm's warp-specialized kernel on Hopper; the 4-bit ones ws_fp4's,
               whose rows the dispatch's launch can gather itself up to
               ALIGN_GATHER_MAX_PAIRS pairs)
