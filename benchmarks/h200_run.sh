@@ -903,7 +903,7 @@ if [[ "$what" == gatherrows ]]; then
 fi
 if [[ "$what" == wsgather ]]; then
   tests_then_sanitize wsgather tests/test_ws_gemm.py "gathering" \
-    "gathering_gemm1_is_bit_equal and rows-fp8 and 7-2" 170
+    "gathering_gemm1_is_bit_equal and 7-2-0-1024-0-rows-fp8]" 170
   ab_passes wsgather 60 9 MOE_OPS_WS_GATHER "0 1" -- --models qwen3_30b_a3b mixtral_8x7b \
     deepseek_v3 --quant fp8 fp8_block --tokens 2048 4096 16384
 fi

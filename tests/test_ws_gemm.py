@@ -843,24 +843,35 @@ def test_gathering_gemm1_builds():
             ws_gemm.gemm(None, None, None, None, None, None, routing, gemm=gemm,
                          activation="swiglu" if gemm == 1 else "none", tile="rows",
                          quant="fp8", gather_top_k=top_k)
-    assert ws_gemm.gather_lag(4) == min(ws_gemm.GATHER_LAG, 2)
-    assert ws_gemm.gather_lag(3) == 1 and ws_gemm.gather_lag(6) == min(ws_gemm.GATHER_LAG, 4)
+    # the lag: below the ring's slots, one less with pairs, at most slots - stagger; none fits
+    # a 2-slot ring with pairs, and the launcher says so before any launch
+    lag = ws_gemm.GATHER_LAG
+    assert ws_gemm.gather_lag(4, True, 0) == min(lag, 2)
+    assert ws_gemm.gather_lag(4, False, 0) == min(lag, 3)
+    assert ws_gemm.gather_lag(6, True, 5) == 1 and ws_gemm.gather_lag(3, True, 0) == 1
+    assert ws_gemm.gather_lag(2, True, 0) == 0
 
 
 @needs_hopper
 @pytest.mark.parametrize("tile,quant", [("rows", "fp8"), ("cols", "fp8"), ("wide", "fp8"),
                                         ("rows", "fp8_block"), ("cols", "fp8_block"),
                                         ("wide", "fp8_block")])
-@pytest.mark.parametrize("programs,lag", [(7, 2), (132, 2), (132, 1)])
-def test_gathering_gemm1_is_bit_equal(tile, quant, programs, lag, monkeypatch):
+@pytest.mark.parametrize("programs,lag,stages,K,skip", [
+    (7, 2, 0, 1024, "0"), (132, 2, 0, 1024, "0"), (132, 1, 0, 1024, "0"), (7, 2, 0, 128, "0"),
+    (7, 3, 0, 256, "1"), (7, 4, 6, 384, "0"), (7, 2, 3, 1024, "0")])
+def test_gathering_gemm1_is_bit_equal(tile, quant, programs, lag, stages, K, skip, monkeypatch):
     """GEMM1 gathering the quantized token rows itself (GATHER; few programs: the ring wraps
     across many tiles) against GEMM1 on the rows align.gather_rows copied into dispatch order:
     the same operands, products and order, so every live slot's row is equal bit for bit;
     padding slots are written by neither (NaN-poisoned, left so), and T = 700 tokens with
-    k = 4 of E = 8 leave part-padded 128-row blocks."""
+    k = 4 of E = 8 leave part-padded 128-row blocks. Tiles of fewer K steps than the lag (the
+    late arrivals cross into the next tile), 3- and 6-slot rings (stages; 0: the default) and
+    the padding halves' skip are among the cases."""
     from moe_ops.kernels.align import gather_rows
     monkeypatch.setattr(ws_gemm, "GATHER_LAG", lag)
-    E, N, K, T, k = 8, 512, 1024, 700, 4
+    monkeypatch.setattr(ws_gemm, "RING_STAGES", stages)
+    monkeypatch.setattr(ws_gemm, "SKIP_PADDING", skip)
+    E, N, T, k = 8, 512, 700, 4
     dev = torch.device("cuda")
     torch.manual_seed(17)
     topk_ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)]).to(torch.int32)
@@ -901,9 +912,10 @@ def test_gathering_gemm1_is_bit_equal(tile, quant, programs, lag, monkeypatch):
                                                    ("fp8_block", "swiglu", False),
                                                    ("fp8", "relu2", False)])
 def test_experts_with_the_gathering_gemm1(tile, quant, activation, bias, monkeypatch,
-                                          ws_gemm_calls, poisoned_empty):
+                                          gemm_calls, poisoned_empty):
     """MOE_OPS_WS_GATHER: the experts call with GEMM1 gathering its rows (expert-parallel ids,
     ids of no local expert, skewed routing) against the oracle."""
     on_ws_gemm(monkeypatch, tile, GATHER=True)
+    gathered = gemm_calls(ws_gemm, "gemm", record="gather_top_k", default=0)
     check_skewed_experts(quant, activation, bias, seed=67)
-    assert ws_gemm_calls == [1, 2]
+    assert gathered == [2, 0]       # (GEMM1 gathers for top_k 2; GEMM2 reads its own rows)

@@ -448,7 +448,7 @@ def triton_experts(
                     activation=activation, alpha=alpha, limit=limit, quant=quant,
                     slots=fp4_slots, consumers=fp4_consumers[0])
         del rows
-    elif ws1 and ws_gemm.GATHER:
+    elif ws1 and ws_gemm.gathers(quant, tile1, H):
         # (its producer gathers the quantized token rows: see ws_gemm.GATHER)
         ws_gemm.gemm(a1, a1_scale, w13, w13_scale, b13, intermediate, routing, gemm=1,
                      activation=activation, alpha=alpha, limit=limit, tile=tile1, quant=quant,

@@ -244,9 +244,9 @@ ATOMIC = env_choice("MOE_OPS_WS_ATOMIC", "0", ("0", "1")) == "1"
 # h200_profile_layer_prefill_twentythird.log); gathered in the loads, a token's row comes from
 # the L2 (x quantized: 33 MB there). The cp.async writes reach the ring through the generic
 # proxy, so the producer waits for a step's copies GATHER_LAG steps later (cp.async.wait_group),
-# fences them for the wgmmas' async proxy, and arrives on the slot's ready barrier (which then
-# counts the TMA's arrival and this one). GATHER_LAG < the ring's slots - 1 (the paired K loop
-# holds two slots before it releases either).
+# each thread fences its own for the wgmmas' async proxy, the warpgroup syncs, and one thread
+# arrives on the slot's ready barrier (which then counts the TMA's arrival and this one). The
+# lag is bounded so that the ring cannot stall on an arrive not yet made (gather_lag).
 GATHER = env_choice("MOE_OPS_WS_GATHER", "0", ("0", "1")) == "1"
 GATHER_LAG = env_int("MOE_OPS_WS_GATHER_LAG", 2)
 # the gathering producer's warps (a warpgroup: its 128 threads' copies, 8 vectors each for a
@@ -254,10 +254,21 @@ GATHER_LAG = env_int("MOE_OPS_WS_GATHER_LAG", 2)
 GATHER_WARPS = gl.constexpr(4)
 
 
-def gather_lag(stages: int) -> int:
-    """Steps between a gathered step's issue and its arrival: GATHER_LAG, at most the ring's
-    slots - 2 (see GATHER), at least 1."""
-    return max(1, min(GATHER_LAG, stages - 2))
+def gather_lag(stages: int, pairs: bool, stagger: int) -> int:
+    """Steps between a gathered step's issue and its arrival (GATHER): GATHER_LAG, bounded so
+    that no consumer waits on a step whose arrival needs a slot it holds: below the ring's
+    slots (the producer issues step s + lag only into a released slot), less one with paired
+    promotion (its K loop holds two slots before releasing either), and at most slots -
+    stagger (consumer 1 starts only after consumer 0 has released step stagger - 1). 0 where
+    no lag fits (a 2-slot ring with pairs): the launcher refuses such a gather."""
+    return max(0, min(GATHER_LAG, stages - 1 - int(pairs), stages - stagger))
+
+
+def gathers(quant: str, tile: str, k: int) -> bool:
+    """Whether the experts call's GEMM1 (K = k) gathers its rows itself: GATHER on and a lag
+    that fits its ring (gather_lag)."""
+    return GATHER and gather_lag(ring_stages(tile, k), promote_pairs(quant, tile, 1),
+                                 stagger_steps(tile, 1)) >= 1
 
 
 # MOE_OPS_WS_GEMM=0 turns the kernel off (every launch then runs grouped_gemm's kernels).
@@ -361,7 +372,7 @@ def _gather_producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    gl.static_assert(LAG >= 1 and LAG <= STAGES - 2)
+    gl.static_assert(LAG >= 1 and LAG <= STAGES - 1)
     # 16 bytes (e4m3 values) a thread a row, 8 threads a 128-column row, 16 rows a pass of the
     # warpgroup's 128 threads
     rows_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
@@ -395,12 +406,15 @@ def _gather_producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
             issued += 1
             if issued > LAG:
                 async_copy.wait_group(LAG)
+                # every thread's copies fenced before the one arrive that publishes them all
                 fence_async_shared()
+                gl.thread_barrier()
                 mbarrier.arrive(ready.index(late), count=1)
                 late = (late + 1) % STAGES
     # the last steps' rows
     async_copy.wait_group(0)
     fence_async_shared()
+    gl.thread_barrier()
     for i in range(gl.minimum(issued, LAG)):
         mbarrier.arrive(ready.index(late), count=1)
         late = (late + 1) % STAGES
@@ -819,6 +833,9 @@ def _ws_fp8_block_kernel(
     # (a skipped half would never arrive on `go`, and the wide K loop has no arrive: the host
     # never builds those with a stagger, see stagger_steps)
     gl.static_assert(STAGGER == 0 or (SKIP_PADDING == 0 and FORM != 2))
+    # (see gather_lag)
+    gl.static_assert(GATHER_TOP_K == 0 or (GATHER_LAG >= 1 and GATHER_LAG + PAIRS < STAGES
+                                           and GATHER_LAG + STAGGER <= STAGES))
     if STAGGER > 0:
         go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(go, count=1)
@@ -933,6 +950,12 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         programs = device_properties(a.device).multi_processor_count
     dummy = routing.topk_weights
     stages = ring_stages(tile, K)
+    stagger = stagger_steps(tile, gemm)
+    pairs = promote_pairs(quant, tile, gemm) if pairs is None else pairs
+    lag = gather_lag(stages, pairs, stagger)
+    if gather_top_k and lag < 1:
+        raise ValueError(f"gather_top_k: no gather lag fits a ring of {stages} slots with "
+                         f"pairs={pairs}, stagger {stagger} (MOE_OPS_WS_STAGES)")
     # grouped_gemm's launcher: inside its compile_only() (the tuner's parallel precompile) this
     # compiles the kernel without running it
     _launcher((programs, ), _ws_fp8_block_kernel)(
@@ -946,11 +969,10 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         HAS_BIAS=bias is not None, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
         BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
-        SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
-        EARLY=int(EARLY_EPILOGUE if early is None else early),
-        PAIRS=int(promote_pairs(quant, tile, gemm) if pairs is None else pairs),
+        SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger,
+        EARLY=int(EARLY_EPILOGUE if early is None else early), PAIRS=int(pairs),
         ATOMIC_TOP_K=routing.top_k if atomic else 0, GATHER_TOP_K=gather_top_k,
-        GATHER_LAG=gather_lag(stages), num_warps=4, maxnreg=MAXNREG)
+        GATHER_LAG=max(lag, 1), num_warps=4, maxnreg=MAXNREG)
 
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
@@ -977,16 +999,17 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32", "stride_am": "i32",
         "alpha": "fp32", "limit": "fp32"}
     stages = ring_stages(tile, k)
+    stagger = stagger_steps(tile, gemm)
+    pairs = promote_pairs(quant, tile, gemm) if pairs is None else pairs
     consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=stages, FORM=FORMS[tile],
                   ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                   HAS_BIAS=has_bias, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
                   BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
-                  SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger_steps(tile, gemm),
-                  EARLY=int(EARLY_EPILOGUE if early is None else early),
-                  PAIRS=int(promote_pairs(quant, tile, gemm) if pairs is None else pairs),
+                  SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger,
+                  EARLY=int(EARLY_EPILOGUE if early is None else early), PAIRS=int(pairs),
                   ATOMIC_TOP_K=atomic_top_k, GATHER_TOP_K=gather_top_k,
-                  GATHER_LAG=gather_lag(stages))
+                  GATHER_LAG=max(1, gather_lag(stages, pairs, stagger)))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_am")}
