@@ -27,7 +27,7 @@ GEMMs took 16.0 ms against 17.5 (T = 16384, before the row-contiguous stores;
 results/h200_ws_profile_*.json).
 
 Same contract as grouped_gemm's persistent kernel: activation rows in dispatch order (GEMM1's
-gathered by align.gather_rows), one scale per row per 128 columns ([slots, K/128]),
+gathered by align.gather_rows; with GATHER by its own producer, from the token rows), one scale per row per 128 columns ([slots, K/128]),
 weights [E, N, K] e4m3 with [E, N/128, K/128] scales (w13's gate/up rows interleaved, their
 scale rows too); fp8 per tensor (BLOCK_SCALES 0): the partial sums still promoted every K
 step (every other with FP8_PROMOTE_STEPS 2), a scale per row ([slots]) and per weight row
