@@ -297,27 +297,42 @@ def test_only_gemm1_on_ws_gemm(tile_rule, monkeypatch, ws_gemm_calls, poisoned_e
     assert ws_gemm_calls == [1]
 
 
-def gemm2_problem(tile, quant, E, N, K, T, k, seed):
-    """GEMM2 on one dispatch aligned to the tile's rows: random routing of T tokens to k of E
-    experts, activation rows quantized as the package does, e4m3 weights [E, N, K] with their
-    scales. Returns (a, a_scale, w, w_scale, routing)."""
+def random_dispatch(tile, E, T, k, seed, skew=False):
+    """Random routing of T tokens to k of E experts (skew: the first 50 tokens kept off the last
+    expert) on one dispatch aligned to the tile's rows (the torch seed set first). Returns the
+    Routing."""
     torch.manual_seed(seed)
     dev = torch.device("cuda")
     topk_ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)]).to(torch.int32)
+    if skew:
+        topk_ids[:50] = topk_ids[:50].clamp(max=E - 2)
     weights = torch.rand(T, k, device=dev)
     align = ws_gemm.block_m(tile)
     dispatch = moe_align(topk_ids, E, align, 0)
-    routing = gg.Routing(topk_ids.reshape(-1), weights.reshape(-1), k, E, 0,
-                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, align,
-                         dispatch.num_padded)
-    rows = torch.randn(dispatch.sorted_pair_ids.numel(), K, device=dev, dtype=torch.bfloat16)
-    a, a_scale = act_quant(rows, quant)
+    return gg.Routing(topk_ids.reshape(-1), weights.reshape(-1), k, E, 0,
+                      dispatch.sorted_pair_ids, dispatch.block_expert_ids, align,
+                      dispatch.num_padded)
+
+
+def fp8_weights(quant, E, N, K):
+    """e4m3 weights [E, N, K] and their scales (fp8_block: per 128 x 128 block, fp8: per row)."""
+    dev = torch.device("cuda")
     w = (torch.randn(E, N, K, device=dev) * 0.5).to(torch.float8_e4m3fn)
     if quant == "fp8_block":
         w_scale = torch.rand(E, N // 128, K // 128, device=dev) * 0.01 + 1e-3
     else:
         w_scale = torch.rand(E, N, device=dev) * 0.01 + 1e-3
-    return a, a_scale, w, w_scale, routing
+    return w, w_scale
+
+
+def gemm2_problem(tile, quant, E, N, K, T, k, seed):
+    """GEMM2 on one dispatch aligned to the tile's rows: random routing of T tokens to k of E
+    experts, activation rows quantized as the package does, e4m3 weights [E, N, K] with their
+    scales. Returns (a, a_scale, w, w_scale, routing)."""
+    routing = random_dispatch(tile, E, T, k, seed)
+    rows = torch.randn(routing.sorted_pair_ids.numel(), K, device="cuda", dtype=torch.bfloat16)
+    a, a_scale = act_quant(rows, quant)
+    return (a, a_scale) + fp8_weights(quant, E, N, K) + (routing, )
 
 
 ATOMIC_BUILDS = """
@@ -873,21 +888,10 @@ def test_gathering_gemm1_is_bit_equal(tile, quant, programs, lag, stages, K, ski
     monkeypatch.setattr(ws_gemm, "SKIP_PADDING", skip)
     E, N, T, k = 8, 512, 700, 4
     dev = torch.device("cuda")
-    torch.manual_seed(17)
-    topk_ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)]).to(torch.int32)
-    topk_ids[:50] = topk_ids[:50].clamp(max=E - 2)      # (skew: fewer rows for the last expert)
-    weights = torch.rand(T, k, device=dev)
-    align = ws_gemm.block_m(tile)
-    dispatch = moe_align(topk_ids, E, align, 0)
-    routing = gg.Routing(topk_ids.reshape(-1), weights.reshape(-1), k, E, 0,
-                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, align,
-                         dispatch.num_padded)
-    x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
-    a, a_scale = act_quant(x, quant)
-    w = (torch.randn(E, N, K, device=dev) * 0.5).to(torch.float8_e4m3fn)
-    w_scale = (torch.rand(E, N // 128, K // 128, device=dev) if quant == "fp8_block"
-               else torch.rand(E, N, device=dev)) * 0.01 + 1e-3
-    slots = dispatch.sorted_pair_ids.numel()
+    routing = random_dispatch(tile, E, T, k, seed=17, skew=True)
+    a, a_scale = act_quant(torch.randn(T, K, device=dev, dtype=torch.bfloat16), quant)
+    w, w_scale = fp8_weights(quant, E, N, K)
+    slots = routing.sorted_pair_ids.numel()
     outs = []
     for gather in (True, False):
         out = torch.full((slots, N // 2), float("nan"), device=dev, dtype=torch.bfloat16)
@@ -900,7 +904,7 @@ def test_gathering_gemm1_is_bit_equal(tile, quant, programs, lag, stages, K, ski
             ws_gemm.gemm(rows, row_scales, w, w_scale, None, out, routing, gemm=1,
                          activation="swiglu", tile=tile, quant=quant, programs=programs)
         outs.append(out)
-    live = dispatch.sorted_pair_ids < T * k
+    live = routing.sorted_pair_ids < T * k
     assert torch.isfinite(outs[0][live]).all(), "a routed slot's row was not written"
     assert torch.isnan(outs[0][~live]).all(), "a padding slot's row was written"
     assert torch.equal(outs[0][live], outs[1][live])
