@@ -165,9 +165,12 @@ def test_not_used_off_hopper(monkeypatch, poisoned_empty):
 
 def on_ws_gemm(monkeypatch, tile, **settings):
     """The experts call's fp8 and fp8_block GEMMs on this kernel in form `tile`, with the
-    module settings of ws_gemm given (e.g. EARLY_EPILOGUE=True)."""
+    module settings of ws_gemm given (e.g. EARLY_EPILOGUE=True); GEMM1 on rows copied by
+    align.gather_rows unless GATHER is given (the tests' problems are narrow enough for the
+    gathering rule)."""
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", tile)
     monkeypatch.setattr(experts_mod, "WS_FP8", True)
+    settings.setdefault("GATHER", "0")
     for name, value in settings.items():
         monkeypatch.setattr(ws_gemm, name, value)
 
@@ -716,12 +719,14 @@ def test_stagger_limits(monkeypatch):
 
 
 def test_short_k_rows_take_the_whole_ring(monkeypatch):
-    """Unset MOE_OPS_WS_STAGES: with SHORT_K_MAX_K (off by default) the "rows" form of a GEMM
-    of at most that many columns of K (Qwen3-30B-A3B's GEMM2, K = 768) takes its 6 slots,
-    everything else STAGES; its sm_90 builds fit the shared memory (227 KB) for both quant modes
-    and GEMMs; a set MOE_OPS_WS_STAGES holds for every K."""
+    """Unset MOE_OPS_WS_STAGES: with SHORT_K_MAX_K (1024 by default; 0: never) the "rows" form
+    of a GEMM of at most that many columns of K (Qwen3-30B-A3B's GEMM2, K = 768) takes its 6
+    slots, everything else STAGES; its sm_90 builds fit the shared memory (227 KB) for both
+    quant modes and GEMMs; a set MOE_OPS_WS_STAGES holds for every K."""
     monkeypatch.setattr(ws_gemm, "RING_STAGES", 0)
-    assert ws_gemm.SHORT_K_MAX_K == 0 and ws_gemm.ring_stages("rows", 768) == ws_gemm.STAGES
+    assert ws_gemm.SHORT_K_MAX_K == int(os.environ.get("MOE_OPS_WS_SHORT_K_MAX_K", "1024"))
+    monkeypatch.setattr(ws_gemm, "SHORT_K_MAX_K", 0)
+    assert ws_gemm.ring_stages("rows", 768) == ws_gemm.STAGES
     monkeypatch.setattr(ws_gemm, "SHORT_K_MAX_K", 1024)
     assert ws_gemm.ring_stages("rows", 768) == ws_gemm.ring_stages("rows", 1024) == 6
     assert ws_gemm.ring_stages("rows", 1152) == ws_gemm.ring_stages("rows") == ws_gemm.STAGES
@@ -867,6 +872,27 @@ def test_gathering_gemm1_builds():
     assert ws_gemm.gather_lag(2, True, 0) == 0
 
 
+def test_gathering_rule(monkeypatch):
+    """"auto" (the default) gathers for GEMM1s of at most GATHER_MAX_N weight rows (Qwen3's
+    1536; not DeepSeek-V3's 4096 nor Mixtral's 28672), "1" for any, "0" for none; never where
+    no lag fits the ring (2 slots with pairs)."""
+    assert ws_gemm.GATHER == os.environ.get("MOE_OPS_WS_GATHER", "auto")
+    monkeypatch.setattr(ws_gemm, "GATHER", "auto")
+    monkeypatch.setattr(ws_gemm, "GATHER_MAX_N", 2048)
+    monkeypatch.setattr(ws_gemm, "RING_STAGES", 0)
+    monkeypatch.setattr(ws_gemm, "STAGGER", 0)
+    assert ws_gemm.gathers("fp8", "wide", 2048, 1536)
+    assert not ws_gemm.gathers("fp8_block", "wide", 7168, 4096)
+    assert not ws_gemm.gathers("fp8", "wide", 4096, 28672)
+    monkeypatch.setattr(ws_gemm, "GATHER", "1")
+    assert ws_gemm.gathers("fp8", "wide", 4096, 28672)
+    monkeypatch.setattr(ws_gemm, "RING_STAGES", 2)
+    assert not ws_gemm.gathers("fp8", "rows", 4096, 1536)
+    monkeypatch.setattr(ws_gemm, "GATHER", "0")
+    monkeypatch.setattr(ws_gemm, "RING_STAGES", 0)
+    assert not ws_gemm.gathers("fp8", "rows", 2048, 1536)
+
+
 @needs_hopper
 @pytest.mark.parametrize("tile,quant", [("rows", "fp8"), ("cols", "fp8"), ("wide", "fp8"),
                                         ("rows", "fp8_block"), ("cols", "fp8_block"),
@@ -919,7 +945,7 @@ def test_experts_with_the_gathering_gemm1(tile, quant, activation, bias, monkeyp
                                           gemm_calls, poisoned_empty):
     """MOE_OPS_WS_GATHER: the experts call with GEMM1 gathering its rows (expert-parallel ids,
     ids of no local expert, skewed routing) against the oracle."""
-    on_ws_gemm(monkeypatch, tile, GATHER=True)
+    on_ws_gemm(monkeypatch, tile, GATHER="1")
     gathered = gemm_calls(ws_gemm, "gemm", record="gather_top_k", default=0)
     check_skewed_experts(quant, activation, bias, seed=67)
     assert gathered == [2, 0]       # (GEMM1 gathers for top_k 2; GEMM2 reads its own rows)

@@ -165,12 +165,14 @@ WHOLE_ROW_MAX_K = 16384
 # up to 2048 columns (Qwen3's hidden rows too); MOE_OPS_ACT_QUANT_SHORT_ROW_K=0: off.
 SHORT_ROW_K = env_int("MOE_OPS_ACT_QUANT_SHORT_ROW_K", 2048)
 # Warps of a short row's program (0: the whole-row rule below, 4 for rows of up to 4096
-# columns). An experiment, not yet measured: the short-row form still moves 1.3-1.4 TB/s on
-# Qwen3's intermediate, and at 4 warps an SM holds 16 of its programs (the 2048 threads), so
-# ~16 rows' loads in flight; the sm_90 builds of its 1024-column block take 32 / 48 / 80
-# registers at 4 / 2 / 1 warps (no stack), so 21 programs an SM at 2 warps and 25 at 1 (the
-# register file). The codes and scales are the same at any count (a max and elementwise
-# divisions). `bash benchmarks/h200_run.sh aqwarps` measures 1 / 2 / 4.
+# columns). The short-row form moves 1.3-1.4 TB/s on Qwen3's intermediate, and at 4 warps an
+# SM holds 16 of its programs (the 2048 threads); the sm_90 builds of its 1024-column block
+# take 32 / 48 / 80 registers at 4 / 2 / 1 warps (no stack), so 21 programs an SM at 2 warps
+# and 25 at 1. The codes and scales are the same at any count. Measured on an H200 (`bash
+# benchmarks/h200_run.sh aqwarps`, results/h200_act_quant_warps_*_twentyfourth.log,
+# h200_ab_aqwarps_*_twentyfourth.json): that intermediate at T = 16384 215 / 249 / 313 us at
+# 4 / 1 / 2 warps, the Qwen3 fp8 layer 1-5% slower with either: more resident programs do not
+# move more bytes. So 0 (the rule's 4).
 SHORT_ROW_WARPS = int(env_choice("MOE_OPS_ACT_QUANT_SHORT_WARPS", "0",
                                   ("0", "1", "2", "4", "8", "16")))
 # fp8 rows read whole (SPLIT_K) wider than SLICE_K columns, at most SLICE_MAX_ROWS live rows:

@@ -307,13 +307,16 @@ def _align(topk_ids, num_experts, block_m, local_expert_offset, small_path_max_p
 
 # ---------------------------------------------------------------- the routed rows, gathered
 
-# Slots a gather_rows program copies (MOE_OPS_GATHER_ROWS, a power of two; 1 by default). An
-# experiment, not yet run on a GPU: with one slot a program, each program waits out its
-# dependent loads (the live count, the pair id, the row) for one row (Qwen3-30B-A3B's 2 KB of
-# e4m3 at T = 16384: 131072 programs, 178 us for 268 MB written, 1.5 TB/s;
-# results/h200_profile_layer_prefill_twentythird.log); several slots a program load their pair
-# ids as one vector and their rows side by side, more bytes in flight a program.
-# `bash benchmarks/h200_run.sh gatherrows` measures 1 / 4 / 8.
+# Slots a gather_rows program copies (MOE_OPS_GATHER_ROWS, a power of two; 1 by default). With
+# one slot a program, each program waits out its dependent loads (the live count, the pair id,
+# the row) for one row (Qwen3-30B-A3B's 2 KB of e4m3 at T = 16384: 131072 programs, 178 us for
+# 268 MB written, 1.5 TB/s; results/h200_profile_layer_prefill_twentythird.log); several slots
+# a program load their pair ids as one vector and their rows side by side. Measured on an H200
+# (`bash benchmarks/h200_run.sh gatherrows`, results/h200_ab_gatherrows_*_twentyfourth.json,
+# graph replays, two alternated passes, 1 / 4 / 8): Qwen3 fp8 T = 16384 2124-2150 / 2082-2102 /
+# 2094-2106 us (that layer's GEMM1 now gathers its rows itself: ws_gemm.GATHER), T = 4096
+# within 1%; DeepSeek-V3 fp8_block within its passes' spread (T = 16384: 16965-17086 /
+# 16371-18623 / 16201-16934); Qwen3 bf16 T = 4096 763-789 / 794-829 / 807-855 (slower). So 1.
 GATHER_ROWS = env_int("MOE_OPS_GATHER_ROWS", 1)
 if GATHER_ROWS < 1 or GATHER_ROWS & (GATHER_ROWS - 1):
     raise ValueError(f"MOE_OPS_GATHER_ROWS must be a power of two >= 1, got {GATHER_ROWS}")

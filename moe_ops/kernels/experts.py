@@ -8,9 +8,9 @@ Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
   dispatch    moe_align (or nothing in direct mode, for tiny batches)
   GEMM1       gathered token rows, activation in the epilogue -> intermediate [slots, I]
               (a persistent config at prefill first copies the rows into dispatch order,
-              align.gather_rows: its TMA loads cannot gather (ws_gemm.GATHER, an
-              experiment: the warp-specialized GEMM1 gathers them by cp.async); one of
-              decode's row tiles, block_m < 64, reads them by pointer; fp8_block's other persistent
+              align.gather_rows: its TMA loads cannot gather; where ws_gemm.gathers, the
+              warp-specialized GEMM1 gathers them itself by cp.async; one of decode's
+              row tiles, block_m < 64, reads them by pointer; fp8_block's other persistent
               launches run ws_gemm's warp-specialized kernel on Hopper; the 4-bit ones ws_fp4's,
               whose rows the dispatch's launch can gather itself up to
               ALIGN_GATHER_MAX_PAIRS pairs)
@@ -448,7 +448,7 @@ def triton_experts(
                     activation=activation, alpha=alpha, limit=limit, quant=quant,
                     slots=fp4_slots, consumers=fp4_consumers[0])
         del rows
-    elif ws1 and ws_gemm.gathers(quant, tile1, H):
+    elif ws1 and ws_gemm.gathers(quant, tile1, H, w13.shape[1]):
         # (its producer gathers the quantized token rows: see ws_gemm.GATHER)
         ws_gemm.gemm(a1, a1_scale, w13, w13_scale, b13, intermediate, routing, gemm=1,
                      activation=activation, alpha=alpha, limit=limit, tile=tile1, quant=quant,

@@ -115,18 +115,21 @@ CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168
 # 13589 us, DeepSeek fp8_block 16389 -> 16505, Qwen3 fp8 equal. So 0 (and STAGES slots).
 STAGGER = env_int("MOE_OPS_WS_STAGGER", 0)
 # MOE_OPS_WS_STAGES=n: n slots for every form (at most what it holds); unset (0): STAGES, but
-# with MOE_OPS_WS_SHORT_K_MAX_K=k (0, off, by default) the "rows" form's whole ring (6) for
-# GEMMs of at most k columns of K. Why: such a tile is a few K steps (Qwen3-30B-A3B's GEMM2,
-# K = 768: 6), so with 4 slots the producer can fetch only part of the next tile while the
-# consumers run this one's steps and epilogue. Measured on an H200
+# the "rows" form's whole ring (6) for GEMMs of at most SHORT_K_MAX_K columns of K
+# (MOE_OPS_WS_SHORT_K_MAX_K, 1024; 0: never). Why: such a tile is a few K steps (Qwen3-30B-A3B's
+# GEMM2, K = 768: 6), so with 4 slots the producer can fetch only part of the next tile while
+# the consumers run this one's steps and epilogue. Measured on an H200
 # (results/h200_ab_stages_*_twentythird.json, 2026-12-03, graph replays, two alternated passes,
 # 6 slots against 4 on every form): Qwen3 fp8 T = 4096 675 -> 661 us, T = 16384 2152 -> 2089
 # (its GEMM2 the only launch that changes there), every pass faster; the long-K layers
 # (Mixtral, Llama 4 fp8, DeepSeek-V3 fp8_block at T = 4096 / 16384) -0.7% to +4% (geometric
-# mean of the eight points 1.000), so they keep 4. Off until the rule's own launches are
-# checked against the reference on a GPU (`bash benchmarks/h200_run.sh shortk`); 1024 then.
+# mean of the eight points 1.000), so they keep 4. The rule by K, with GEMM1 gathering its
+# rows (results/h200_ab_shortk_gather_*_twentyfourth.json, 0 -> 1024): Qwen3 fp8 T = 4096
+# 684-687 -> 660-673 us, T = 16384 2019-2040 -> 1987-2012, T = 2048 389-391 -> 394-395 (1.4%
+# slower there, below the prefill sizes the targets name); its GPU tests (17 passed) and
+# gpu_check of Qwen3 fp8 (8 passed) with it (results/h200_console_twentyfourth.log).
 RING_STAGES = env_int("MOE_OPS_WS_STAGES", 0)
-SHORT_K_MAX_K = env_int("MOE_OPS_WS_SHORT_K_MAX_K", 0)
+SHORT_K_MAX_K = env_int("MOE_OPS_WS_SHORT_K_MAX_K", 1024)
 
 
 def ring_stages(tile: str, k: int = 0) -> int:
@@ -225,29 +228,40 @@ def promote_pairs(quant: str, tile: str, gemm: int) -> bool:
 
 # GEMM2 adding each pair's row into its token's float32 output row (MOE_OPS_WS_ATOMIC=1;
 # 8-byte vector atomics from the MMA's layout, reduced at the L2) instead of writing pair rows
-# that a second pass sums. An experiment, not yet run on a GPU. Why: Qwen3-30B-A3B's fp8 GEMM2
-# at T = 16384 writes 537 MB of pair rows (131072 x 2048 bf16) and the combine reads them back
+# that a second pass sums. Measured slower, so off (results/h200_ab_wsatomic_*_twentyfourth.json,
+# graph replays, two alternated passes: Qwen3 fp8 T = 16384 1992-1999 -> 2198-2228 us, Mixtral
+# fp8 T = 16384 +4.7%, Llama 4 fp8 +2-3% at every size, DeepSeek-V3 fp8_block +0.3-1.4%, the
+# geometric mean of twelve points +2.2%; its GPU tests passed). Why it was tried:
+# Qwen3-30B-A3B's fp8 GEMM2 at T = 16384 writes 537 MB of pair rows (131072 x 2048 bf16) and the combine reads them back
 # (143 us, 7% of the call; results/h200_profile_layer_prefill_twentythird.log); the Triton
 # tile kernels' atomic form measured faster there at T = 4096 (experts.COMBINE). Against it: a
 # zero fill and a cast of [T, H] float32, 4 bytes a value reduced per pair, and, past the L2
 # (T = 16384: 134 MB), the output's lines fetched again for the reductions; its sums' order
 # varies run to run. Its sm_90 builds: no stores, no stack in "rows" / "cols", the "wide"
-# fp8_block build's stack 8 -> 32 B. `bash benchmarks/h200_run.sh wsatomic` measures it.
+# fp8_block build's stack 8 -> 32 B. `bash benchmarks/h200_run.sh wsatomic` measures it again.
 ATOMIC = env_choice("MOE_OPS_WS_ATOMIC", "0", ("0", "1")) == "1"
-# GEMM1 gathering its token rows itself (MOE_OPS_WS_GATHER=1): the producer is a warpgroup
-# that copies each K step's activation rows from the per-token quantized x [T, K] by cp.async
-# (16-byte vectors, one row per slot: token = pair id // top_k, padding slots zero-filled)
-# while one of its threads issues the weight tile's TMA load, instead of GEMM1 reading rows
-# that align.gather_rows copied into dispatch order first. An experiment, not yet run on a GPU.
-# Why: the gather is a launch of its own that writes and GEMM1 reads back one row per pair
-# (Qwen3-30B-A3B fp8 at T = 16384: 268 MB, 178 us, 8.6% of the call; results/
-# h200_profile_layer_prefill_twentythird.log); gathered in the loads, a token's row comes from
-# the L2 (x quantized: 33 MB there). The cp.async writes reach the ring through the generic
-# proxy, so the producer waits for a step's copies GATHER_LAG steps later (cp.async.wait_group),
-# each thread fences its own for the wgmmas' async proxy, the warpgroup syncs, and one thread
-# arrives on the slot's ready barrier (which then counts the TMA's arrival and this one). The
-# lag is bounded so that the ring cannot stall on an arrive not yet made (gather_lag).
-GATHER = env_choice("MOE_OPS_WS_GATHER", "0", ("0", "1")) == "1"
+# GEMM1 gathering its token rows itself (GATHER): the producer is a warpgroup that copies each
+# K step's activation rows from the per-token quantized x [T, K] by cp.async (16-byte vectors,
+# one row per slot: token = pair id // top_k, padding slots zero-filled) while one of its
+# threads issues the weight tile's TMA load, instead of GEMM1 reading rows that
+# align.gather_rows copied into dispatch order first (a launch that writes, and GEMM1 reads
+# back, one row per pair: Qwen3-30B-A3B fp8 at T = 16384 268 MB, 178 us, 8.6% of the call;
+# results/h200_profile_layer_prefill_twentythird.log); gathered in the loads, a token's row
+# comes from the L2. The cp.async writes reach the ring through the generic proxy, so the
+# producer waits for a step's copies GATHER_LAG steps later (cp.async.wait_group), each thread
+# fences its own for the wgmmas' async proxy, the warpgroup syncs, and one thread arrives on
+# the slot's ready barrier (which then counts the TMA's arrival and this one). The lag is
+# bounded so that the ring cannot stall on an arrive not yet made (gather_lag).
+# Measured on an H200 (results/h200_ab_wsgather*_twentyfourth.json, 2026-12-03, graph replays,
+# two alternated passes, off / on): Qwen3 fp8 (GEMM1's N = 1536) T = 2048 390-394 -> 389-394
+# us, T = 4096 677-689 -> 665-682, T = 16384 2121-2152 -> 2000-2047 (5-6% faster in all four
+# passes); DeepSeek-V3 fp8_block (N = 4096) T = 4096 1-2% slower, T = 16384 -5% to +2%;
+# Mixtral fp8 (N = 28672) 1-11% slower at T = 2048 and 16384. The copy it saves is a pass of
+# H bytes a pair, against GEMM work of H x N a pair: the narrower GEMM1, the larger its share,
+# while the cp.async producer costs the wide GEMMs a little of their rate. So "auto" gathers
+# for GEMM1s of N <= GATHER_MAX_N (2048: Qwen3's); MOE_OPS_WS_GATHER=0: never, 1: always.
+GATHER = env_choice("MOE_OPS_WS_GATHER", "auto", ("0", "auto", "1"))
+GATHER_MAX_N = env_int("MOE_OPS_WS_GATHER_MAX_N", 2048)
 GATHER_LAG = env_int("MOE_OPS_WS_GATHER_LAG", 2)
 # the gathering producer's warps (a warpgroup: its 128 threads' copies, 8 vectors each for a
 # 128 x 128 tile)
@@ -264,10 +278,12 @@ def gather_lag(stages: int, pairs: bool, stagger: int) -> int:
     return max(0, min(GATHER_LAG, stages - 1 - int(pairs), stages - stagger))
 
 
-def gathers(quant: str, tile: str, k: int) -> bool:
-    """Whether the experts call's GEMM1 (K = k) gathers its rows itself: GATHER on and a lag
-    that fits its ring (gather_lag)."""
-    return GATHER and gather_lag(ring_stages(tile, k), promote_pairs(quant, tile, 1),
+def gathers(quant: str, tile: str, k: int, n: int) -> bool:
+    """Whether the experts call's GEMM1 ([N = n, K = k] weights an expert) gathers its rows
+    itself: GATHER "1", or "auto" and n <= GATHER_MAX_N, and a lag that fits its ring
+    (gather_lag)."""
+    wanted = GATHER == "1" or (GATHER == "auto" and n <= GATHER_MAX_N)
+    return wanted and gather_lag(ring_stages(tile, k), promote_pairs(quant, tile, 1),
                                  stagger_steps(tile, 1)) >= 1
 
 
