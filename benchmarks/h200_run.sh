@@ -179,7 +179,7 @@
 # default) against 6 (MOE_OPS_WS_STAGES; the "cols" form holds 5, "wide" 4) on the fp8 and
 # fp8_block layers at T = 4096 / 16384, two alternated passes; about 5 minutes.
 # shortk: the "rows" form's whole ring for GEMMs of K <= 1024 (MOE_OPS_WS_SHORT_K_MAX_K=1024,
-# off by default): its GPU tests (the experts call against the oracle, GEMM2 against the
+# the default since the twenty-fourth session): its GPU tests (the experts call against the oracle, GEMM2 against the
 # Triton persistent kernel), gpu_check of Qwen3 fp8 at T = 1000 / 4096 / 16384 with it, then
 # Qwen3 fp8 at T = 2048-16384 with 0 and 1024, two alternated passes; about 3 minutes.
 # aqwarps: act_quant's short rows at 1 / 2 / 4 warps a program (MOE_OPS_ACT_QUANT_SHORT_WARPS;
@@ -194,7 +194,8 @@
 # (MOE_OPS_GATHER_ROWS): its tests on the GPU, then Qwen3 bf16 and fp8, DeepSeek-V3 fp8_block
 # at T = 4096 / 16384 with each, two alternated passes; about 4 minutes.
 # wsgather: GEMM1 of the warp-specialized kernel gathering its token rows by cp.async
-# (MOE_OPS_WS_GATHER=1, off by default) instead of align.gather_rows' copy: its GPU tests (bit
+# (MOE_OPS_WS_GATHER=1; the default "auto" does for GEMM1s of N <= 2048) against
+# align.gather_rows' copy (0): its GPU tests (bit
 # for bit against the copied rows; the experts call against the oracle) and compute-sanitizer
 # on one of them, then Qwen3 fp8, Mixtral fp8 and DeepSeek-V3 fp8_block at T = 2048 / 4096 /
 # 16384 with 0 / 1, two alternated passes; about 5 minutes.
