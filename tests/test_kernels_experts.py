@@ -797,7 +797,7 @@ def test_gather_rows_puts_token_rows_in_dispatch_order(quant, rows_per_program, 
     routing = gg.Routing(ids.reshape(-1), torch.ones(T * k, device=DEVICE), k, E, 0,
                          aligned.sorted_pair_ids, aligned.block_expert_ids, 16, aligned.num_padded)
     a, a_scale = (x, None) if quant == "none" else act_quant(x, quant)
-    rows, scales = gg.gather_rows(a, a_scale, routing)
+    rows, scales = align.gather_rows(a, a_scale, routing)
     live = int(aligned.num_padded[0])
     assert rows.shape[0] > live and torch.isnan(rows[live:].float()).all()
     pairs = aligned.sorted_pair_ids[:live].long().cpu()

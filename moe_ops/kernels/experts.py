@@ -471,7 +471,7 @@ def triton_experts(
 
     combine = COMBINE
     if ws2 and ws_gemm.ATOMIC:
-        combine = "atomic"  # (its atomic form: an experiment, see ws_gemm.ATOMIC)
+        combine = "atomic"  # (its atomic form, measured slower: see ws_gemm.ATOMIC)
     elif ws2 or ws_fp4_2 or fp8_ws:
         combine = "rows"    # the warp-specialized kernels write one row per pair
     elif config2.split_k > 1:

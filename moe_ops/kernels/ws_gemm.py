@@ -27,7 +27,8 @@ GEMMs took 16.0 ms against 17.5 (T = 16384, before the row-contiguous stores;
 results/h200_ws_profile_*.json).
 
 Same contract as grouped_gemm's persistent kernel: activation rows in dispatch order (GEMM1's
-gathered by align.gather_rows; with GATHER by its own producer, from the token rows), one scale per row per 128 columns ([slots, K/128]),
+gathered by align.gather_rows; with GATHER by its own producer, from the token rows), one
+scale per row per 128 columns ([slots, K/128]),
 weights [E, N, K] e4m3 with [E, N/128, K/128] scales (w13's gate/up rows interleaved, their
 scale rows too); fp8 per tensor (BLOCK_SCALES 0): the partial sums still promoted every K
 step (every other with FP8_PROMOTE_STEPS 2), a scale per row ([slots]) and per weight row
@@ -330,110 +331,82 @@ def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
               GATHER_TOP_K: gl.constexpr, GATHER_LAG: gl.constexpr):
-    if GATHER_TOP_K > 0:
-        _gather_producer(descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, GATHER_TOP_K,
-                         GATHER_LAG)
-    else:
-        _tma_producer(descs, smem, ptrs, sizes, GROUP_M, ALIGN_M)
-
-
-@gluon.jit
-def _tma_producer(descs, smem, ptrs, sizes, GROUP_M: gl.constexpr, ALIGN_M: gl.constexpr):
-    """One warp: each K step's activation and weight tiles by TMA into the next free slot."""
-    a_desc, w_desc = descs
-    a_bufs, w_bufs, ready, empty, go = smem
-    block_expert_ptr = ptrs[5]
-    num_padded_ptr = ptrs[6]
-    N, K = sizes[0], sizes[1]
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = w_desc.block_type.shape[0]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    num_m = gl.load(num_padded_ptr) // BM
-    num_n = gl.cdiv(N, BN)
-    k_steps = gl.cdiv(K, BK)
-    index = 0
-    phase = 1  # a fresh mbarrier counts as having completed the phase before its first
-    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-        expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
-        w_row = expert * N + pid_n * BN
-        for kb in range(k_steps):
-            mbarrier.wait(empty.index(index), phase)
-            bar = ready.index(index)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kb * BK], bar,
-                                            a_bufs.index(index))
-            tma.async_copy_global_to_shared(w_desc, [w_row, kb * BK], bar, w_bufs.index(index))
-            index, phase = ring_next(index, phase, STAGES)
-
-
-@gluon.jit
-def _gather_producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
-                     ALIGN_M: gl.constexpr, TOP_K: gl.constexpr, LAG: gl.constexpr):
-    """A warpgroup (GATHER): each K step's weight tile by TMA (one thread; the slot's ready
-    barrier expects its bytes) and its activation rows by cp.async from the token rows of a
-    [T, K] (a padding slot's row zero-filled); a step's copies are waited for LAG steps later,
-    fenced for the async proxy and arrived on its ready barrier (the second of its two
-    arrivals), so the wgmmas never read a row before it has landed."""
+    """Each K step's weight tile by TMA into the next free slot (one thread; the slot's ready
+    barrier expects its bytes), and its activation tile: by TMA too (one warp), or with
+    GATHER_TOP_K (a warpgroup, GATHER) its rows by cp.async from the token rows of a [T, K] (a
+    padding slot's row zero-filled), a step's copies waited for GATHER_LAG steps later, fenced
+    for the async proxy and arrived on its ready barrier (the second of its two arrivals), so
+    the wgmmas never read a row before it has landed."""
     a_desc, w_desc = descs
     a_bufs, w_bufs, ready, empty, go = smem
     sorted_pair_ids_ptr = ptrs[4]
     block_expert_ptr = ptrs[5]
     num_padded_ptr = ptrs[6]
-    a_ptr = ptrs[8]
     N, K, num_pairs = sizes[0], sizes[1], sizes[2]
-    stride_am = strides[5]
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    gl.static_assert(LAG >= 1 and LAG <= STAGES - 1)
-    # 16 bytes (e4m3 values) a thread a row, 8 threads a 128-column row, 16 rows a pass of the
-    # warpgroup's 128 threads
-    rows_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    rows_in = gl.arange(0, BM, layout=gl.SliceLayout(1, rows_l))
-    cols_in = gl.arange(0, BK, layout=gl.SliceLayout(0, rows_l))
+    GATHER: gl.constexpr = GATHER_TOP_K > 0
+    if GATHER:
+        gl.static_assert(GATHER_LAG >= 1 and GATHER_LAG <= STAGES - 1)
+        a_ptr = ptrs[8]
+        stride_am = strides[5]
+        # 16 bytes (e4m3 values) a thread a row, 8 threads a 128-column row, 16 rows a pass of
+        # the warpgroup's 128 threads
+        rows_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        rows_in = gl.arange(0, BM, layout=gl.SliceLayout(1, rows_l))
+        cols_in = gl.arange(0, BK, layout=gl.SliceLayout(0, rows_l))
+        expected: gl.constexpr = w_desc.block_type.nbytes
+    else:
+        expected: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
     num_m = gl.load(num_padded_ptr) // BM
     num_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     index = 0
     phase = 1  # a fresh mbarrier counts as having completed the phase before its first
-    late = 0   # the slot of the oldest step whose rows are not yet arrived for
+    late = 0   # GATHER: the slot of the oldest step whose rows are not yet arrived for
     issued = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
         expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
         w_row = expert * N + pid_n * BN
-        pair_ids = gl.load(sorted_pair_ids_ptr + pid_m * BM + rows_in)
-        live = pair_ids < num_pairs
-        tokens = gl.where(live, pair_ids // TOP_K, 0)
-        row_ptrs = a_ptr + tokens.to(gl.int64) * stride_am
+        if GATHER:
+            pair_ids = gl.load(sorted_pair_ids_ptr + pid_m * BM + rows_in)
+            live = pair_ids < num_pairs
+            tokens = gl.where(live, pair_ids // GATHER_TOP_K, 0)
+            row_ptrs = a_ptr + tokens.to(gl.int64) * stride_am
         for kb in range(k_steps):
             mbarrier.wait(empty.index(index), phase)
             bar = ready.index(index)
-            mbarrier.expect(bar, w_desc.block_type.nbytes)
+            mbarrier.expect(bar, expected)
+            if not GATHER:
+                tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kb * BK], bar,
+                                                a_bufs.index(index))
             tma.async_copy_global_to_shared(w_desc, [w_row, kb * BK], bar, w_bufs.index(index))
-            async_copy.async_copy_global_to_shared(
-                a_bufs.index(index), row_ptrs[:, None] + (kb * BK + cols_in)[None, :],
-                mask=live[:, None])
-            async_copy.commit_group()
+            if GATHER:
+                async_copy.async_copy_global_to_shared(
+                    a_bufs.index(index), row_ptrs[:, None] + (kb * BK + cols_in)[None, :],
+                    mask=live[:, None])
+                async_copy.commit_group()
             index, phase = ring_next(index, phase, STAGES)
-            issued += 1
-            if issued > LAG:
-                async_copy.wait_group(LAG)
-                # every thread's copies fenced before the one arrive that publishes them all
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(ready.index(late), count=1)
-                late = (late + 1) % STAGES
-    # the last steps' rows
-    async_copy.wait_group(0)
-    fence_async_shared()
-    gl.thread_barrier()
-    for i in range(gl.minimum(issued, LAG)):
-        mbarrier.arrive(ready.index(late), count=1)
-        late = (late + 1) % STAGES
+            if GATHER:
+                issued += 1
+                if issued > GATHER_LAG:
+                    async_copy.wait_group(GATHER_LAG)
+                    # every thread's copies fenced before the one arrive that publishes them all
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    mbarrier.arrive(ready.index(late), count=1)
+                    late = (late + 1) % STAGES
+    if GATHER:
+        # the last steps' rows
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+        for i in range(gl.minimum(issued, GATHER_LAG)):
+            mbarrier.arrive(ready.index(late), count=1)
+            late = (late + 1) % STAGES
 
 
 @gluon.jit
@@ -920,6 +893,26 @@ def _descriptors(a: torch.Tensor, w: torch.Tensor, tile: str):
     return a_desc, w_desc
 
 
+def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str, k: int,
+               early: Optional[bool], pairs: Optional[bool], atomic_top_k: int,
+               gather_top_k: int) -> dict:
+    """The kernel's constexprs for a launch (but ALIGN_M, the dispatch's): the module settings
+    and rules above for this form, GEMM and K. GATHER_LAG 0 where no lag fits (gather_lag);
+    the launcher refuses a gather then."""
+    stages = ring_stages(tile, k)
+    stagger = stagger_steps(tile, gemm)
+    pairs = promote_pairs(quant, tile, gemm) if pairs is None else pairs
+    return dict(GROUP_M=GROUP_M, STAGES=stages, FORM=FORMS[tile],
+                ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
+                HAS_BIAS=has_bias, CONSUMER_REGS=CONSUMER_REGS,
+                PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
+                BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
+                SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger,
+                EARLY=int(EARLY_EPILOGUE if early is None else early), PAIRS=int(pairs),
+                ATOMIC_TOP_K=atomic_top_k, GATHER_TOP_K=gather_top_k,
+                GATHER_LAG=gather_lag(stages, pairs, stagger) if gather_top_k else 1)
+
+
 def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: str,
          alpha: float = 0.0, limit: float = 0.0, tile: str = "cols", quant: str = "fp8_block",
          programs: Optional[int] = None, early: Optional[bool] = None,
@@ -965,13 +958,12 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     if programs is None:
         programs = device_properties(a.device).multi_processor_count
     dummy = routing.topk_weights
-    stages = ring_stages(tile, K)
-    stagger = stagger_steps(tile, gemm)
-    pairs = promote_pairs(quant, tile, gemm) if pairs is None else pairs
-    lag = gather_lag(stages, pairs, stagger)
-    if gather_top_k and lag < 1:
-        raise ValueError(f"gather_top_k: no gather lag fits a ring of {stages} slots with "
-                         f"pairs={pairs}, stagger {stagger} (MOE_OPS_WS_STAGES)")
+    consts = _constants(tile, gemm, activation, bias is not None, quant, K, early, pairs,
+                        routing.top_k if atomic else 0, gather_top_k)
+    if consts["GATHER_LAG"] < 1:
+        raise ValueError(f"gather_top_k: no gather lag fits a ring of {consts['STAGES']} slots "
+                         f"with pairs={bool(consts['PAIRS'])}, stagger {consts['STAGGER']} "
+                         f"(MOE_OPS_WS_STAGES)")
     # grouped_gemm's launcher: inside its compile_only() (the tuner's parallel precompile) this
     # compiles the kernel without running it
     _launcher((programs, ), _ws_fp8_block_kernel)(
@@ -979,16 +971,8 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
         routing.topk_weights, a, N, K, routing.num_pairs, a_scale.stride(0), w_scale.stride(0),
         w_scale.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
-        a.stride(0), alpha, limit,
-        ALIGN_M=routing.align_block_m, GROUP_M=GROUP_M, STAGES=stages,
-        FORM=FORMS[tile], ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
-        HAS_BIAS=bias is not None, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
-        BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
-        SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger,
-        EARLY=int(EARLY_EPILOGUE if early is None else early), PAIRS=int(pairs),
-        ATOMIC_TOP_K=routing.top_k if atomic else 0, GATHER_TOP_K=gather_top_k,
-        GATHER_LAG=max(lag, 1), num_warps=4, maxnreg=MAXNREG)
+        a.stride(0), alpha, limit, ALIGN_M=routing.align_block_m, **consts, num_warps=4,
+        maxnreg=MAXNREG)
 
 
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
@@ -1014,18 +998,8 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "N": "i32", "K": "i32", "num_pairs": "i32", "stride_as": "i32", "stride_wse": "i32",
         "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32", "stride_am": "i32",
         "alpha": "fp32", "limit": "fp32"}
-    stages = ring_stages(tile, k)
-    stagger = stagger_steps(tile, gemm)
-    pairs = promote_pairs(quant, tile, gemm) if pairs is None else pairs
-    consts = dict(ALIGN_M=bm, GROUP_M=GROUP_M, STAGES=stages, FORM=FORMS[tile],
-                  ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
-                  HAS_BIAS=has_bias, CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
-                  BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
-                  SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger,
-                  EARLY=int(EARLY_EPILOGUE if early is None else early), PAIRS=int(pairs),
-                  ATOMIC_TOP_K=atomic_top_k, GATHER_TOP_K=gather_top_k,
-                  GATHER_LAG=max(1, gather_lag(stages, pairs, stagger)))
+    consts = dict(ALIGN_M=bm, **_constants(tile, gemm, activation, has_bias, quant, k, early,
+                                           pairs, atomic_top_k, gather_top_k))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_am")}
