@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -193,6 +193,14 @@
 # gatherrows: GEMM1's row gather (align.gather_rows) at 1 / 4 / 8 slots a program
 # (MOE_OPS_GATHER_ROWS): its tests on the GPU, then Qwen3 bf16 and fp8, DeepSeek-V3 fp8_block
 # at T = 4096 / 16384 with each, two alternated passes; about 4 minutes.
+# aqdiv: act_quant's short division (MOE_OPS_ACT_QUANT_SHORT_DIVISION: one correction step on
+# a quotient by the row's reciprocal, 1, against a correctly rounded division a value, 0): its
+# tests on the GPU, dev_act_quant.py (bit-exactness against the reference on random and
+# midpoint rows, TB/s; beside the module file $AQ_BASELINE if set) at prefill and decode sizes,
+# then the fp8 / fp8_block layers at T = 1 / 64 / 4096 / 16384 with 0 / 1, two alternated
+# passes; then act_quant's short rows 2 / 4 / 8 a program (MOE_OPS_ACT_QUANT_SHORT_ROWS) on
+# Qwen3's intermediate (dev_act_quant.py) and the Qwen3 fp8 layer with 1 / 2 / 4, two
+# alternated passes; about 6 minutes.
 # wsgather: GEMM1 of the warp-specialized kernel gathering its token rows by cp.async
 # (MOE_OPS_WS_GATHER=1; the default "auto" does for GEMM1s of N <= 2048) against
 # align.gather_rows' copy (0): its GPU tests (bit
@@ -907,6 +915,30 @@ if [[ "$what" == wsgather ]]; then
     "gathering_gemm1_is_bit_equal and 7-2-0-1024-0-rows-fp8]" 170
   ab_passes wsgather 60 9 MOE_OPS_WS_GATHER "0 1" -- --models qwen3_30b_a3b mixtral_8x7b \
     deepseek_v3 --quant fp8 fp8_block --tokens 2048 4096 16384
+fi
+if [[ "$what" == aqdiv ]]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_act_quant_division.py \
+    tests/test_kernels_experts.py -k "act_quant or division" > "$out/pytest_aqdiv.log" 2>&1 \
+    || status=1
+  grep -E "^FAILED" "$out/pytest_aqdiv.log"
+  tail -n 1 "$out/pytest_aqdiv.log"
+  baseline=(); [[ -n ${AQ_BASELINE:-} ]] && baseline=(--baseline "$AQ_BASELINE")
+  for form in "" --decode; do
+    timeout 120 python3 benchmarks/dev_act_quant.py $form "${baseline[@]}" \
+      --out "$out/act_quant_div${form:+_decode}.json" > "$out/act_quant_div${form:+_decode}.log" 2>&1 \
+      || status=1
+    tail -n 30 "$out/act_quant_div${form:+_decode}.log" | cut -c1-140
+  done
+  for rows in 2 4 8; do
+    MOE_OPS_ACT_QUANT_SHORT_ROWS=$rows timeout 60 python3 benchmarks/dev_act_quant.py \
+      --cases qwen3 --out "$out/act_quant_rows_$rows.json" > "$out/act_quant_rows_$rows.log" 2>&1 \
+      || status=1
+    echo "MOE_OPS_ACT_QUANT_SHORT_ROWS=$rows"; tail -n 1 "$out/act_quant_rows_$rows.log"
+  done
+  ab_passes aqdiv 60 16 MOE_OPS_ACT_QUANT_SHORT_DIVISION "0 1" -- --models qwen3_30b_a3b \
+    mixtral_8x7b llama4_scout deepseek_v3 --quant fp8 fp8_block --tokens 1 64 4096 16384
+  ab_passes aqrows 40 4 MOE_OPS_ACT_QUANT_SHORT_ROWS "1 2 4" -- --models qwen3_30b_a3b \
+    --quant fp8 --tokens 64 1024 4096 16384
 fi
 if [[ "$what" == tune16 ]]; then
   ship_tables qwen3_30b_a3b:none qwen3_30b_a3b:fp8 mixtral_8x7b:none mixtral_8x7b:fp8 \

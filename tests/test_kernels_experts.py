@@ -278,7 +278,12 @@ def test_act_quant(quant, K, split_k):
     columns, 14336 at 16 warps as Mixtral's intermediate; fp8 17000 falls back to the looped
     form, so its two cases are one)."""
     g = torch.Generator().manual_seed(K)
-    x = (torch.randn(5, K, generator=g) * torch.exp(torch.randn(5, 1, generator=g))).to(torch.bfloat16)
+    x = (torch.randn(7, K, generator=g) * torch.exp(torch.randn(7, 1, generator=g))).to(torch.bfloat16)
+    # rows 5 and 6 in the short division's range (on a GPU: act_quant.fp8_quantize_short), row
+    # 6 of half-integers up to 448 with 448 in every 128 columns: its quotients x * 448 / amax
+    # are x, e4m3 midpoints (ties to even) as often as not
+    x[6] = (torch.randint(-896, 897, (K,), generator=g).float() / 2).to(torch.bfloat16)
+    x[6, ::128] = 448.0
     x[2] = 0  # a zero row: scale 0, q 0, never NaN
     # Rows far from 1: large ones (v * 448 overflows past 2^119, as in quant.py), tiny ones
     # (act_quant scales rows with amax < 2^-96 by 2^64, keeping v * 448 a float32 normal),
@@ -400,8 +405,8 @@ def test_act_quant_sliced_rows(monkeypatch, poisoned_empty, act_quant_grids, K, 
 
 
 def test_act_quant_short_rows_read_whole(monkeypatch, poisoned_empty, act_quant_grids):
-    """SHORT_ROW_K: fp8 rows of at most that many columns are read whole, one a program,
-    however many rows (the row's load beside its pair id's: LOAD_FIRST), bit for bit the
+    """SHORT_ROW_K: fp8 rows of at most that many columns are read whole, one a program
+    (SHORT_ROWS 1; several: test_act_quant_short_rows_several_a_program), however many rows (the row's load beside its pair id's: LOAD_FIRST), bit for bit the
     looped form's, sentinel rows left unwritten; wider rows and fp8_block keep their forms."""
     from moe_ops.kernels import act_quant as aq
     num_pairs = 30
@@ -409,6 +414,7 @@ def test_act_quant_short_rows_read_whole(monkeypatch, poisoned_empty, act_quant_
     q_ref, s_ref = act_quant(x, "fp8", ids, num_pairs, split_k=False)
     del act_quant_grids[:]
     monkeypatch.setattr(aq, "SPLIT_K_MAX_ROWS", {"fp8": 4, "fp8_block": 4})
+    monkeypatch.setattr(aq, "SHORT_ROWS", 1)                  # one a program: its grid
     monkeypatch.setattr(aq, "SHORT_ROW_K", 512)
     q, s = aq.act_quant(x, "fp8", ids, num_pairs)
     assert_live_rows_equal(q, s, q_ref, s_ref, ids, num_pairs)
@@ -440,10 +446,36 @@ def test_act_quant_short_rows_at_fewer_warps(warps, monkeypatch, poisoned_empty)
     monkeypatch.setattr(aq, "_act_quant_kernel", Recorder())
     monkeypatch.setattr(aq, "SPLIT_K_MAX_ROWS", {"fp8": 4, "fp8_block": 4})
     monkeypatch.setattr(aq, "SHORT_ROW_WARPS", warps)
+    monkeypatch.setattr(aq, "SHORT_ROWS", 1)
     q, s = aq.act_quant(x, "fp8", ids, num_pairs)
     assert_live_rows_equal(q, s, q_ref, s_ref, ids, num_pairs)
     aq.act_quant(x, "fp8", ids, num_pairs, split_k=False)      # the looped form: its own warps
     assert launches == [(2, warps, True), (1, 4, False)], launches
+
+
+@pytest.mark.parametrize("rows", [2, 8])
+def test_act_quant_short_rows_several_a_program(rows, monkeypatch, poisoned_empty,
+                                                 act_quant_grids):
+    """SHORT_ROWS: the short rows `rows` a program (37 rows: a last program of fewer) write the
+    same codes and scales as one a program, sentinel rows unwritten, also where a tile holds
+    a zero row and a tiny one beside ordinary ones."""
+    from moe_ops.kernels import act_quant as aq
+    num_pairs = 30
+    x, ids = rows_with_padding(11, 37, 768, num_pairs, 9)
+    live = (ids < num_pairs).nonzero().flatten()
+    x[live[1]] = 0
+    x[live[2]] *= 2.0 ** -110
+    q_ref, s_ref = act_quant(x, "fp8", ids, num_pairs, split_k=False)
+    q_all, s_all = act_quant(x, "fp8", split_k=False)
+    del act_quant_grids[:]
+    monkeypatch.setattr(aq, "SPLIT_K_MAX_ROWS", {"fp8": 4, "fp8_block": 4})
+    monkeypatch.setattr(aq, "SHORT_ROWS", rows)
+    q, s = aq.act_quant(x, "fp8", ids, num_pairs)
+    assert_live_rows_equal(q, s, q_ref, s_ref, ids, num_pairs)
+    q, s = aq.act_quant(x, "fp8")                              # every row live
+    q_ref, s_ref = q_all, s_all
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    assert act_quant_grids == [(-(-37 // rows),)] * 2, act_quant_grids
 
 
 # ---------------------------------------------------------------- experts: every mode

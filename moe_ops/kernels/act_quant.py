@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from moe_ops.kernels.common import (
-    FP8_BLOCK, cdiv, fp8_quantize, next_power_of_2, pdl_launch_options, pdl_prologue, use_pdl,
+    FP8_BLOCK, capability_at_least, cdiv, fp8_quantize, next_power_of_2, pdl_launch_options,
+    pdl_prologue, use_pdl,
 )
 from moe_ops.kernels.env import env_choice, env_int
 
@@ -30,6 +31,36 @@ from moe_ops.kernels.env import env_choice, env_int
 # amax < 2^-96.
 _TINY_AMAX = tl.constexpr(1.262177448353619e-29)  # 2^-96
 _TINY_SCALE = tl.constexpr(1.8446744073709552e+19)  # 2^64
+# fp8_quantize_short's amax range ends here: v * 448 stays finite (past 2^119 it overflows to inf,
+# as in quant.py, and fp8_quantize gives that inf's 448).
+_HUGE_AMAX = tl.constexpr(1.2676506002282294e+30)  # 2^100
+
+
+def hw_e4m3(device: torch.device) -> bool:
+    """Whether the GPU converts float32 -> e4m3 itself (cvt.rn.satfinite.e4m3x2.f32, sm_89+);
+    never in the interpreter (whose float8 cast rounds wrongly: round_to_e4m3_grid)."""
+    return capability_at_least(device, (8, 9))
+
+
+@triton.jit
+def fp8_quantize_short(v, amax, inv):
+    """fp8_quantize's codes, for bf16 / fp16 values v of a row (or group) whose amax lies in
+    [2^-96, 2^100), with inv = tl.div_rn(1.0, amax) taken once a row; on a GPU that converts to
+    e4m3 itself (hw_e4m3) only.
+
+    Why: the correctly rounded division of every value was most of act_quant's instructions
+    (~43 a value on an sm_90 build, the kernel issue-bound below half the DRAM rate). Here
+    (v * 448) / amax is rounded correctly by one quotient and one correction step (Markstein):
+    y0 = a * inv, r = a - y0 * amax (exact, by fma), y = y0 + r * inv (fma), a = v * 448 exact.
+    That y is float32's correct rounding of a / amax is checked over every pair of significands
+    of bf16 and fp16 (tests/test_act_quant_division.py; the quotient's rounding only depends on
+    them away from float32's overflow and underflow, which the amax range keeps out), not for
+    float32 values, which take fp8_quantize. The hardware cast rounds to nearest even and
+    saturates to +-448, fp8_quantize's clamp and grid rounding."""
+    a = v * 448.0
+    y0 = a * inv
+    r = tl.fma(y0, -amax, a)
+    return tl.fma(r, inv, y0).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -47,26 +78,85 @@ def group_scale(amax):
 
 
 @triton.jit
-def _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+def short_division_admits(amax_min, amax_max, FAST_DIV: tl.constexpr):
+    """Whether values whose row (or group) amaxes lie in [amax_min, amax_max] may take
+    fp8_quantize_short: FAST_DIV (bf16 / fp16 values on a GPU converting to e4m3 itself) and the
+    amaxes in its range (a zero row or group, a tiny or a huge one: fp8_quantize)."""
+    if FAST_DIV:
+        return (amax_min >= _TINY_AMAX) & (amax_max < _HUGE_AMAX)
+    else:
+        return False
+
+
+@triton.jit
+def quantize_any(v, amax):
+    """fp8_quantize's codes for any amax (broadcast against v): rows or groups of an amax below
+    2^-96 scaled by 2^64 first (see _TINY_AMAX)."""
+    factor = amax_factor(amax)
+    q, _ = fp8_quantize(v * factor, amax * factor)
+    return q
+
+
+@triton.jit
+def _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                  FAST_DIV: tl.constexpr):
     """fp8_block: columns [k0, k0 + BLOCK_K) of a row, one scale per GROUP_K of them."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP_K
-    offs = tl.arange(0, BLOCK_K)
-    mask = k0 + offs < K
-    x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.reshape(x, (GROUPS, GROUP_K))
+    # A 2-d tile, not a reshaped row: Triton then lays each thread's values along one group
+    # (16-byte loads, a group's amax and reciprocal from few threads); the reshaped row gave
+    # every thread one value of each group, loaded 2 bytes at a time.
+    offs = k0 + tl.arange(0, GROUPS)[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
+    mask = offs < K
+    x2 = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x2), axis=1)
-    factor = amax_factor(amax)[:, None]
-    q, scale = fp8_quantize(x2 * factor, amax[:, None] * factor)
-    tl.store(q_row + k0 + offs, tl.reshape(q, (BLOCK_K,)), mask=mask)
+    # (columns past K load as zeros: a whole group of them has a zero amax, which sends the
+    # step to quantize_any; a K that is a multiple of BLOCK_K, DeepSeek's 7168 and 2048, has
+    # none)
+    # (each branch stores its codes: float8 values yielded out of a branch came out wrong, one
+    # of each thread's 8, on an H200 with Triton 3.6)
+    if short_division_admits(tl.min(amax, axis=0), tl.max(amax, axis=0), FAST_DIV):
+        tl.store(q_row + offs, fp8_quantize_short(x2, amax[:, None], tl.div_rn(1.0, amax)[:, None]),
+                 mask=mask)
+    else:
+        tl.store(q_row + offs, quantize_any(x2, amax[:, None]), mask=mask)
     g = k0 // GROUP_K + tl.arange(0, GROUPS)
     # the unscaled amax's scale (the quantized values are the same either way)
     tl.store(s_row + g, group_scale(amax), mask=g * GROUP_K < K)
 
 
 @triton.jit
+def _quant_short_rows(x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr, num_pairs, M, K,
+                      stride_xm, stride_qm, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SKIP_PAD_ROWS: tl.constexpr, FAST_DIV: tl.constexpr):
+    """fp8: rows [ROWS * program, + ROWS), each read whole (K <= BLOCK_K), loaded together and
+    before their pair ids are known (padding rows are read for nothing, written not)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :],
+                mask=(rows < M)[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
+    live = rows < M
+    if SKIP_PAD_ROWS:
+        live = live & (tl.load(sorted_pair_ids_ptr + rows, mask=rows < M, other=num_pairs)
+                       < num_pairs)
+    amax = tl.max(tl.abs(x), axis=1)
+    # a padding row's amax (unwritten memory) does not send the live ones to quantize_any
+    live_amax = tl.where(live, amax, 1.0)
+    q_ptrs = q_ptr + rows64[:, None] * stride_qm + cols[None, :]
+    mask = live[:, None] & (cols < K)[None, :]
+    # (each branch stores: see _quant_groups)
+    if short_division_admits(tl.min(live_amax, axis=0), tl.max(live_amax, axis=0), FAST_DIV):
+        tl.store(q_ptrs, fp8_quantize_short(x, amax[:, None], tl.div_rn(1.0, amax)[:, None]),
+                 mask=mask)
+    else:
+        tl.store(q_ptrs, quantize_any(x, amax[:, None]), mask=mask)
+    tl.store(scale_ptr + rows64, tl.div_rn(amax, 448.0), mask=live)
+
+
+@triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr,
-    num_pairs, K,
+    num_pairs, M, K,
     stride_xm, stride_qm, stride_sm,
     GROUP_K: tl.constexpr,      # 0: one scale per row; 128: one per 128 columns
     BLOCK_K: tl.constexpr,      # columns per step; a multiple of GROUP_K when grouped
@@ -75,6 +165,8 @@ def _act_quant_kernel(
     USE_PDL: tl.constexpr,
     LOAD_FIRST: tl.constexpr = False,
     SLICE_K: tl.constexpr = 0,  # fp8 SPLIT_K: > 0, program (row, s) quantizes columns of slice s
+    FAST_DIV: tl.constexpr = False,  # fp8_quantize_short where the amax admits it
+    ROWS: tl.constexpr = 1,  # fp8 LOAD_FIRST: > 1, rows a program (grid (cdiv(M, ROWS),))
 ):
     """One row a program (grid (M,)), stepping over its columns; with SPLIT_K (few rows: the
     steps' load latencies add up, 1 us or so each) one step a program (grid (M, K / BLOCK_K)):
@@ -85,6 +177,10 @@ def _act_quant_kernel(
     whole row for its amax and quantizes one slice of SLICE_K columns (the divisions of a long
     row spread over SMs; the same codes)."""
     pdl_prologue(USE_PDL)
+    if ROWS > 1:
+        _quant_short_rows(x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr, num_pairs, M, K,
+                          stride_xm, stride_qm, ROWS, BLOCK_K, SKIP_PAD_ROWS, FAST_DIV)
+        return
     row = tl.program_id(0)
     if SKIP_PAD_ROWS and not LOAD_FIRST:
         # A sentinel (pair id == num_pairs) marks a padding row of the sorted layout.
@@ -103,23 +199,37 @@ def _act_quant_kernel(
                 if tl.load(sorted_pair_ids_ptr + row) >= num_pairs:
                     return
             row_amax = tl.max(tl.abs(x), axis=0)
-            factor = amax_factor(row_amax)
+            short = short_division_admits(row_amax, row_amax, FAST_DIV)
             if SLICE_K > 0:
                 cols = tl.program_id(1) * SLICE_K + tl.arange(0, SLICE_K)
                 x_slice = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-                q, scale = fp8_quantize(x_slice * factor, row_amax * factor)
-                tl.store(q_row + cols, q, mask=cols < K)
+                # (each branch stores: see _quant_groups)
+                if short:
+                    tl.store(q_row + cols, fp8_quantize_short(x_slice, row_amax,
+                                                              tl.div_rn(1.0, row_amax)),
+                             mask=cols < K)
+                else:
+                    tl.store(q_row + cols, quantize_any(x_slice, row_amax), mask=cols < K)
             else:
-                q, scale = fp8_quantize(x * factor, row_amax * factor)
-                tl.store(q_row + offs, q, mask=mask)
+                if short:
+                    tl.store(q_row + offs, fp8_quantize_short(x, row_amax, tl.div_rn(1.0, row_amax)),
+                             mask=mask)
+                else:
+                    tl.store(q_row + offs, quantize_any(x, row_amax), mask=mask)
         else:
             amax = tl.zeros([BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
             row_amax = tl.max(amax, axis=0)
-            # two loops, so the common one carries no scaling multiply (the form measured)
-            if row_amax >= _TINY_AMAX:
+            # three loops, so the common ones carry no scaling multiply (the form measured)
+            if short_division_admits(row_amax, row_amax, FAST_DIV):
+                inv = tl.div_rn(1.0, row_amax)
+                for k0 in range(0, K, BLOCK_K):
+                    mask = k0 + offs < K
+                    x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(q_row + k0 + offs, fp8_quantize_short(x, row_amax, inv), mask=mask)
+            elif row_amax >= _TINY_AMAX:
                 for k0 in range(0, K, BLOCK_K):
                     mask = k0 + offs < K
                     x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
@@ -136,10 +246,11 @@ def _act_quant_kernel(
             tl.store(s_row, tl.div_rn(row_amax, 448.0))
     else:
         if SPLIT_K:
-            _quant_groups(x_row, q_row, s_row, tl.program_id(1) * BLOCK_K, K, GROUP_K, BLOCK_K)
+            _quant_groups(x_row, q_row, s_row, tl.program_id(1) * BLOCK_K, K, GROUP_K, BLOCK_K,
+                          FAST_DIV)
         else:
             for k0 in range(0, K, BLOCK_K):
-                _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K, BLOCK_K)
+                _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K, BLOCK_K, FAST_DIV)
 
 
 # Rows at or below which the columns are spread over programs (SPLIT_K), per quant mode: the
@@ -190,6 +301,27 @@ if SLICE_K and (SLICE_K < 16 or SLICE_K & (SLICE_K - 1)):
     raise ValueError(f"MOE_OPS_ACT_QUANT_SLICE_K must be 0 or a power of two >= 16, "
                      f"got {SLICE_K}")
 SLICE_MAX_ROWS = 64
+# bf16 / fp16 rows quantized by fp8_quantize_short (one correction step on a quotient by the
+# row's reciprocal) instead of a correctly rounded division a value; the same codes (see its
+# doc; the sm_90 build of the short-row form: ~43 instructions a value before, most of them
+# the division's). Measured on an H200 (`bash benchmarks/h200_run.sh aqdiv`, results/
+# h200_act_quant_div*_twentyfifth.*, h200_ab_aqdiv_*_twentyfifth.json; one row a program):
+# every input of dev_act_quant.py bit for bit, random and midpoint rows; Qwen3's intermediate
+# 215 -> 162 us, DeepSeek-V3's x 144 -> 115 and intermediate 332 -> 253, Mixtral's x 84 -> 56
+# and intermediate 561 -> 516, decode sizes 1-2 us faster; the layers within 1% in the
+# geometric mean of 16 points (Qwen3 fp8 T = 1 7%, T = 16384 2.5% faster; the runs' spread is
+# 2-3%). MOE_OPS_ACT_QUANT_SHORT_DIVISION=0: off.
+SHORT_DIVISION = env_choice("MOE_OPS_ACT_QUANT_SHORT_DIVISION", "1", ("0", "1")) == "1"
+# Short rows (SHORT_ROW_K) a program, loaded together. Why: with one 768-wide row a program an
+# SM holds 16 programs' loads, ~24 KB, in flight, and the kernel moved 1.9 TB/s (Qwen3-30B-A3B's
+# intermediate at T = 16384, with the short division): latency-bound. Packing rows measured
+# slower when the divisions bound the kernel (results/h200_act_quant_rows_ab.json); without
+# them, on an H200 (`bash benchmarks/h200_run.sh aqdiv`, results/h200_act_quant_rows_*_
+# twentyfifth.log, h200_ab_aqrows_*_twentyfifth.json): that intermediate 162 -> 90 / 85.5 /
+# 90.5 us at 2 / 4 / 8 rows (3.4-3.5 TB/s, bit for bit), the Qwen3 fp8 layer at T = 1024 / 4096
+# / 16384 2.7 / 2-3 / 3-3.4% faster at 2 (4: about the same, 0.4% slower at 16384), T = 64
+# equal. So 2; MOE_OPS_ACT_QUANT_SHORT_ROWS=1: one a program.
+SHORT_ROWS = int(env_choice("MOE_OPS_ACT_QUANT_SHORT_ROWS", "2", ("1", "2", "4", "8")))
 
 
 def act_quant(
@@ -242,13 +374,46 @@ def act_quant(
     if M == 0:
         return q, scales
     skip = sorted_pair_ids is not None
-    grid = (M, cdiv(K, slice_k or block_k)) if split_k else (M,)
+    rows = SHORT_ROWS if load_first else 1
+    grid = ((cdiv(M, rows),) if rows > 1 else (M, cdiv(K, slice_k or block_k)) if split_k
+            else (M,))
     _act_quant_kernel[grid](
         x, q, scales, sorted_pair_ids if skip else x,
-        num_pairs, K,
+        num_pairs, M, K,
         x.stride(0), q.stride(0), stride_sm,
         GROUP_K=group_k, BLOCK_K=block_k, SPLIT_K=split_k, SKIP_PAD_ROWS=skip,
         num_warps=num_warps, LOAD_FIRST=load_first, SLICE_K=slice_k,
+        FAST_DIV=SHORT_DIVISION and x.dtype in (torch.bfloat16, torch.float16) and hw_e4m3(x.device),
+        ROWS=rows,
         USE_PDL=use_pdl(x.device), **pdl_launch_options(x.device),
     )
     return q, scales
+
+
+def compile_sm90(*, quant: str = "fp8", k: int = 768, split_k: bool = True,
+                 load_first: bool = False, slice_k: int = 0, fast_div: bool = True,
+                 rows: int = 1, num_warps: int = 4):
+    """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel; not under
+    TRITON_INTERPRET): bf16 rows of k columns with sorted pair ids, the block act_quant takes for
+    them. Returns triton's CompiledKernel."""
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    if quant == "fp8":
+        group_k, block_k = 0, next_power_of_2(k) if split_k else min(next_power_of_2(k), 2048)
+    else:
+        group_k, block_k = FP8_BLOCK, FP8_BLOCK * min(next_power_of_2(cdiv(k, FP8_BLOCK)), 8)
+    consts = dict(GROUP_K=group_k, BLOCK_K=block_k, SPLIT_K=split_k, SKIP_PAD_ROWS=True,
+                  USE_PDL=True, LOAD_FIRST=load_first, SLICE_K=slice_k, FAST_DIV=fast_div,
+                  ROWS=rows)
+    types = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32", sorted_pair_ids_ptr="*i32")
+    signature = {name: "constexpr" if name in consts else types.get(name, "i32")
+                 for name in inspect.signature(_act_quant_kernel.fn).parameters}
+    # the launcher's specialization: 16-byte aligned pointers, strides and K multiples of 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+             if signature[name] != "constexpr"
+             and (name.endswith("_ptr") or name.startswith("stride") or name == "K")}
+    return triton.compile(ASTSource(fn=_act_quant_kernel, signature=signature, constexprs=consts,
+                                    attrs=attrs),
+                          target=GPUTarget("cuda", 90, 128), options=dict(num_warps=num_warps))

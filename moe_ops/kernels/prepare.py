@@ -50,6 +50,7 @@ import triton.language as tl
 
 from moe_ops import quant as q
 from moe_ops.kernels import INTERPRET
+from moe_ops.kernels.act_quant import hw_e4m3
 from moe_ops.kernels.common import (
     capability_at_least, cdiv, next_power_of_2, round_to_e4m3_grid,
 )
@@ -109,12 +110,6 @@ NVFP4_FUSED_AMAX = False
 # The order of the fused launch's programs (see _nvfp4_schedule).
 NVFP4_SCHEDULES = ("sequential", "interleaved")
 NVFP4_SCHEDULE = "interleaved"
-
-
-def _hw_e4m3(device: torch.device) -> bool:
-    """Whether the GPU converts float32 -> e4m3 itself (cvt.rn.satfinite.e4m3x2.f32, sm_89+);
-    never in the interpreter."""
-    return capability_at_least(device, (8, 9))
 
 
 @triton.jit
@@ -1033,7 +1028,7 @@ def quantize_scatter(
     dst = dst.view(torch.uint8) if dst.dtype == q.FP8_DTYPE else dst
     if has_scale and scale_dst.dtype == q.FP8_DTYPE:
         scale_dst = scale_dst.view(torch.uint8)
-    hw = _hw_e4m3(w.device)
+    hw = hw_e4m3(w.device)
     scale_strides = (scale_dst.stride(0), scale_dst.stride(1)) if has_scale else (0, 0)
     scale_arg = scale_dst if has_scale else dst
     scale_rows_arg = scale_rows if scale_rows is not None else dst_rows
