@@ -12,6 +12,9 @@ written over the median time). The exit status is 1 if any value differs.
     python benchmarks/dev_act_quant.py --decode
     # only some cases (by a word of their name)
     python benchmarks/dev_act_quant.py --cases qwen3
+    # the prefill cases in each of the kernel's forms: the launcher's pick, split_k on (a row
+    # read whole or its 128-column groups a program each) and off (looped)
+    python benchmarks/dev_act_quant.py --forms
 
 Writes JSON (command, GPU, date, records) and prints a table last.
 """
@@ -78,6 +81,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("act_quant.json"))
     parser.add_argument("--decode", action="store_true",
                         help="decode sizes, split_k off and on, as CUDA-graph replays")
+    parser.add_argument("--forms", action="store_true",
+                        help="the launcher's form beside split_k on and off (prefill cases)")
     parser.add_argument("--cases", nargs="+", default=None,
                         help="only the cases whose name holds one of these words")
     args = parser.parse_args()
@@ -90,6 +95,9 @@ def main() -> int:
         variants = {"act_quant": lambda x, quant: act_quant(x, quant, split_k=True),
                     "looped": lambda x, quant: act_quant(x, quant, split_k=False)}
         time_one = lambda fn: graph_timer(fn) * 1e6
+    elif args.forms:
+        variants.update(split=lambda x, quant: act_quant(x, quant, split_k=True),
+                        looped=lambda x, quant: act_quant(x, quant, split_k=False))
     if args.cases:
         cases = tuple(c for c in cases if any(word in c[0] for word in args.cases))
         if not cases:
