@@ -333,19 +333,28 @@ def act_quant_grids(monkeypatch):
 def test_act_quant_splits_by_live_rows(monkeypatch, act_quant_grids):
     """The form act_quant picks: SPLIT_K up to SPLIT_K_MAX_ROWS live rows, counted as num_pairs
     when sentinel rows are skipped (a decode intermediate's padded buffer is mostly
-    sentinels), and for fp8 only rows of at most WHOLE_ROW_MAX_K columns."""
+    sentinels), and for fp8 only rows of at most WHOLE_ROW_MAX_K columns; fp8 rows wider than
+    WIDE_ROW_K read whole at any row count, bit for bit the looped form's codes."""
     from moe_ops.kernels import act_quant as aq
     grids = act_quant_grids
     monkeypatch.setattr(aq, "SPLIT_K_MAX_ROWS", {"fp8": 4, "fp8_block": 4})
+    monkeypatch.setattr(aq, "WIDE_ROW_K", 128)
     x = torch.randn(12, 256).to(torch.bfloat16).to(DEVICE)
     ids = torch.full((12,), 3, dtype=torch.int32)
     ids[:3] = torch.arange(3)
     aq.act_quant(x, "fp8_block")                       # 12 rows > 4: looped
     aq.act_quant(x, "fp8_block", ids.to(DEVICE), 3)   # 3 live rows: split
     aq.act_quant(x[:4], "fp8")                         # 4 rows: split, the row whole
+    monkeypatch.setattr(aq, "SHORT_ROW_K", 64)
+    aq.act_quant(x, "fp8")                             # 12 rows, 256 > WIDE_ROW_K: split
+    q, s = aq.act_quant(x, "fp8")
+    q_ref, s_ref = act_quant(x, "fp8", split_k=False)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    monkeypatch.setattr(aq, "WIDE_ROW_K", 256)
+    aq.act_quant(x, "fp8")                             # 256 columns, not wider: looped
     monkeypatch.setattr(aq, "WHOLE_ROW_MAX_K", 128)
     aq.act_quant(x[:4], "fp8")                         # too wide to read whole: looped
-    assert [len(g) for g in grids] == [1, 2, 2, 1]
+    assert [len(g) for g in grids] == [1, 2, 2, 2, 2, 1, 1, 1], grids
 
 
 @pytest.mark.parametrize("split_k", [False, True])

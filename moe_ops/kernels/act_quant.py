@@ -8,6 +8,10 @@ The token rows of x are quantized once per token (not once per routed pair): GEM
 the quantized rows by token. For GEMM2's input (the intermediate, one row per sorted position)
 padding rows are skipped by reading sorted_pair_ids: those rows are masked out by GEMM2 anyway,
 and at decode sizes they are most of the buffer.
+
+The quotient x * 448 / amax is float32's correctly rounded one, as quant.py's: on a GPU with its
+own e4m3 cast, for bf16 / fp16 rows, by one reciprocal a row and an fma correction a value
+(fp8_quantize_short), elsewhere by a correctly rounded division a value (fp8_quantize).
 """
 from __future__ import annotations
 
@@ -115,8 +119,8 @@ def _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K: tl.constexpr, BLOCK_K: tl
     # (each branch stores its codes: float8 values yielded out of a branch came out wrong, one
     # of each thread's 8, on an H200 with Triton 3.6)
     if short_division_admits(tl.min(amax, axis=0), tl.max(amax, axis=0), FAST_DIV):
-        tl.store(q_row + offs, fp8_quantize_short(x2, amax[:, None], tl.div_rn(1.0, amax)[:, None]),
-                 mask=mask)
+        inv = tl.div_rn(1.0, amax)[:, None]
+        tl.store(q_row + offs, fp8_quantize_short(x2, amax[:, None], inv), mask=mask)
     else:
         tl.store(q_row + offs, quantize_any(x2, amax[:, None]), mask=mask)
     g = k0 // GROUP_K + tl.arange(0, GROUPS)
@@ -175,7 +179,9 @@ def _act_quant_kernel(
     issued before its pair id is known, so the two latencies overlap (a padding row is read
     for nothing). SLICE_K (fp8, SPLIT_K): each of a row's cdiv(K, SLICE_K) programs reads the
     whole row for its amax and quantizes one slice of SLICE_K columns (the divisions of a long
-    row spread over SMs; the same codes)."""
+    row spread over SMs; the same codes). ROWS (fp8's short rows, LOAD_FIRST): ROWS rows a
+    program, loaded together (_quant_short_rows). FAST_DIV: bf16 / fp16 values on a GPU that
+    converts to e4m3 itself, whose rows (groups) in range take fp8_quantize_short."""
     pdl_prologue(USE_PDL)
     if ROWS > 1:
         _quant_short_rows(x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr, num_pairs, M, K,
@@ -212,8 +218,8 @@ def _act_quant_kernel(
                     tl.store(q_row + cols, quantize_any(x_slice, row_amax), mask=cols < K)
             else:
                 if short:
-                    tl.store(q_row + offs, fp8_quantize_short(x, row_amax, tl.div_rn(1.0, row_amax)),
-                             mask=mask)
+                    tl.store(q_row + offs,
+                             fp8_quantize_short(x, row_amax, tl.div_rn(1.0, row_amax)), mask=mask)
                 else:
                     tl.store(q_row + offs, quantize_any(x, row_amax), mask=mask)
         else:
@@ -308,10 +314,21 @@ SLICE_MAX_ROWS = 64
 # h200_act_quant_div*_twentyfifth.*, h200_ab_aqdiv_*_twentyfifth.json; one row a program):
 # every input of dev_act_quant.py bit for bit, random and midpoint rows; Qwen3's intermediate
 # 215 -> 162 us, DeepSeek-V3's x 144 -> 115 and intermediate 332 -> 253, Mixtral's x 84 -> 56
-# and intermediate 561 -> 516, decode sizes 1-2 us faster; the layers within 1% in the
-# geometric mean of 16 points (Qwen3 fp8 T = 1 7%, T = 16384 2.5% faster; the runs' spread is
-# 2-3%). MOE_OPS_ACT_QUANT_SHORT_DIVISION=0: off.
+# and intermediate 561 -> 516, decode sizes up to 6 us faster; the fp8 / fp8_block layers 1.1%
+# faster in the geometric mean of 16 points (Qwen3 fp8 T = 1 7%, T = 16384 2.5%; the runs'
+# spread is 2-3%; an A/B on which the tuner's tables did not apply, so relative figures).
+# MOE_OPS_ACT_QUANT_SHORT_DIVISION=0: off.
 SHORT_DIVISION = env_choice("MOE_OPS_ACT_QUANT_SHORT_DIVISION", "1", ("0", "1")) == "1"
+# fp8 rows wider than WIDE_ROW_K columns (and at most WHOLE_ROW_MAX_K) read whole (SPLIT_K, 16
+# warps a row) at any row count, not only up to SPLIT_K_MAX_ROWS: its one-program rows were
+# slower than the looped form's two passes at 512 rows while each value took a correctly
+# rounded division; with the short division (dev_act_quant.py --forms / --decode on an H200,
+# results/h200_act_quant_forms_twentyfifth.log, h200_act_quant_div_decode_twentyfifth.log)
+# Mixtral's 14336-wide intermediate at T = 16384 (32768 rows) 516 -> 351 us, at 512 rows
+# 10.0 -> 8.9 us, bit for bit; 4096-wide rows (Mixtral's x) stay faster looped (56 against
+# 63 us). Llama 4's 8192-wide intermediate, not measured, stays looped; the layers with the
+# rule not yet measured. MOE_OPS_ACT_QUANT_WIDE_ROW_K=0: off.
+WIDE_ROW_K = env_int("MOE_OPS_ACT_QUANT_WIDE_ROW_K", 8192)
 # Short rows (SHORT_ROW_K) a program, loaded together. Why: with one 768-wide row a program an
 # SM holds 16 programs' loads, ~24 KB, in flight, and the kernel moved 1.9 TB/s (Qwen3-30B-A3B's
 # intermediate at T = 16384, with the short division): latency-bound. Packing rows measured
@@ -320,7 +337,8 @@ SHORT_DIVISION = env_choice("MOE_OPS_ACT_QUANT_SHORT_DIVISION", "1", ("0", "1"))
 # twentyfifth.log, h200_ab_aqrows_*_twentyfifth.json): that intermediate 162 -> 90 / 85.5 /
 # 90.5 us at 2 / 4 / 8 rows (3.4-3.5 TB/s, bit for bit), the Qwen3 fp8 layer at T = 1024 / 4096
 # / 16384 2.7 / 2-3 / 3-3.4% faster at 2 (4: about the same, 0.4% slower at 16384), T = 64
-# equal. So 2; MOE_OPS_ACT_QUANT_SHORT_ROWS=1: one a program.
+# equal (an A/B on which the tuner's tables did not apply: relative figures). So 2;
+# MOE_OPS_ACT_QUANT_SHORT_ROWS=1: one a program.
 SHORT_ROWS = int(env_choice("MOE_OPS_ACT_QUANT_SHORT_ROWS", "2", ("1", "2", "4", "8")))
 
 
@@ -352,6 +370,8 @@ def act_quant(
         split_k = live_rows <= SPLIT_K_MAX_ROWS[quant]
         if not split_k and quant == "fp8" and K <= SHORT_ROW_K:
             split_k = load_first = True
+        elif not split_k and quant == "fp8" and 0 < WIDE_ROW_K < K:
+            split_k = True
     if quant == "fp8":
         scales = torch.empty((M,), dtype=torch.float32, device=x.device)
         split_k = split_k and K <= WHOLE_ROW_MAX_K
@@ -383,7 +403,8 @@ def act_quant(
         x.stride(0), q.stride(0), stride_sm,
         GROUP_K=group_k, BLOCK_K=block_k, SPLIT_K=split_k, SKIP_PAD_ROWS=skip,
         num_warps=num_warps, LOAD_FIRST=load_first, SLICE_K=slice_k,
-        FAST_DIV=SHORT_DIVISION and x.dtype in (torch.bfloat16, torch.float16) and hw_e4m3(x.device),
+        FAST_DIV=(SHORT_DIVISION and x.dtype in (torch.bfloat16, torch.float16)
+                  and hw_e4m3(x.device)),
         ROWS=rows,
         USE_PDL=use_pdl(x.device), **pdl_launch_options(x.device),
     )
