@@ -350,11 +350,18 @@ def test_act_quant_splits_by_live_rows(monkeypatch, act_quant_grids):
     q, s = aq.act_quant(x, "fp8")
     q_ref, s_ref = act_quant(x, "fp8", split_k=False)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    aq.act_quant(x.float(), "fp8")                     # float32 rows (no short division): looped
     monkeypatch.setattr(aq, "WIDE_ROW_K", 256)
     aq.act_quant(x, "fp8")                             # 256 columns, not wider: looped
     monkeypatch.setattr(aq, "WHOLE_ROW_MAX_K", 128)
     aq.act_quant(x[:4], "fp8")                         # too wide to read whole: looped
-    assert [len(g) for g in grids] == [1, 2, 2, 2, 2, 1, 1, 1], grids
+    # short rows (SHORT_ROW_K) too wide to read whole: looped, not the packed short rows' form
+    # (which reads one BLOCK_K of columns)
+    monkeypatch.setattr(aq, "SHORT_ROW_K", 512)
+    q, s = aq.act_quant(x, "fp8")
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    assert [len(g) for g in grids] == [1, 2, 2, 2, 2, 1, 1, 1, 1, 1], grids
+    assert grids[-1] == (12,), grids                  # one row a program
 
 
 @pytest.mark.parametrize("split_k", [False, True])

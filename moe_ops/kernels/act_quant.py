@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_ops.kernels import INTERPRET
 from moe_ops.kernels.common import (
     FP8_BLOCK, capability_at_least, cdiv, fp8_quantize, next_power_of_2, pdl_launch_options,
     pdl_prologue, use_pdl,
@@ -58,9 +59,13 @@ def fp8_quantize_short(v, amax, inv):
     y0 = a * inv, r = a - y0 * amax (exact, by fma), y = y0 + r * inv (fma), a = v * 448 exact.
     That y is float32's correct rounding of a / amax is checked over every pair of significands
     of bf16 and fp16 (tests/test_act_quant_division.py; the quotient's rounding only depends on
-    them away from float32's overflow and underflow, which the amax range keeps out), not for
-    float32 values, which take fp8_quantize. The hardware cast rounds to nearest even and
-    saturates to +-448, fp8_quantize's clamp and grid rounding."""
+    them away from float32's overflow and underflow: the amax range keeps overflow out, and
+    quotients below 2^-10 round to an e4m3 zero whatever y0 and r are; r may be a float32
+    subnormal for an amax near 2^-96, exact still, a multiple of 2^-140, as long as
+    subnormals are kept: the build has no .ftz, which the test checks), not for float32
+    values, which take fp8_quantize. The hardware cast rounds to nearest even and saturates
+    to +-448, fp8_quantize's clamp and grid rounding; the codes are fp8_quantize's for finite
+    values (a NaN value gives a NaN code here, -448 there; neither is quant.py's NaN row)."""
     a = v * 448.0
     y0 = a * inv
     r = tl.fma(y0, -amax, a)
@@ -327,7 +332,8 @@ SHORT_DIVISION = env_choice("MOE_OPS_ACT_QUANT_SHORT_DIVISION", "1", ("0", "1"))
 # Mixtral's 14336-wide intermediate at T = 16384 (32768 rows) 516 -> 351 us, at 512 rows
 # 10.0 -> 8.9 us, bit for bit; 4096-wide rows (Mixtral's x) stay faster looped (56 against
 # 63 us). Llama 4's 8192-wide intermediate, not measured, stays looped; the layers with the
-# rule not yet measured. MOE_OPS_ACT_QUANT_WIDE_ROW_K=0: off.
+# rule not yet measured. Where the short division applies only (act_quant: short_forms).
+# MOE_OPS_ACT_QUANT_WIDE_ROW_K=0: off.
 WIDE_ROW_K = env_int("MOE_OPS_ACT_QUANT_WIDE_ROW_K", 8192)
 # Short rows (SHORT_ROW_K) a program, loaded together. Why: with one 768-wide row a program an
 # SM holds 16 programs' loads, ~24 KB, in flight, and the kernel moved 1.9 TB/s (Qwen3-30B-A3B's
@@ -337,8 +343,9 @@ WIDE_ROW_K = env_int("MOE_OPS_ACT_QUANT_WIDE_ROW_K", 8192)
 # twentyfifth.log, h200_ab_aqrows_*_twentyfifth.json): that intermediate 162 -> 90 / 85.5 /
 # 90.5 us at 2 / 4 / 8 rows (3.4-3.5 TB/s, bit for bit), the Qwen3 fp8 layer at T = 1024 / 4096
 # / 16384 2.7 / 2-3 / 3-3.4% faster at 2 (4: about the same, 0.4% slower at 16384), T = 64
-# equal (an A/B on which the tuner's tables did not apply: relative figures). So 2;
-# MOE_OPS_ACT_QUANT_SHORT_ROWS=1: one a program.
+# equal (an A/B on which the tuner's tables did not apply: relative figures). So 2, where the
+# short division applies (act_quant: short_forms); MOE_OPS_ACT_QUANT_SHORT_ROWS=1: one a
+# program. SHORT_ROW_WARPS then does not apply (its 1 or 2 warps would hold up to 8 rows).
 SHORT_ROWS = int(env_choice("MOE_OPS_ACT_QUANT_SHORT_ROWS", "2", ("1", "2", "4", "8")))
 
 
@@ -366,21 +373,29 @@ def act_quant(
     q = torch.empty((M, K), dtype=out_dtype, device=x.device)
     load_first = False
     live_rows = min(M, num_pairs) if sorted_pair_ids is not None else M
+    fast_div = (SHORT_DIVISION and x.dtype in (torch.bfloat16, torch.float16)
+                and hw_e4m3(x.device))
+    # The forms measured faster with the short division only (packed short rows, wide rows
+    # whole): with a division a value they were slower. The interpreter, which has no short
+    # division, runs them for bf16 / fp16 rows as the GPU does, to test them.
+    short_forms = fast_div or (INTERPRET and SHORT_DIVISION
+                               and x.dtype in (torch.bfloat16, torch.float16))
     if split_k is None:
         split_k = live_rows <= SPLIT_K_MAX_ROWS[quant]
         if not split_k and quant == "fp8" and K <= SHORT_ROW_K:
             split_k = load_first = True
-        elif not split_k and quant == "fp8" and 0 < WIDE_ROW_K < K:
+        elif not split_k and quant == "fp8" and short_forms and 0 < WIDE_ROW_K < K:
             split_k = True
     if quant == "fp8":
         scales = torch.empty((M,), dtype=torch.float32, device=x.device)
         split_k = split_k and K <= WHOLE_ROW_MAX_K
+        load_first = load_first and split_k
         group_k, stride_sm = 0, 1
         block_k = next_power_of_2(K) if split_k else min(next_power_of_2(K), 2048)
         # the whole row: about 32 values a thread
         num_warps = (min(16, max(4, block_k // 1024)) if split_k
                      else 4 if block_k >= 512 else 1)
-        if load_first and SHORT_ROW_WARPS:
+        if load_first and SHORT_ROW_WARPS and not (short_forms and SHORT_ROWS > 1):
             num_warps = SHORT_ROW_WARPS
         slice_k = (SLICE_K if split_k and not load_first and 0 < SLICE_K < K
                    and live_rows <= SLICE_MAX_ROWS else 0)
@@ -394,7 +409,7 @@ def act_quant(
     if M == 0:
         return q, scales
     skip = sorted_pair_ids is not None
-    rows = SHORT_ROWS if load_first else 1
+    rows = SHORT_ROWS if load_first and short_forms else 1
     grid = ((cdiv(M, rows),) if rows > 1 else (M, cdiv(K, slice_k or block_k)) if split_k
             else (M,))
     _act_quant_kernel[grid](
@@ -403,9 +418,7 @@ def act_quant(
         x.stride(0), q.stride(0), stride_sm,
         GROUP_K=group_k, BLOCK_K=block_k, SPLIT_K=split_k, SKIP_PAD_ROWS=skip,
         num_warps=num_warps, LOAD_FIRST=load_first, SLICE_K=slice_k,
-        FAST_DIV=(SHORT_DIVISION and x.dtype in (torch.bfloat16, torch.float16)
-                  and hw_e4m3(x.device)),
-        ROWS=rows,
+        FAST_DIV=fast_div, ROWS=rows,
         USE_PDL=use_pdl(x.device), **pdl_launch_options(x.device),
     )
     return q, scales
