@@ -35,6 +35,7 @@ from moe_ops.quant import quantize_fp8_per_token, quantize_fp8_per_token_group  
 
 # (name, quant, rows, K): GEMM1's x and GEMM2's intermediate at T = 16384 (rows = T * k).
 CASES = (("mixtral x", "fp8", 16384, 4096), ("mixtral intermediate", "fp8", 32768, 14336),
+         ("llama4 x", "fp8", 16384, 5120), ("llama4 intermediate", "fp8", 16384, 8192),
          ("qwen3 intermediate", "fp8", 131072, 768),
          ("deepseek x", "fp8_block", 16384, 7168),
          ("deepseek intermediate", "fp8_block", 131072, 2048))

@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -201,6 +201,10 @@
 # passes; then act_quant's short rows 2 / 4 / 8 a program (MOE_OPS_ACT_QUANT_SHORT_ROWS) on
 # Qwen3's intermediate (dev_act_quant.py) and the Qwen3 fp8 layer with 1 / 2 / 4, two
 # alternated passes; about 6 minutes.
+# aqwide: fp8 rows read whole at any row count above MOE_OPS_ACT_QUANT_WIDE_ROW_K columns (0:
+# never; 8192, the default: Mixtral's 14336-wide intermediate; 4096: Llama 4's 5120- and
+# 8192-wide rows too): dev_act_quant.py --forms on Mixtral's and Llama 4's rows, then the two
+# fp8 layers at T = 256-16384 with 0 / 8192 / 4096, two alternated passes; about 4 minutes.
 # wsgather: GEMM1 of the warp-specialized kernel gathering its token rows by cp.async
 # (MOE_OPS_WS_GATHER=1; the default "auto" does for GEMM1s of N <= 2048) against
 # align.gather_rows' copy (0): its GPU tests (bit
@@ -939,6 +943,13 @@ if [[ "$what" == aqdiv ]]; then
     mixtral_8x7b llama4_scout deepseek_v3 --quant fp8 fp8_block --tokens 1 64 4096 16384
   ab_passes aqrows 40 4 MOE_OPS_ACT_QUANT_SHORT_ROWS "1 2 4" -- --models qwen3_30b_a3b \
     --quant fp8 --tokens 64 1024 4096 16384
+fi
+if [[ "$what" == aqwide ]]; then
+  timeout 60 python3 benchmarks/dev_act_quant.py --forms --cases mixtral llama4 \
+    --out "$out/act_quant_forms_wide.json" > "$out/act_quant_forms_wide.log" 2>&1 || status=1
+  tail -n 13 "$out/act_quant_forms_wide.log"
+  ab_passes aqwide 60 8 MOE_OPS_ACT_QUANT_WIDE_ROW_K "0 8192 4096" -- --models mixtral_8x7b \
+    llama4_scout --quant fp8 --tokens 256 1024 4096 16384
 fi
 if [[ "$what" == tune16 ]]; then
   ship_tables qwen3_30b_a3b:none qwen3_30b_a3b:fp8 mixtral_8x7b:none mixtral_8x7b:fp8 \
