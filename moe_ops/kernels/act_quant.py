@@ -107,6 +107,18 @@ def quantize_any(v, amax):
 
 
 @triton.jit
+def store_codes(ptrs, mask, v, amax, amax_min, amax_max, FAST_DIV: tl.constexpr):
+    """Store the e4m3 codes of v (amax: its rows' or groups', broadcast against it):
+    fp8_quantize_short where short_division_admits(amax_min, amax_max), else quantize_any.
+    Each branch stores its own codes: float8 values yielded out of a branch came out wrong,
+    one of each thread's 8, on an H200 with Triton 3.6."""
+    if short_division_admits(amax_min, amax_max, FAST_DIV):
+        tl.store(ptrs, fp8_quantize_short(v, amax, tl.div_rn(1.0, amax)), mask=mask)
+    else:
+        tl.store(ptrs, quantize_any(v, amax), mask=mask)
+
+
+@triton.jit
 def _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr,
                   FAST_DIV: tl.constexpr):
     """fp8_block: columns [k0, k0 + BLOCK_K) of a row, one scale per GROUP_K of them."""
@@ -121,13 +133,8 @@ def _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K: tl.constexpr, BLOCK_K: tl
     # (columns past K load as zeros: a whole group of them has a zero amax, which sends the
     # step to quantize_any; a K that is a multiple of BLOCK_K, DeepSeek's 7168 and 2048, has
     # none)
-    # (each branch stores its codes: float8 values yielded out of a branch came out wrong, one
-    # of each thread's 8, on an H200 with Triton 3.6)
-    if short_division_admits(tl.min(amax, axis=0), tl.max(amax, axis=0), FAST_DIV):
-        inv = tl.div_rn(1.0, amax)[:, None]
-        tl.store(q_row + offs, fp8_quantize_short(x2, amax[:, None], inv), mask=mask)
-    else:
-        tl.store(q_row + offs, quantize_any(x2, amax[:, None]), mask=mask)
+    store_codes(q_row + offs, mask, x2, amax[:, None], tl.min(amax, axis=0),
+                tl.max(amax, axis=0), FAST_DIV)
     g = k0 // GROUP_K + tl.arange(0, GROUPS)
     # the unscaled amax's scale (the quantized values are the same either way)
     tl.store(s_row + g, group_scale(amax), mask=g * GROUP_K < K)
@@ -151,14 +158,9 @@ def _quant_short_rows(x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr, num_pairs, M
     amax = tl.max(tl.abs(x), axis=1)
     # a padding row's amax (unwritten memory) does not send the live ones to quantize_any
     live_amax = tl.where(live, amax, 1.0)
-    q_ptrs = q_ptr + rows64[:, None] * stride_qm + cols[None, :]
-    mask = live[:, None] & (cols < K)[None, :]
-    # (each branch stores: see _quant_groups)
-    if short_division_admits(tl.min(live_amax, axis=0), tl.max(live_amax, axis=0), FAST_DIV):
-        tl.store(q_ptrs, fp8_quantize_short(x, amax[:, None], tl.div_rn(1.0, amax)[:, None]),
-                 mask=mask)
-    else:
-        tl.store(q_ptrs, quantize_any(x, amax[:, None]), mask=mask)
+    store_codes(q_ptr + rows64[:, None] * stride_qm + cols[None, :],
+                live[:, None] & (cols < K)[None, :], x, amax[:, None],
+                tl.min(live_amax, axis=0), tl.max(live_amax, axis=0), FAST_DIV)
     tl.store(scale_ptr + rows64, tl.div_rn(amax, 448.0), mask=live)
 
 
@@ -210,23 +212,13 @@ def _act_quant_kernel(
                 if tl.load(sorted_pair_ids_ptr + row) >= num_pairs:
                     return
             row_amax = tl.max(tl.abs(x), axis=0)
-            short = short_division_admits(row_amax, row_amax, FAST_DIV)
             if SLICE_K > 0:
                 cols = tl.program_id(1) * SLICE_K + tl.arange(0, SLICE_K)
                 x_slice = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-                # (each branch stores: see _quant_groups)
-                if short:
-                    tl.store(q_row + cols, fp8_quantize_short(x_slice, row_amax,
-                                                              tl.div_rn(1.0, row_amax)),
-                             mask=cols < K)
-                else:
-                    tl.store(q_row + cols, quantize_any(x_slice, row_amax), mask=cols < K)
+                store_codes(q_row + cols, cols < K, x_slice, row_amax, row_amax, row_amax,
+                            FAST_DIV)
             else:
-                if short:
-                    tl.store(q_row + offs,
-                             fp8_quantize_short(x, row_amax, tl.div_rn(1.0, row_amax)), mask=mask)
-                else:
-                    tl.store(q_row + offs, quantize_any(x, row_amax), mask=mask)
+                store_codes(q_row + offs, mask, x, row_amax, row_amax, row_amax, FAST_DIV)
         else:
             amax = tl.zeros([BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -349,6 +341,14 @@ WIDE_ROW_K = env_int("MOE_OPS_ACT_QUANT_WIDE_ROW_K", 8192)
 SHORT_ROWS = int(env_choice("MOE_OPS_ACT_QUANT_SHORT_ROWS", "2", ("1", "2", "4", "8")))
 
 
+def _block(quant: str, k: int, split_k: bool) -> Tuple[int, int]:
+    """(GROUP_K, BLOCK_K) of a launch on rows of k columns: fp8 a whole row (split_k) or steps
+    of at most 2048 columns; fp8_block up to 8 groups of 128 a step."""
+    if quant == "fp8":
+        return 0, next_power_of_2(k) if split_k else min(next_power_of_2(k), 2048)
+    return FP8_BLOCK, FP8_BLOCK * min(next_power_of_2(cdiv(k, FP8_BLOCK)), 8)
+
+
 def act_quant(
     x: torch.Tensor,
     quant: str,
@@ -390,8 +390,8 @@ def act_quant(
         scales = torch.empty((M,), dtype=torch.float32, device=x.device)
         split_k = split_k and K <= WHOLE_ROW_MAX_K
         load_first = load_first and split_k
-        group_k, stride_sm = 0, 1
-        block_k = next_power_of_2(K) if split_k else min(next_power_of_2(K), 2048)
+        group_k, block_k = _block(quant, K, split_k)
+        stride_sm = 1
         # the whole row: about 32 values a thread
         num_warps = (min(16, max(4, block_k // 1024)) if split_k
                      else 4 if block_k >= 512 else 1)
@@ -401,8 +401,7 @@ def act_quant(
                    and live_rows <= SLICE_MAX_ROWS else 0)
     else:
         scales = torch.empty((M, cdiv(K, FP8_BLOCK)), dtype=torch.float32, device=x.device)
-        group_k = FP8_BLOCK
-        block_k = FP8_BLOCK * min(next_power_of_2(cdiv(K, FP8_BLOCK)), 8)
+        group_k, block_k = _block(quant, K, split_k)
         stride_sm = scales.stride(0)
         num_warps = 4 if block_k >= 512 else 1
         slice_k = 0
@@ -434,10 +433,7 @@ def compile_sm90(*, quant: str = "fp8", k: int = 768, split_k: bool = True,
 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    if quant == "fp8":
-        group_k, block_k = 0, next_power_of_2(k) if split_k else min(next_power_of_2(k), 2048)
-    else:
-        group_k, block_k = FP8_BLOCK, FP8_BLOCK * min(next_power_of_2(cdiv(k, FP8_BLOCK)), 8)
+    group_k, block_k = _block(quant, k, split_k)
     consts = dict(GROUP_K=group_k, BLOCK_K=block_k, SPLIT_K=split_k, SKIP_PAD_ROWS=True,
                   USE_PDL=True, LOAD_FIRST=load_first, SLICE_K=slice_k, FAST_DIV=fast_div,
                   ROWS=rows)
