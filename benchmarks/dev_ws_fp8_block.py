@@ -7,7 +7,9 @@ routed pair times a routing weight of 1), so every kernel computes the same thin
 deepseek_v3 (default): fp8_block, 256 experts, top_k 8, GEMM1 N = 4096, K = 7168, GEMM2
 N = 7168, K = 2048; A_sorted [M_pad, K] e4m3 with scales [M_pad, K/128] fp32, W [E, N, K] e4m3
 with scales [E, N/128, K/128]. --model mixtral_8x7b: fp8 per tensor, 8 experts, top_k 2,
-GEMM1 N = 28672, K = 4096, GEMM2 N = 4096, K = 14336; one scale per row and per weight row.
+GEMM1 N = 28672, K = 4096, GEMM2 N = 4096, K = 14336; one scale per row and per weight row;
+--model qwen3_30b_a3b: fp8 per tensor, 128 experts, top_k 8, GEMM1 N = 1536, K = 2048, GEMM2
+N = 2048, K = 768.
 Each expert's rows padded to 128. Variants: "ours persistent" / "ours tile" (grouped_gemm's
 kernels with the tables' prefill config for the model), "package rows" / "package cols"
 (ws_gemm's two tile forms), the same with the epilogue's stores from the MMA layout
@@ -29,6 +31,7 @@ Usage (an H200):
     python benchmarks/dev_ws_fp8_block.py --out benchmarks/results
     python benchmarks/dev_ws_fp8_block.py --variants package --tokens 16384
     python benchmarks/dev_ws_fp8_block.py --model mixtral_8x7b --out benchmarks/results
+    python benchmarks/dev_ws_fp8_block.py --model qwen3_30b_a3b --probe --out benchmarks/results
 Without a GPU (the package kernel's sm_90 builds: registers, shared memory, SASS):
     python benchmarks/dev_ws_fp8_block.py --aot
 """
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import sys
 
@@ -70,7 +74,72 @@ def aot():
 MODELS = {
     "deepseek_v3": ("fp8_block", 256, 8, (4096, 7168), (7168, 2048), (64, 128, 128, 16, 4)),
     "mixtral_8x7b": ("fp8", 8, 2, (28672, 4096), (4096, 14336), (128, 128, 256, 8, 8)),
+    # (the Triton config: a prefill tile of the kind the tables hold, for the probe's shapes)
+    "qwen3_30b_a3b": ("fp8", 128, 8, (1536, 2048), (2048, 768), (128, 128, 128, 8, 8)),
 }
+
+
+def probe(args):
+    """Where a GEMM2's time goes (--probe): the package's tile forms on the model's GEMM2
+    shape, checked against the reference, then timed only: with every pair's row stored into
+    one row of the output (stride 0: the same instructions and store count, no DRAM writes),
+    with K doubled (the K loop's share: t(2K) - t(K) is K's steps, 2 t(K) - t(2K) what a tile
+    costs besides them: epilogue, ring ramp), and with fewer ring slots; each of those with
+    ws_gemm's OVERLAP ("overlap") and EARLY_EPILOGUE ("early") off and on, not on "wide"."""
+    from triton.testing import do_bench
+    from bench import check_and_time, print_variant_table
+    from moe_ops.kernels import ws_gemm
+    dev = torch.device("cuda")
+    quant, E, top_k, _, (N, K), _ = MODELS[args.model]
+    tiles = args.tiles or (["rows", "cols"] + (["wide"] if quant == "fp8_block" else []))
+    rows = []
+    for T in args.tokens:
+        for k_mult in args.k_mults:
+            pb = make_problem(T, top_k, E, N, K * k_mult, dev, seed=T + N, quant=quant)
+            flops = 2.0 * pb["pairs"] * N * K * k_mult
+            out_pairs = torch.empty((pb["pairs"], N), dtype=torch.bfloat16, device=dev)
+            one_row = torch.empty(N, dtype=torch.bfloat16, device=dev).as_strided(
+                (pb["pairs"], N), (0, 1))
+            ref_rows = reference(pb)[pb["real_slots"]] if k_mult == 1 else None
+            for tile in tiles:
+                # ("rows": both ring depths named, so that K and 2K run the same ring)
+                forms = [(0, 0, "rows"), (0, 0, "one row")]
+                if tile != "wide":
+                    forms += [(1, 0, "rows"), (1, 1, "rows"), (0, 1, "rows")]
+                if args.forms:
+                    forms = [f for f in forms if f"{f[0]}{f[1]}" in args.forms]
+                for stages, (overlap, early, store) in itertools.product(
+                        ([6, 4] if tile == "rows" else [None]) * args.repeat, forms):
+                    name = (f"{tile} K x{k_mult} {store}"
+                            + (f" {stages} slots" if stages else "")
+                            + (" overlap" if overlap else "") + (" early" if early else ""))
+                    saved = ws_gemm.RING_STAGES
+                    ws_gemm.RING_STAGES = stages or saved
+                    out = out_pairs if store == "rows" else one_row
+                    fn = (lambda: run_package(pb, out, tile, overlap=bool(overlap),
+                                              early=bool(early)))
+                    try:
+                        if ref_rows is not None and store == "rows":
+                            got = check_and_time(fn, out_pairs, ref_rows, warmup=5, rep=60)
+                        else:
+                            got = dict(ms=do_bench(fn, warmup=5, rep=60), rel_err=0.0,
+                                       unwritten=False)
+                        rows.append(dict(T=T, variant=name, ms=got["ms"],
+                                         rel_err=got["rel_err"], unwritten=got["unwritten"],
+                                         tflops=flops / got["ms"] / 1e9))
+                    except Exception as exc:  # noqa: BLE001 - record and go on
+                        rows.append(dict(T=T, variant=name, error=repr(exc)[:400]))
+                    finally:
+                        ws_gemm.RING_STAGES = saved
+                    print(rows[-1], flush=True)
+            del ref_rows, out_pairs, pb
+            torch.cuda.empty_cache()
+    if args.out:
+        import bench
+        bench.write_records(os.path.join(args.out, f"ws_probe_{args.model}.json"),
+                            [dict(r, model=args.model, quant=quant) for r in rows])
+    print_variant_table(rows, [("T", ">6"), ("variant", "28")],
+                        [("ms", "8.3f"), ("tflops", "8.1f")])
 
 
 def make_problem(tokens, top_k, E, N, K, device, seed=0, quant="fp8_block"):
@@ -143,10 +212,11 @@ def run_ours(pb, out_pairs, config):
              quant=pb["quant"], atomic_out=False)
 
 
-def run_package(pb, out_pairs, tile, coalesced=True, skip_padding=False, stagger=None):
+def run_package(pb, out_pairs, tile, coalesced=True, skip_padding=False, stagger=None,
+                overlap=None, early=None):
     """moe_ops.kernels.ws_gemm (this kernel as the package runs it: GEMM2's epilogue, one row
     per pair times a routing weight of 1) on the same rows. stagger: (ring slots, steps) of
-    the staggered consumers (ws_gemm.STAGGER)."""
+    the staggered consumers (ws_gemm.STAGGER); overlap, early: ws_gemm.gemm's."""
     from moe_ops.kernels import grouped_gemm as gg, ws_gemm
     routing = gg.Routing(topk_ids=pb["topk_ids"], topk_weights=torch.ones(
         pb["pairs"], device=pb["a"].device), top_k=pb["top_k"], num_experts=pb["w"].shape[0],
@@ -160,7 +230,8 @@ def run_package(pb, out_pairs, tile, coalesced=True, skip_padding=False, stagger
         ws_gemm.RING_STAGES, ws_gemm.STAGGER = stagger
     try:
         ws_gemm.gemm(pb["a"], pb["a_scale"], pb["w"], pb["w_scale"], None, out_pairs, routing,
-                     gemm=2, activation="none", tile=tile, quant=pb["quant"])
+                     gemm=2, activation="none", tile=tile, quant=pb["quant"],
+                     overlap=overlap, early=early)
     finally:
         (ws_gemm.COALESCED_STORE, ws_gemm.SKIP_PADDING, ws_gemm.RING_STAGES,
          ws_gemm.STAGGER) = saved
@@ -172,12 +243,24 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--model", choices=sorted(MODELS), default="deepseek_v3",
-                    help="deepseek_v3: fp8_block; mixtral_8x7b: fp8 per tensor")
+                    help="deepseek_v3: fp8_block; mixtral_8x7b, qwen3_30b_a3b: fp8 per tensor")
+    ap.add_argument("--probe", action="store_true",
+                    help="where GEMM2's time goes: stores, K steps, ring slots (see probe)")
+    ap.add_argument("--k-mults", type=int, nargs="+", default=[1, 2],
+                    help="--probe: K multiples run (the reference checks K x1 only)")
+    ap.add_argument("--tiles", nargs="+", default=None, help="--probe: the tile forms run")
+    ap.add_argument("--forms", nargs="+", default=None,
+                    help="--probe: the (overlap, early) pairs run, as 00 / 10 / 11 / 01")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="--probe: each ring depth's variants run this many times in turn")
     ap.add_argument("--variants", nargs="+", default=None,
                     help="subset of: ours, package (default both)")
     args = ap.parse_args()
     if args.aot:
         aot()
+        return
+    if args.probe:
+        probe(args)
         return
     from bench import check_and_time, print_variant_table
     dev = torch.device("cuda")

@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -205,6 +205,13 @@
 # never; 8192, the default: Mixtral's 14336-wide intermediate; 4096: Llama 4's 5120- and
 # 8192-wide rows too): dev_act_quant.py --forms on Mixtral's and Llama 4's rows, then the two
 # fp8 layers at T = 256-16384 with 0 / 8192 / 4096, two alternated passes; about 4 minutes.
+# overlap: the warp-specialized kernel's consumers issuing each tile's first steps before the
+# previous tile's epilogue (ws_gemm.OVERLAP): its GPU tests (bit for bit against the serial
+# tiles; the experts call against the oracle) and compute-sanitizer on two of them, the GEMM2
+# probe of dev_ws_fp8_block.py (Qwen3-30B-A3B at T = 4096 / 16384 with K and 2K, Mixtral at
+# 16384: stores into one row, ring slots, overlap and the early epilogue off and on), then
+# Qwen3, Mixtral and Llama 4 fp8 at T = 4096 / 16384 with MOE_OPS_WS_OVERLAP 0 / short (an
+# arm "short early" adds MOE_OPS_WS_EARLY_EPILOGUE=1), two alternated passes; about 6 minutes.
 # wsgather: GEMM1 of the warp-specialized kernel gathering its token rows by cp.async
 # (MOE_OPS_WS_GATHER=1; the default "auto" does for GEMM1s of N <= 2048) against
 # align.gather_rows' copy (0): its GPU tests (bit
@@ -950,6 +957,25 @@ if [[ "$what" == aqwide ]]; then
   tail -n 13 "$out/act_quant_forms_wide.log"
   ab_passes aqwide 60 8 MOE_OPS_ACT_QUANT_WIDE_ROW_K "0 8192 4096" -- --models mixtral_8x7b \
     llama4_scout --quant fp8 --tokens 256 1024 4096 16384
+fi
+if [[ "$what" == overlap ]]; then
+  tests_then_sanitize overlap tests/test_ws_gemm.py overlap \
+    "overlap_is_bit_equal and (5-384-2-True-rows-fp8 or 7-768-1-False-cols-fp8_block)" 200
+  for model in qwen3_30b_a3b mixtral_8x7b; do
+    if [[ $model == qwen3_30b_a3b ]]; then sizes=(--tokens 4096 16384); else
+      sizes=(--tokens 16384 --k-mults 1); fi
+    timeout 150 python3 benchmarks/dev_ws_fp8_block.py --model $model --probe "${sizes[@]}" \
+      --out "$out" > "$out/ws_probe_$model.log" 2>&1 || status=1
+    grep -v "^{" "$out/ws_probe_$model.log" | tail -n 40
+  done
+  for pass in 1 2; do
+    for arm in "0" "short"; do
+      early=0; [[ $arm == *early ]] && early=1
+      layer_arm "ab_overlap_${arm// /_}_$pass" 45 6 "MOE_OPS_WS_OVERLAP=${arm% early}" \
+        "MOE_OPS_WS_EARLY_EPILOGUE=$early" -- --models qwen3_30b_a3b mixtral_8x7b \
+        llama4_scout --quant fp8 --tokens 4096 16384
+    done
+  done
 fi
 if [[ "$what" == tune16 ]]; then
   ship_tables qwen3_30b_a3b:none qwen3_30b_a3b:fp8 mixtral_8x7b:none mixtral_8x7b:fp8 \

@@ -949,3 +949,121 @@ def test_experts_with_the_gathering_gemm1(tile, quant, activation, bias, monkeyp
     gathered = gemm_calls(ws_gemm, "gemm", record="gather_top_k", default=0)
     check_skewed_experts(quant, activation, bias, seed=67)
     assert gathered == [2, 0]       # (GEMM1 gathers for top_k 2; GEMM2 reads its own rows)
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile,quant", [("rows", "fp8"), ("cols", "fp8"), ("rows", "fp8_block"),
+                                        ("cols", "fp8_block")])
+@pytest.mark.parametrize("gemm,early", [(2, False), (2, True), (1, False)])
+@pytest.mark.parametrize("programs,K", [(3, 1024), (132, 1024), (5, 128), (5, 384), (7, 768)])
+def test_overlap_is_bit_equal(tile, quant, gemm, early, programs, K):
+    """OVERLAP (each tile's first steps issued before the previous tile's epilogue) computes
+    the same float32 operations in the same order: GEMM2's pair rows and GEMM1's activation rows
+    equal bit for bit with and without it; every routed row written, no padding slot's row
+    (GEMM1) written. Few programs walk many tiles (the carried epilogue of each tile and the
+    last one after the loop), 132 more programs than tiles; K of 1 step (no second of a pair),
+    3 steps (an odd last one) and 6 (Qwen3-30B-A3B's GEMM2)."""
+    E, N, T, k = 8, 512, 300, 4
+    dev = torch.device("cuda")
+    a, a_scale, w, w_scale, routing = gemm2_problem(tile, quant, E, N, K, T, k, seed=23)
+    slots = routing.sorted_pair_ids.numel()
+    outs = []
+    for overlap in (False, True):
+        if gemm == 2:
+            out = torch.full((T * k, N), float("nan"), device=dev, dtype=torch.bfloat16)
+            ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=2,
+                         activation="none", tile=tile, quant=quant, programs=programs,
+                         early=early, overlap=overlap)
+        else:
+            out = torch.full((slots, N // 2), float("nan"), device=dev, dtype=torch.bfloat16)
+            ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=1,
+                         activation="swiglu", tile=tile, quant=quant, programs=programs,
+                         early=early, overlap=overlap)
+        torch.cuda.synchronize()
+        outs.append(out)
+    if gemm == 2:
+        assert torch.isfinite(outs[1].float()).all(), "a pair's row was not written"
+        assert torch.equal(outs[0], outs[1])
+    else:
+        live = routing.sorted_pair_ids < T * k
+        assert torch.isfinite(outs[1][live].float()).all(), "a routed slot's row was not written"
+        assert torch.isnan(outs[1][~live].float()).all(), "a padding slot's row was written"
+        # (the padding rows hold NaN in both: compared where written)
+        assert torch.equal(outs[0][live], outs[1][live])
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile", ["rows", "cols"])
+@pytest.mark.parametrize("quant,activation,bias", [("fp8", "swiglu", True),
+                                                   ("fp8_block", "swiglu", False),
+                                                   ("fp8", "relu2", False)])
+def test_experts_with_overlap(tile, quant, activation, bias, monkeypatch, ws_gemm_calls,
+                              poisoned_empty):
+    """Both GEMMs of the experts call with OVERLAP on every launch, on the skewed experts
+    problem, against the oracle."""
+    on_ws_gemm(monkeypatch, tile, OVERLAP="1", SKIP_PADDING="0")
+    check_skewed_experts(quant, activation, bias, seed=61)
+    assert ws_gemm_calls == [1, 2]
+
+
+OVERLAP_BUILDS = """
+import sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops
+from moe_ops.kernels import ws_gemm
+ws_gemm.SKIP_PADDING = "0"
+for tile, gemm, activation, quant, bias, early in (("rows", 2, "none", "fp8", False, False),
+                                                    ("rows", 1, "swiglu", "fp8", True, True),
+                                                    ("cols", 2, "none", "fp8_block", False, True),
+                                                    ("rows", 1, "swiglu", "fp8_block", False, False)):
+    shortest = []
+    for overlap in (False, True):
+        kernel = ws_gemm.compile_sm90(tile=tile, gemm=gemm, activation=activation, quant=quant,
+                                      has_bias=bias, early=early, overlap=overlap, k=768)
+        # the K loop's body: its shortest loop of a whole step's wgmmas (fp8: a pair's 8)
+        per_step = 8 if quant == "fp8" else 4
+        body = min((b for b in loops(kernel) if sum("QGMMA" in i for i in b) == per_step),
+                   key=len)
+        local = sum(i.split()[0].startswith(("LDL", "STL")) for i in body)
+        shortest.append(len(body))
+        print(tile, gemm, quant, int(overlap), len(body), local,
+              kernel.asm["ptx"].count("wgmma.wait_group"))
+"""
+
+
+def test_overlap_builds():
+    """OVERLAP's sm_90 builds: each consumer's K loop at most 6 instructions longer than
+    without it (the carried accumulator costs no moves there; fp8's pair loop from a step known
+    only at run time 144 -> 146-150 a pair of steps, fp8_block's swiglu GEMM1 131 -> 133 a step)
+    and free of local memory, GEMM1 and GEMM2, fp8 (pairs)
+    and fp8_block, with and without the early epilogue; one wgmma wait more in the PTX (the
+    first steps', one a consumer). The odd last step of fp8's pairs and the epilogue are outside this check."""
+    rows, done = sm90_script_rows(OVERLAP_BUILDS)
+    assert len(rows) == 8, done.stdout
+    for off, on in zip(rows[0::2], rows[1::2]):
+        assert off[:3] == on[:3] and (off[3], on[3]) == ("0", "1"), done.stdout
+        assert int(on[4]) <= int(off[4]) + 6 and on[5] == "0", done.stdout
+        assert int(on[6]) > int(off[6]), done.stdout
+
+
+def test_overlap_rule_and_refusals(monkeypatch):
+    """OVERLAP "short" takes the launches of at most SHORT_K_MAX_K columns of K, "1" all, "0"
+    none; never "wide", the padding skip or a stagger; asked for where it cannot run, the
+    launcher says so before anything launches."""
+    monkeypatch.setattr(ws_gemm, "SKIP_PADDING", "0")
+    monkeypatch.setattr(ws_gemm, "STAGGER", 0)
+    monkeypatch.setattr(ws_gemm, "OVERLAP", "short")
+    assert ws_gemm.overlaps("rows", 2, 768) and ws_gemm.overlaps("cols", 1, 1024)
+    assert not ws_gemm.overlaps("rows", 2, 2048) and not ws_gemm.overlaps("wide", 2, 768)
+    monkeypatch.setattr(ws_gemm, "OVERLAP", "1")
+    assert ws_gemm.overlaps("rows", 2, 14336) and not ws_gemm.overlaps("wide", 1, 768)
+    monkeypatch.setattr(ws_gemm, "SKIP_PADDING", "gemm2")
+    assert ws_gemm.overlaps("rows", 1, 768) and not ws_gemm.overlaps("rows", 2, 768)
+    monkeypatch.setattr(ws_gemm, "OVERLAP", "0")
+    assert not ws_gemm.overlaps("rows", 1, 768)
+    with pytest.raises(ValueError, match="overlap=True"):
+        ws_gemm.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
+                     tile="wide", overlap=True)
+    with pytest.raises(ValueError, match="overlap=True"):
+        ws_gemm.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
+                     tile="rows", quant="fp8", overlap=True)

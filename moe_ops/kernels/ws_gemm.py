@@ -288,6 +288,39 @@ def gathers(quant: str, tile: str, k: int, n: int) -> bool:
                                  stagger_steps(tile, 1)) >= 1
 
 
+# Each consumer issuing a tile's first K step (its first two with paired promotion) before the
+# previous tile's epilogue (OVERLAP): the two warpgroups of a tile finish it together, so
+# without it both run their epilogues (the routing weights' dependent loads, the scales, the
+# stores) while the tensor cores idle. Why: Qwen3-30B-A3B's fp8 GEMM2 (K = 768, 6 K steps a
+# tile) spends about half its time outside its K steps: on an H200 (`python
+# benchmarks/dev_ws_fp8_block.py --model qwen3_30b_a3b --probe`,
+# results/h200_ws_probe_qwen3_30b_a3b_twentysixth.json, 2026-12-03) the "rows" form at T = 16384
+# took 0.628 ms for K = 768 and 0.931 ms for K = 1536 (so 0.30 ms for 6 K steps a tile and
+# 0.33 ms for what a tile costs besides them), and 0.622 ms with every pair's row stored into
+# one output row (the DRAM writes are not it). The ring's order is unchanged (the producer does
+# not know), the held slots are the issued steps'. "rows" / "cols" forms only, without the
+# stagger or the padding skip (static_assert). MOE_OPS_WS_OVERLAP: "0" off, "short" for GEMMs
+# of at most SHORT_K_MAX_K columns of K, "1" every launch the forms allow.
+# Measured slower where it was meant to help, so off (`bash benchmarks/h200_run.sh overlap`,
+# results/h200_ws_probe_*_overlap_twentysixth.json, h200_ab_overlap_*_twentysixth.json,
+# 2026-12-03): Qwen3's GEMM2 at T = 16384 0.628 -> 0.660 ms (0.656 with the early epilogue
+# too), T = 4096 0.190 -> 0.213, and its cost besides the K steps (2 t(K) - t(2K)) unchanged
+# (0.29 -> 0.30 ms): the epilogue is not what a tile waits for, or the step issued ahead does
+# not run under it. "cols" 10-17% slower. Mixtral's GEMM2 (K = 14336) 3.23 -> 3.19 ms, 2.97
+# with the early epilogue (one sample each, in a run whose repeated points spread by up to
+# 20%). The Qwen3 fp8 layer with "short" (its GEMM2 the only launch it changes) T = 16384
+# 1793-1902 -> 1916-1921 us, T = 4096 611-656 -> 646-672. Its GPU tests: bit for bit against
+# the serial tiles (GEMM2, every form, quant and K tried), the experts call against the oracle.
+OVERLAP = env_choice("MOE_OPS_WS_OVERLAP", "0", ("0", "short", "1"))
+
+
+def overlaps(tile: str, gemm: int, k: int) -> bool:
+    """Whether a launch issues each tile's first steps before the previous epilogue (OVERLAP)."""
+    if OVERLAP == "0" or tile == "wide" or skip_padding(gemm) or stagger_steps(tile, gemm):
+        return False
+    return OVERLAP == "1" or 0 < k <= SHORT_K_MAX_K
+
+
 # MOE_OPS_WS_GEMM=0 turns the kernel off (every launch then runs grouped_gemm's kernels).
 ENABLED = env_choice("MOE_OPS_WS_GEMM", "1", ("0", "1")) == "1"
 
@@ -472,21 +505,26 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
                BLOCK_SCALES: gl.constexpr, FORM: gl.constexpr, ROW0: gl.constexpr,
                COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
                SCALES_AFTER_MMA: gl.constexpr, go, arrive_at, STAGGER: gl.constexpr,
-               PAIRS: gl.constexpr):
-    """A consumer's K loop over one tile: each step waits for its ring slot, multiplies its
+               PAIRS: gl.constexpr, kb0=0, CARRIED: gl.constexpr = False):
+    """A consumer's K loop over one tile, from step kb0 (CARRIED, OVERLAP: the steps before
+    it were issued ahead, see _first_steps): each step waits for its ring slot, multiplies its
     half of the tile (use_acc False: the step's partial product alone), releases the slot and
     promotes the partial product into the fp32 accumulator (fp8_block: times the step's row and
     weight block scales). Returns the accumulator and the ring position after the tile.
     STAGGER: after step arrive_at's release (-1: none) the `go` barrier gets its arrive.
     PAIRS (fp8 per tensor, FP8_PROMOTE_STEPS 2): two steps' wgmmas chain into the partial, each
-    slot released as its wgmma completes, then one promotion; an odd last step alone."""
+    slot released as its wgmma completes, then one promotion; an odd last step alone (kb0 is
+    then even)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     w_scale_a, w_scale_b = _scale_rows(w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED)
-    first = 0
+    first = kb0
     if PAIRS:
         gl.static_assert(BLOCK_SCALES == 0 and STAGGER == 0)
         first = k_steps - k_steps % 2
-        for kp in range(0, first, 2):
+        if CARRIED:
+            # (a one-step tile's step 0 was issued ahead: no pair, and no single step again)
+            first = gl.maximum(first, kb0)
+        for kp in range(kb0, first, 2):
             index1, phase1 = ring_next(index, phase, STAGES)
             mbarrier.wait(ready.index(index), phase)
             a0, w0 = _half_tiles(a_bufs, w_bufs, index, FORM, ROW0, COL0, ROWS, COLS)
@@ -531,37 +569,217 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
 
 
 @gluon.jit
+def _tile_rows(tile, num_m, num_n, ptrs, num_pairs, stride_as, BM: gl.constexpr,
+               BN: gl.constexpr, GROUP_M: gl.constexpr, ALIGN_M: gl.constexpr,
+               ROW0: gl.constexpr, COL0: gl.constexpr, ROWS: gl.constexpr, row_l: gl.constexpr,
+               GATHER_TOP_K: gl.constexpr):
+    """A tile's expert, this warpgroup's slots (along the MMA's rows), its first output column,
+    its rows' activation scale pointers (GATHER: the tokens', a padding slot token 0's) and its
+    first slot."""
+    (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
+     num_padded_ptr, topk_weights_ptr, a_ptr) = ptrs
+    pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+    expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
+    slots = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=row_l)
+    col0 = pid_n * BN + COL0          # first weight row (output column) of this half
+    if GATHER_TOP_K > 0:
+        slot_pairs = gl.load(sorted_pair_ids_ptr + slots)
+        a_scale_rows = a_scale_ptr + gl.where(slot_pairs < num_pairs,
+                                              slot_pairs // GATHER_TOP_K, 0) * stride_as
+    else:
+        a_scale_rows = a_scale_ptr + slots * stride_as
+    return expert, slots, col0, a_scale_rows, pid_m * BM + ROW0
+
+
+@gluon.jit
+def _first_steps(template, a_bufs, w_bufs, ready, index, phase, k_steps, a_scale_rows,
+                 w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED: gl.constexpr,
+                 BLOCK_SCALES: gl.constexpr, FORM: gl.constexpr, ROW0: gl.constexpr,
+                 COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
+                 PAIRS: gl.constexpr):
+    """OVERLAP: a tile's first K step (its first two with PAIRS, where the tile has two) issued
+    as asynchronous wgmmas into a fresh partial, not waited for: the caller runs the previous
+    tile's epilogue while they run, then _first_done. Returns the partial, the slots it holds
+    (the second -1 when one step), the ring position after them, the next step's number and
+    fp8_block's step scales."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    first_index = index
+    mbarrier.wait(ready.index(index), phase)
+    a0, w0 = _half_tiles(a_bufs, w_bufs, index, FORM, ROW0, COL0, ROWS, COLS)
+    part = warpgroup_mma(a0, w0.permute((1, 0)), template, use_acc=False, is_async=True)
+    index, phase = ring_next(index, phase, STAGES)
+    second_index = -1
+    kb0 = 1
+    if PAIRS:
+        if k_steps >= 2:
+            second_index = index
+            mbarrier.wait(ready.index(index), phase)
+            a1, w1 = _half_tiles(a_bufs, w_bufs, index, FORM, ROW0, COL0, ROWS, COLS)
+            part = warpgroup_mma(a1, w1.permute((1, 0)), part, is_async=True)
+            index, phase = ring_next(index, phase, STAGES)
+            kb0 = 2
+    row_l: gl.constexpr = a_scale_rows.type.layout
+    s_a = gl.zeros([ROWS], gl.float32, row_l)
+    s_b = s_a
+    if BLOCK_SCALES:
+        w_scale_a, w_scale_b = _scale_rows(w_scale_ptr, expert, col0, stride_wse, stride_wsn,
+                                           GATED)
+        s_a, s_b = _step_scales(a_scale_rows, 0, w_scale_a, w_scale_b, GATED)
+    return part, first_index, second_index, index, phase, kb0, s_a, s_b
+
+
+@gluon.jit
+def _first_done(part, empty, first_index, second_index, s_a, s_b, GATED: gl.constexpr,
+                BLOCK_SCALES: gl.constexpr):
+    """OVERLAP: waits for _first_steps' wgmmas, releases their slots and returns the tile's
+    accumulator so far (fp8_block: the step's partial times its scales)."""
+    part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+    mbarrier.arrive(empty.index(first_index), count=1)
+    if second_index >= 0:
+        mbarrier.arrive(empty.index(second_index), count=1)
+    if BLOCK_SCALES:
+        part = _promote(gl.zeros_like(part), part, s_a, s_b, GATED, False)
+    return part
+
+
+@gluon.jit
+def _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
+                      ALIGN_M: gl.constexpr, FORM: gl.constexpr, ACTIVATION: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
+                      BLOCK_SCALES: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
+                      EARLY: gl.constexpr, PAIRS: gl.constexpr, ATOMIC_TOP_K: gl.constexpr,
+                      GATHER_TOP_K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                      ROW0: gl.constexpr, COL0: gl.constexpr, ROWS: gl.constexpr,
+                      COLS: gl.constexpr, MMA: gl.constexpr):
+    """The consumer's tiles with OVERLAP: each tile's first step(s) are issued before the
+    previous tile's epilogue, which then runs beside them (and beside the other warpgroup's
+    MMAs) instead of leaving the tensor cores to the other warpgroup alone; the last tile's
+    epilogue after the loop. The ring is taken in the same order as without it."""
+    a_bufs, w_bufs, ready, empty, go = smem
+    (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
+     num_padded_ptr, topk_weights_ptr, a_ptr) = ptrs
+    num_pairs = sizes[2]
+    stride_as, stride_wse, stride_wsn = strides[0], strides[1], strides[2]
+    num_m, num_n, k_steps = grid
+    GATED: gl.constexpr = ACTIVATION >= 1 and ACTIVATION <= 3
+    row_l: gl.constexpr = gl.SliceLayout(1, MMA)
+    first_tile = gl.program_id(0)
+    index = 0
+    phase = 0
+    # the previous tile: its accumulator and what its epilogue needs
+    acc_prev = gl.zeros([ROWS, COLS], gl.float32, MMA)
+    slots_prev = gl.arange(0, ROWS, layout=row_l)
+    a_scale_rows_prev = a_scale_ptr + slots_prev * stride_as
+    expert_prev = 0
+    col0_prev = 0
+    # EARLY: the previous tile's epilogue operands (_epilogue_terms), carried one by one
+    pair_ids_prev = slots_prev
+    row_ok_prev = slots_prev < 0
+    weights_prev = gl.zeros([ROWS], gl.float32, row_l)
+    row_scales_prev = weights_prev
+    for tile in range(first_tile, num_m * num_n, gl.num_programs(0)):
+        expert, slots, col0, a_scale_rows, first_slot = _tile_rows(
+            tile, num_m, num_n, ptrs, num_pairs, stride_as, BM, BN, GROUP_M, ALIGN_M, ROW0,
+            COL0, ROWS, row_l, GATHER_TOP_K)
+        if EARLY:
+            pair_ids, row_ok, weights, row_scales = _epilogue_terms(
+                slots, a_scale_rows, sorted_pair_ids_ptr, topk_weights_ptr, num_pairs,
+                ACTIVATION, BLOCK_SCALES)
+            terms_prev = (pair_ids_prev, row_ok_prev, weights_prev, row_scales_prev)
+        else:
+            terms_prev: gl.constexpr = None
+        part, first_index, second_index, index, phase, kb0, s_a, s_b = _first_steps(
+            acc_prev, a_bufs, w_bufs, ready, index, phase, k_steps, a_scale_rows, w_scale_ptr,
+            expert, col0, stride_wse, stride_wsn, GATED, BLOCK_SCALES, FORM, ROW0, COL0, ROWS,
+            COLS, PAIRS)
+        if tile != first_tile:
+            _epilogue(acc_prev, slots_prev, col0_prev, expert_prev, a_scale_rows_prev, ptrs,
+                      sizes, strides, ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES,
+                      terms_prev, EARLY, ATOMIC_TOP_K)
+        acc = _first_done(part, empty, first_index, second_index, s_a, s_b, GATED,
+                          BLOCK_SCALES)
+        acc, index, phase = _mma_steps(
+            acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
+            w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED, BLOCK_SCALES, FORM, ROW0,
+            COL0, ROWS, COLS, SCALES_AFTER_MMA, go, -1, 0, PAIRS, kb0, True)
+        acc_prev = acc
+        slots_prev = slots
+        a_scale_rows_prev = a_scale_rows
+        expert_prev = expert
+        col0_prev = col0
+        if EARLY:
+            pair_ids_prev = pair_ids
+            row_ok_prev = row_ok
+            weights_prev = weights
+            row_scales_prev = row_scales
+    if EARLY:
+        terms_prev = (pair_ids_prev, row_ok_prev, weights_prev, row_scales_prev)
+    else:
+        terms_prev: gl.constexpr = None
+    if first_tile < num_m * num_n:
+        _epilogue(acc_prev, slots_prev, col0_prev, expert_prev, a_scale_rows_prev, ptrs, sizes,
+                  strides, ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms_prev, EARLY,
+                  ATOMIC_TOP_K)
+
+
+@gluon.jit
 def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               ALIGN_M: gl.constexpr, FORM: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
               SCALES_AFTER_MMA: gl.constexpr, STAGGER: gl.constexpr, EARLY: gl.constexpr,
               PAIRS: gl.constexpr, ATOMIC_TOP_K: gl.constexpr, GATHER_TOP_K: gl.constexpr,
-              HALF: gl.constexpr):
+              HALF: gl.constexpr, OVERLAP: gl.constexpr):
+    """A consumer warpgroup (HALF 0 or 1 of each tile): its tiles one after another, or with
+    OVERLAP each tile's first steps issued before the previous one's epilogue."""
     a_desc, w_desc = descs
-    a_bufs, w_bufs, ready, empty, go = smem
-    (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
-     num_padded_ptr, topk_weights_ptr, a_ptr) = ptrs
-    N, K, num_pairs, alpha, limit = sizes
-    stride_as, stride_wse, stride_wsn, stride_be, stride_om, stride_am = strides
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
+    # (the live row blocks, the column blocks, the K steps)
+    grid = (gl.load(ptrs[6]) // BM, gl.cdiv(sizes[0], BN), gl.cdiv(sizes[1], BK))
     ROWS: gl.constexpr = 64
     COLS: gl.constexpr = 128
-    # ACTIVATION is an index into ACTIVATIONS (a string cannot ride in warp_specialize's
-    # argument tuples): 0 none, 1 swiglu, 2 geglu, 3 swiglu_oai, 4 relu2
-    GATED: gl.constexpr = ACTIVATION >= 1 and ACTIVATION <= 3
     # this warpgroup's share of the tile (FORM 0 "rows" and 2 "wide": its 64 rows; 1 "cols": its
     # 128 columns; "wide" takes both 128-column halves of its rows in turn)
     ROW0: gl.constexpr = HALF * ROWS * (1 - FORM % 2)
     COL0: gl.constexpr = HALF * COLS * (FORM % 2)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, COLS, 32])
-    row_l: gl.constexpr = gl.SliceLayout(1, mma)
-    num_m = gl.load(num_padded_ptr) // BM
-    num_n = gl.cdiv(N, BN)
-    k_steps = gl.cdiv(K, BK)
+    if OVERLAP:
+        gl.static_assert(FORM != 2 and STAGGER == 0 and SKIP_PADDING == 0)
+        _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M, ALIGN_M, FORM,
+                          ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, SCALES_AFTER_MMA,
+                          EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, BM, BN, ROW0, COL0, ROWS,
+                          COLS, MMA)
+    else:
+        _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M, ALIGN_M, FORM, ACTIVATION,
+                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
+                      STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, HALF, BM, BN, ROW0,
+                      COL0, ROWS, COLS, MMA)
+
+
+@gluon.jit
+def _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
+                  ALIGN_M: gl.constexpr, FORM: gl.constexpr, ACTIVATION: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
+                  BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
+                  SCALES_AFTER_MMA: gl.constexpr, STAGGER: gl.constexpr, EARLY: gl.constexpr,
+                  PAIRS: gl.constexpr, ATOMIC_TOP_K: gl.constexpr, GATHER_TOP_K: gl.constexpr,
+                  HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, ROW0: gl.constexpr,
+                  COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
+                  MMA: gl.constexpr):
+    """The consumer's tiles one after another: K loop, then epilogue."""
+    a_bufs, w_bufs, ready, empty, go = smem
+    (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
+     num_padded_ptr, topk_weights_ptr, a_ptr) = ptrs
+    num_pairs = sizes[2]
+    stride_as, stride_wse, stride_wsn = strides[0], strides[1], strides[2]
+    num_m, num_n, k_steps = grid
+    # ACTIVATION is an index into ACTIVATIONS (a string cannot ride in warp_specialize's
+    # argument tuples): 0 none, 1 swiglu, 2 geglu, 3 swiglu_oai, 4 relu2
+    GATED: gl.constexpr = ACTIVATION >= 1 and ACTIVATION <= 3
+    row_l: gl.constexpr = gl.SliceLayout(1, MMA)
     index = 0
     phase = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
@@ -574,17 +792,9 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                     arrive_at = STAGGER - 1
                 else:
                     mbarrier.wait(go, 0)
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
-        expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
-        slots = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=row_l)
-        col0 = pid_n * BN + COL0          # first weight row (output column) of this half
-        if GATHER_TOP_K > 0:
-            # the rows are the tokens' (GATHER): so are their scales (a padding slot: token 0's)
-            slot_pairs = gl.load(sorted_pair_ids_ptr + slots)
-            a_scale_rows = a_scale_ptr + gl.where(slot_pairs < num_pairs,
-                                                  slot_pairs // GATHER_TOP_K, 0) * stride_as
-        else:
-            a_scale_rows = a_scale_ptr + slots * stride_as
+        expert, slots, col0, a_scale_rows, first_slot = _tile_rows(
+            tile, num_m, num_n, ptrs, num_pairs, stride_as, BM, BN, GROUP_M, ALIGN_M, ROW0,
+            COL0, ROWS, row_l, GATHER_TOP_K)
         if EARLY:
             # (see EARLY_EPILOGUE: issued now, used after the K loop)
             terms = _epilogue_terms(slots, a_scale_rows, sorted_pair_ids_ptr, topk_weights_ptr,
@@ -598,10 +808,10 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
             # and the 128-row tiles waste half as much on padding (SKIP_PADDING 0: compute
             # them anyway). The test is made once a tile, so the K loop of a live half is the
             # loop without it.
-            live = gl.load(sorted_pair_ids_ptr + pid_m * BM + ROW0) < num_pairs
+            live = gl.load(sorted_pair_ids_ptr + first_slot) < num_pairs
         if FORM == 2:
-            acc = gl.zeros([ROWS, COLS], gl.float32, mma)
-            acc_hi = gl.zeros([ROWS, COLS], gl.float32, mma)
+            acc = gl.zeros([ROWS, COLS], gl.float32, MMA)
+            acc_hi = gl.zeros([ROWS, COLS], gl.float32, MMA)
             if live:
                 acc, acc_hi, index, phase = _mma_steps_wide(
                     acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_steps,
@@ -614,7 +824,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
             _epilogue(acc_hi, slots, col0 + COLS, expert, a_scale_rows, ptrs, sizes, strides,
                       ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY, ATOMIC_TOP_K)
         else:
-            acc = gl.zeros([ROWS, COLS], gl.float32, mma)
+            acc = gl.zeros([ROWS, COLS], gl.float32, MMA)
             if live:
                 acc, index, phase = _mma_steps(
                     acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale_rows,
@@ -813,6 +1023,7 @@ def _ws_fp8_block_kernel(
     BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
     STAGGER: gl.constexpr, EARLY: gl.constexpr, PAIRS: gl.constexpr,
     ATOMIC_TOP_K: gl.constexpr = 0, GATHER_TOP_K: gl.constexpr = 0, GATHER_LAG: gl.constexpr = 2,
+    OVERLAP: gl.constexpr = 0,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
@@ -842,10 +1053,10 @@ def _ws_fp8_block_kernel(
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 0)),
+                     STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 0, OVERLAP)),
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 1)),
+                     STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 1, OVERLAP)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, GATHER_TOP_K, GATHER_LAG)),
     ], [4, GATHER_WARPS if GATHER_TOP_K > 0 else 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -895,7 +1106,7 @@ def _descriptors(a: torch.Tensor, w: torch.Tensor, tile: str):
 
 def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str, k: int,
                early: Optional[bool], pairs: Optional[bool], atomic_top_k: int,
-               gather_top_k: int) -> dict:
+               gather_top_k: int, overlap: Optional[bool] = None) -> dict:
     """The kernel's constexprs for a launch (but ALIGN_M, the dispatch's): the module settings
     and rules above for this form, GEMM and K. GATHER_LAG 0 where no lag fits (gather_lag);
     the launcher refuses a gather then."""
@@ -910,13 +1121,15 @@ def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str
                 SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger,
                 EARLY=int(EARLY_EPILOGUE if early is None else early), PAIRS=int(pairs),
                 ATOMIC_TOP_K=atomic_top_k, GATHER_TOP_K=gather_top_k,
-                GATHER_LAG=gather_lag(stages, pairs, stagger) if gather_top_k else 1)
+                GATHER_LAG=gather_lag(stages, pairs, stagger) if gather_top_k else 1,
+                OVERLAP=int(overlaps(tile, gemm, k) if overlap is None else overlap))
 
 
 def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: str,
          alpha: float = 0.0, limit: float = 0.0, tile: str = "cols", quant: str = "fp8_block",
          programs: Optional[int] = None, early: Optional[bool] = None,
-         pairs: Optional[bool] = None, atomic: bool = False, gather_top_k: int = 0) -> None:
+         pairs: Optional[bool] = None, atomic: bool = False, gather_top_k: int = 0,
+         overlap: Optional[bool] = None) -> None:
     """One GEMM over the dispatch's live slots (see the module docstring).
 
     a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
@@ -928,7 +1141,8 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     (GEMM2, see ATOMIC): out is float32 [tokens, N], zeroed by the caller, and each pair's row
     is added into its token's (pair // top_k) instead of written. gather_top_k (GEMM1, see
     GATHER): the routing's top_k, and a / a_scale are the token rows [T, K] / their scales,
-    gathered by the kernel's producer, instead of rows in dispatch order."""
+    gathered by the kernel's producer, instead of rows in dispatch order. overlap: each tile's
+    first steps issued before the previous tile's epilogue (default: overlaps)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if pairs and not pairs_fit(quant, tile, gemm):
@@ -945,6 +1159,10 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     if gather_top_k and (gemm != 1 or gather_top_k != routing.top_k):
         raise ValueError(f"gather_top_k is GEMM1's, the routing's top_k {routing.top_k}; got "
                          f"gemm={gemm}, gather_top_k={gather_top_k}")
+    if overlap and (tile == "wide" or skip_padding(gemm) or stagger_steps(tile, gemm)):
+        raise ValueError(f"overlap=True is for the 'rows' / 'cols' tiles without the padding "
+                         f"skip or a stagger, got {tile!r}, skip {skip_padding(gemm)}, "
+                         f"stagger {stagger_steps(tile, gemm)}")
     bm, bn = TILES[tile]
     if tile == "wide" and not wide_admits(quant, activation if gemm == 1 else "none",
                                           bias is not None):
@@ -959,7 +1177,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         programs = device_properties(a.device).multi_processor_count
     dummy = routing.topk_weights
     consts = _constants(tile, gemm, activation, bias is not None, quant, K, early, pairs,
-                        routing.top_k if atomic else 0, gather_top_k)
+                        routing.top_k if atomic else 0, gather_top_k, overlap)
     if consts["GATHER_LAG"] < 1:
         raise ValueError(f"gather_top_k: no gather lag fits a ring of {consts['STAGES']} slots "
                          f"with pairs={bool(consts['PAIRS'])}, stagger {consts['STAGGER']} "
@@ -978,11 +1196,12 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
 def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu",
                  has_bias: bool = False, out_dtype: str = "bf16", quant: str = "fp8_block",
                  early: Optional[bool] = None, pairs: Optional[bool] = None, k: int = 0,
-                 atomic_top_k: int = 0, gather_top_k: int = 0):
+                 atomic_top_k: int = 0, gather_top_k: int = 0,
+                 overlap: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
     run, Gluon having no interpreter. k: the GEMM's K where the ring's slots depend on it
     (ring_stages); atomic_top_k: GEMM2's atomic form for that top_k (out_dtype "fp32");
-    gather_top_k: GEMM1 gathering its rows for that top_k (GATHER).
+    gather_top_k: GEMM1 gathering its rows for that top_k (GATHER); overlap: OVERLAP's form.
     Returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -999,7 +1218,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32", "stride_am": "i32",
         "alpha": "fp32", "limit": "fp32"}
     consts = dict(ALIGN_M=bm, **_constants(tile, gemm, activation, has_bias, quant, k, early,
-                                           pairs, atomic_top_k, gather_top_k))
+                                           pairs, atomic_top_k, gather_top_k, overlap))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_am")}
