@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -212,6 +212,12 @@
 # 16384: stores into one row, ring slots, overlap and the early epilogue off and on), then
 # Qwen3, Mixtral and Llama 4 fp8 at T = 4096 / 16384 with MOE_OPS_WS_OVERLAP 0 / short (an
 # arm "short early" adds MOE_OPS_WS_EARLY_EPILOGUE=1), two alternated passes; about 6 minutes.
+# ncugemm2: what Qwen3-30B-A3B's GEMM2 tiles wait on (the probe found half its time outside
+# its K steps): OVERLAP's GEMM1 bit-equality tests (re-run with the written-rows comparison),
+# then Nsight Compute on one launch of the warp-specialized GEMM2 ("rows", 6 slots, T =
+# 16384; dev_ws_fp8_block.py --probe): speed of light, warp states, and the stall samples
+# instruction by instruction (ncu_sass_stalls.py): the consumers' ready waits against their
+# epilogue, the producer's issue; about 3 minutes.
 # wsgather: GEMM1 of the warp-specialized kernel gathering its token rows by cp.async
 # (MOE_OPS_WS_GATHER=1; the default "auto" does for GEMM1s of N <= 2048) against
 # align.gather_rows' copy (0): its GPU tests (bit
@@ -976,6 +982,22 @@ if [[ "$what" == overlap ]]; then
         llama4_scout --quant fp8 --tokens 4096 16384
     done
   done
+fi
+if [[ "$what" == ncugemm2 ]]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_ws_gemm.py \
+    -k "overlap_is_bit_equal and -1-False-" > "$out/pytest_overlap_gemm1.log" 2>&1 || status=1
+  tail -n 2 "$out/pytest_overlap_gemm1.log"
+  rep="$out/ncu_qwen3_gemm2"
+  timeout 200 ncu -k regex:_ws_fp8_block -c 1 --section SourceCounters --section WarpStateStats \
+    --section SpeedOfLight -f -o "$rep" python3 benchmarks/dev_ws_fp8_block.py \
+    --model qwen3_30b_a3b --probe --tokens 16384 --k-mults 1 --tiles rows --forms 00 \
+    > "$rep.log" 2>&1 || status=1
+  ncu -i "$rep.ncu-rep" --page details > "$rep.details.txt" 2>&1 || status=1
+  ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$rep.csv" 2>> "$rep.log" \
+    || status=1
+  python3 benchmarks/ncu_sass_stalls.py "$rep.csv" --top 30 > "$rep.txt" 2>&1 || status=1
+  grep -E "Duration|Throughput|Warp Cycles|Issued" "$rep.details.txt" | head -n 20
+  cut -c1-150 "$rep.txt" | head -n 50
 fi
 if [[ "$what" == tune16 ]]; then
   ship_tables qwen3_30b_a3b:none qwen3_30b_a3b:fp8 mixtral_8x7b:none mixtral_8x7b:fp8 \
