@@ -85,7 +85,9 @@ def probe(args):
     one row of the output (stride 0: the same instructions and store count, no DRAM writes),
     with K doubled (the K loop's share: t(2K) - t(K) is K's steps, 2 t(K) - t(2K) what a tile
     costs besides them: epilogue, ring ramp), and with fewer ring slots; each of those with
-    ws_gemm's OVERLAP ("overlap") and EARLY_EPILOGUE ("early") off and on, not on "wide"."""
+    ws_gemm's OVERLAP ("overlap") and EARLY_EPILOGUE ("early") off and on, not on "wide", and
+    with other tile orders (--group-m: how many SMs read one weight tile or one row block at
+    once)."""
     from triton.testing import do_bench
     from bench import check_and_time, print_variant_table
     from moe_ops.kernels import ws_gemm
@@ -108,13 +110,17 @@ def probe(args):
                     forms += [(1, 0, "rows"), (1, 1, "rows"), (0, 1, "rows")]
                 if args.forms:
                     forms = [f for f in forms if f"{f[0]}{f[1]}" in args.forms]
-                for stages, (overlap, early, store) in itertools.product(
-                        ([6, 4] if tile == "rows" else [None]) * args.repeat, forms):
+                for group_m, stages, (overlap, early, store) in itertools.product(
+                        args.group_m, ([6, 4] if tile == "rows" else [None]) * args.repeat,
+                        forms):
                     name = (f"{tile} K x{k_mult} {store}"
                             + (f" {stages} slots" if stages else "")
-                            + (" overlap" if overlap else "") + (" early" if early else ""))
+                            + (" overlap" if overlap else "") + (" early" if early else "")
+                            + (f" group {group_m}" if group_m else ""))
                     saved = ws_gemm.RING_STAGES
+                    saved_group_m = ws_gemm.GROUP_M
                     ws_gemm.RING_STAGES = stages or saved
+                    ws_gemm.GROUP_M = group_m or saved_group_m
                     out = out_pairs if store == "rows" else one_row
                     fn = (lambda: run_package(pb, out, tile, overlap=bool(overlap),
                                               early=bool(early)))
@@ -131,6 +137,7 @@ def probe(args):
                         rows.append(dict(T=T, variant=name, error=repr(exc)[:400]))
                     finally:
                         ws_gemm.RING_STAGES = saved
+                        ws_gemm.GROUP_M = saved_group_m
                     print(rows[-1], flush=True)
             del ref_rows, out_pairs, pb
             torch.cuda.empty_cache()
@@ -251,6 +258,9 @@ def main():
     ap.add_argument("--tiles", nargs="+", default=None, help="--probe: the tile forms run")
     ap.add_argument("--forms", nargs="+", default=None,
                     help="--probe: the (overlap, early) pairs run, as 00 / 10 / 11 / 01")
+    ap.add_argument("--group-m", type=int, nargs="+", default=[0],
+                    help="--probe: ws_gemm.GROUP_M values run (the row blocks that walk the "
+                         "column blocks together; 0: the module's)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="--probe: each ring depth's variants run this many times in turn")
     ap.add_argument("--variants", nargs="+", default=None,

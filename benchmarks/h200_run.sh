@@ -217,7 +217,9 @@
 # then Nsight Compute on one launch of the warp-specialized GEMM2 ("rows", 6 slots, T =
 # 16384; dev_ws_fp8_block.py --probe): speed of light, warp states, and the stall samples
 # instruction by instruction (ncu_sass_stalls.py): the consumers' ready waits against their
-# epilogue, the producer's issue; about 3 minutes.
+# epilogue, the producer's issue; then the probe with other tile orders (ws_gemm.GROUP_M 1 /
+# 4 / 8 / 16 / 32: how many SMs read one weight tile or row block at once), K and 2K; about 4
+# minutes.
 # wsgather: GEMM1 of the warp-specialized kernel gathering its token rows by cp.async
 # (MOE_OPS_WS_GATHER=1; the default "auto" does for GEMM1s of N <= 2048) against
 # align.gather_rows' copy (0): its GPU tests (bit
@@ -998,6 +1000,10 @@ if [[ "$what" == ncugemm2 ]]; then
   python3 benchmarks/ncu_sass_stalls.py "$rep.csv" --top 30 > "$rep.txt" 2>&1 || status=1
   grep -E "Duration|Throughput|Warp Cycles|Issued" "$rep.details.txt" | head -n 20
   cut -c1-150 "$rep.txt" | head -n 50
+  timeout 150 python3 benchmarks/dev_ws_fp8_block.py --model qwen3_30b_a3b --probe \
+    --tokens 16384 --tiles rows --forms 00 --group-m 1 4 8 16 32 --out "$out" \
+    > "$out/ws_probe_group_m.log" 2>&1 || status=1
+  grep -v "^{" "$out/ws_probe_group_m.log" | tail -n 42
 fi
 if [[ "$what" == tune16 ]]; then
   ship_tables qwen3_30b_a3b:none qwen3_30b_a3b:fp8 mixtral_8x7b:none mixtral_8x7b:fp8 \
