@@ -213,7 +213,8 @@
 # Qwen3, Mixtral and Llama 4 fp8 at T = 4096 / 16384 with MOE_OPS_WS_OVERLAP 0 / short (an
 # arm "short early" adds MOE_OPS_WS_EARLY_EPILOGUE=1), two alternated passes; about 6 minutes.
 # ncugemm2: what Qwen3-30B-A3B's GEMM2 tiles wait on (the probe found half its time outside
-# its K steps): OVERLAP's GEMM1 bit-equality tests (re-run with the written-rows comparison),
+# its K steps): OVERLAP's GEMM1 bit-equality tests (re-run with the written-rows comparison;
+# with the gathering GEMM1 too),
 # then Nsight Compute on one launch of the warp-specialized GEMM2 ("rows", 6 slots, T =
 # 16384; dev_ws_fp8_block.py --probe): speed of light, warp states, and the stall samples
 # instruction by instruction (ncu_sass_stalls.py): the consumers' ready waits against their
@@ -987,7 +988,8 @@ if [[ "$what" == overlap ]]; then
 fi
 if [[ "$what" == ncugemm2 ]]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_ws_gemm.py \
-    -k "overlap_is_bit_equal and -1-False-" > "$out/pytest_overlap_gemm1.log" 2>&1 || status=1
+    -k "(overlap_is_bit_equal and -1-False-) or overlap_with_the_gathering" \
+    > "$out/pytest_overlap_gemm1.log" 2>&1 || status=1
   tail -n 2 "$out/pytest_overlap_gemm1.log"
   rep="$out/ncu_qwen3_gemm2"
   timeout 200 ncu -k regex:_ws_fp8_block -c 1 --section SourceCounters --section WarpStateStats \

@@ -993,6 +993,33 @@ def test_overlap_is_bit_equal(tile, quant, gemm, early, programs, K):
 
 
 @needs_hopper
+@pytest.mark.parametrize("tile,quant", [("rows", "fp8"), ("cols", "fp8"), ("rows", "fp8_block"),
+                                        ("cols", "fp8_block")])
+@pytest.mark.parametrize("programs,K", [(7, 1024), (7, 256), (132, 768)])
+def test_overlap_with_the_gathering_gemm1(tile, quant, programs, K):
+    """OVERLAP with GEMM1 gathering its rows (GATHER): a consumer holds the issued-ahead slots
+    through the previous tile's epilogue while the gathered rows' arrivals lag behind their
+    loads; the same rows bit for bit as the serial tiles gathering, padding slots unwritten."""
+    E, N, T, k = 8, 512, 700, 4
+    dev = torch.device("cuda")
+    routing = random_dispatch(tile, E, T, k, seed=29, skew=True)
+    a, a_scale = act_quant(torch.randn(T, K, device=dev, dtype=torch.bfloat16), quant)
+    w, w_scale = fp8_weights(quant, E, N, K)
+    slots = routing.sorted_pair_ids.numel()
+    outs = []
+    for overlap in (False, True):
+        out = torch.full((slots, N // 2), float("nan"), device=dev, dtype=torch.bfloat16)
+        ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=1, activation="swiglu",
+                     tile=tile, quant=quant, programs=programs, gather_top_k=k,
+                     overlap=overlap)
+        outs.append(out)
+    live = routing.sorted_pair_ids < T * k
+    assert torch.isfinite(outs[1][live].float()).all(), "a routed slot's row was not written"
+    assert torch.isnan(outs[1][~live].float()).all(), "a padding slot's row was written"
+    assert torch.equal(outs[0][live], outs[1][live])
+
+
+@needs_hopper
 @pytest.mark.parametrize("tile", ["rows", "cols"])
 @pytest.mark.parametrize("quant,activation,bias", [("fp8", "swiglu", True),
                                                    ("fp8_block", "swiglu", False),
