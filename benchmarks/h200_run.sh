@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -212,6 +212,13 @@
 # 16384: stores into one row, ring slots, overlap and the early epilogue off and on), then
 # Qwen3, Mixtral and Llama 4 fp8 at T = 4096 / 16384 with MOE_OPS_WS_OVERLAP 0 / short (an
 # arm "short early" adds MOE_OPS_WS_EARLY_EPILOGUE=1), two alternated passes; about 6 minutes.
+# native: the warp-specialized kernel's epilogue rounding to bf16 / fp16 by the GPU's
+# conversion (ws_gemm.NATIVE_CAST) instead of round_to_dtype's float32 grid rounding: its GPU
+# tests (bit for bit against it, GEMM1 and GEMM2, every form; the experts call against the
+# oracle) with OVERLAP's GEMM1 tests, compute-sanitizer on two of them, the GEMM2 probe of
+# Qwen3 with MOE_OPS_WS_NATIVE_CAST 0 / 1, then the fp8 layers (Qwen3, Mixtral, Llama 4) and
+# DeepSeek-V3 fp8_block at T = 4096 / 16384 with 0 / 1, two alternated passes; about 6
+# minutes.
 # ncugemm2: what Qwen3-30B-A3B's GEMM2 tiles wait on (the probe found half its time outside
 # its K steps): OVERLAP's GEMM1 bit-equality tests (re-run with the written-rows comparison;
 # with the gathering GEMM1 too),
@@ -985,6 +992,19 @@ if [[ "$what" == overlap ]]; then
         llama4_scout --quant fp8 --tokens 4096 16384
     done
   done
+fi
+if [[ "$what" == native ]]; then
+  tests_then_sanitize native tests/test_ws_gemm.py \
+    "native_cast or (overlap_is_bit_equal and -1-False-) or overlap_with_the_gathering" \
+    "native_cast_is_bit_equal and (2-out_dtype0-rows-fp8 or 1-out_dtype2-wide-fp8_block)" 200
+  for arm in 0 1; do
+    MOE_OPS_WS_NATIVE_CAST=$arm timeout 100 python3 benchmarks/dev_ws_fp8_block.py \
+      --model qwen3_30b_a3b --probe --tokens 4096 16384 --k-mults 1 --tiles rows --forms 00 \
+      > "$out/ws_probe_native_$arm.log" 2>&1 || status=1
+    echo "MOE_OPS_WS_NATIVE_CAST=$arm"; grep -v "^{" "$out/ws_probe_native_$arm.log" | tail -n 9
+  done
+  ab_passes native 60 8 MOE_OPS_WS_NATIVE_CAST "0 1" -- --models qwen3_30b_a3b mixtral_8x7b \
+    llama4_scout deepseek_v3 --quant fp8 fp8_block --tokens 4096 16384
 fi
 if [[ "$what" == ncugemm2 ]]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_ws_gemm.py \

@@ -963,22 +963,27 @@ def test_overlap_is_bit_equal(tile, quant, gemm, early, programs, K):
     (GEMM1) written. Few programs walk many tiles (the carried epilogue of each tile and the
     last one after the loop), 132 more programs than tiles; K of 1 step (no second of a pair),
     3 steps (an odd last one) and 6 (Qwen3-30B-A3B's GEMM2)."""
-    E, N, T, k = 8, 512, 300, 4
+    problem = gemm2_problem(tile, quant, 8, 512, K, 300, 4, seed=23)
+    assert_arms_equal(problem, tile, quant, gemm, [dict(overlap=False), dict(overlap=True)],
+                      programs=programs, early=early)
+
+
+def assert_arms_equal(problem, tile, quant, gemm, arms, out_dtype=torch.bfloat16, **common):
+    """Runs GEMM `gemm` (2: pair rows times the routing weights; 1: swiglu rows) of `problem`
+    (gemm2_problem's, N = 512, T = 300, k = 4) once per arm (ws_gemm.gemm's keyword arguments,
+    with `common`), outputs NaN-poisoned, and checks the arms write the same bits: GEMM2 every
+    pair's row, GEMM1 every routed slot's row (its padding slots left unwritten)."""
+    a, a_scale, w, w_scale, routing = problem
+    N, T, k = w.shape[1], 300, 4
     dev = torch.device("cuda")
-    a, a_scale, w, w_scale, routing = gemm2_problem(tile, quant, E, N, K, T, k, seed=23)
     slots = routing.sorted_pair_ids.numel()
     outs = []
-    for overlap in (False, True):
-        if gemm == 2:
-            out = torch.full((T * k, N), float("nan"), device=dev, dtype=torch.bfloat16)
-            ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=2,
-                         activation="none", tile=tile, quant=quant, programs=programs,
-                         early=early, overlap=overlap)
-        else:
-            out = torch.full((slots, N // 2), float("nan"), device=dev, dtype=torch.bfloat16)
-            ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=1,
-                         activation="swiglu", tile=tile, quant=quant, programs=programs,
-                         early=early, overlap=overlap)
+    for arm in arms:
+        rows, cols = (T * k, N) if gemm == 2 else (slots, N // 2)
+        out = torch.full((rows, cols), float("nan"), device=dev, dtype=out_dtype)
+        ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=gemm,
+                     activation="none" if gemm == 2 else "swiglu", tile=tile, quant=quant,
+                     **common, **arm)
         torch.cuda.synchronize()
         outs.append(out)
     if gemm == 2:
@@ -1094,3 +1099,69 @@ def test_overlap_rule_and_refusals(monkeypatch):
     with pytest.raises(ValueError, match="overlap=True"):
         ws_gemm.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
                      tile="rows", quant="fp8", overlap=True)
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile,quant", [("rows", "fp8"), ("cols", "fp8_block"), ("wide", "fp8"),
+                                        ("wide", "fp8_block")])
+@pytest.mark.parametrize("gemm,out_dtype", [(2, torch.bfloat16), (2, torch.float16),
+                                            (1, torch.bfloat16)])
+def test_native_cast_is_bit_equal(tile, quant, gemm, out_dtype):
+    """NATIVE_CAST (the GPU's float32 -> bf16 / fp16 conversion in the epilogue) writes the
+    same bits as round_to_dtype's grid rounding: GEMM2's pair rows (bf16 and fp16 outputs,
+    values spread over many binades by the random scales) and GEMM1's activation rows, every
+    routed row written, GEMM1's padding rows not."""
+    if tile == "wide" and not ws_gemm.wide_admits(quant, "none" if gemm == 2 else "swiglu",
+                                                  False):
+        pytest.skip("no such wide build")
+    problem = gemm2_problem(tile, quant, 8, 512, 1024, 300, 4, seed=31)
+    assert_arms_equal(problem, tile, quant, gemm, [dict(native_cast=False),
+                                                   dict(native_cast=True)],
+                      out_dtype=out_dtype, programs=5)
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile", ["rows", "wide"])
+@pytest.mark.parametrize("quant,activation,bias", [("fp8", "swiglu", True),
+                                                   ("fp8_block", "swiglu", False)])
+def test_experts_with_native_cast(tile, quant, activation, bias, monkeypatch, ws_gemm_calls,
+                                  poisoned_empty):
+    """Both GEMMs of the experts call with NATIVE_CAST, on the skewed experts problem, against
+    the oracle (the wide tile where its builds admit the launch, the rule's form otherwise)."""
+    on_ws_gemm(monkeypatch, tile, NATIVE_CAST=True)
+    check_skewed_experts(quant, activation, bias, seed=67)
+    assert ws_gemm_calls == [1, 2]
+
+
+NATIVE_CAST_BUILDS = """
+import sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops, sass
+from moe_ops.kernels import ws_gemm
+for tile, gemm, activation, quant, k in (("rows", 2, "none", "fp8", 768),
+                                         ("rows", 1, "swiglu", "fp8", 768),
+                                         ("wide", 2, "none", "fp8_block", 2048),
+                                         ("cols", 2, "none", "fp8_block", 768)):
+    sizes, bodies, local = [], [], []
+    for native in (False, True):
+        kernel = ws_gemm.compile_sm90(tile=tile, gemm=gemm, activation=activation, quant=quant,
+                                      k=k, native_cast=native)
+        per_step = 8 if tile == "wide" else 4
+        body = min((b for b in loops(kernel) if sum("QGMMA" in i for i in b) >= per_step),
+                   key=len)
+        sizes.append(len(sass(kernel)))
+        bodies.append(len(body))
+        local.append(sum(i.split()[0].startswith(("LDL", "STL")) for i in body))
+    print(tile, gemm, quant, *sizes, *bodies, *local)
+"""
+
+
+def test_native_cast_builds():
+    """NATIVE_CAST's sm_90 builds: at least 500 SASS instructions shorter a build (the
+    epilogue's grid rounding gone: ~11 instructions a value, 64 values a thread, once per
+    epilogue and consumer) with the same K loop and no more local memory in it."""
+    rows, done = sm90_script_rows(NATIVE_CAST_BUILDS)
+    assert len(rows) == 4, done.stdout
+    for tile, gemm, quant, size, size_native, body, body_native, local, local_native in rows:
+        assert int(size) - int(size_native) >= 500, done.stdout
+        assert body == body_native and int(local_native) <= int(local), done.stdout

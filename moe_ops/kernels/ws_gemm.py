@@ -321,6 +321,17 @@ def overlaps(tile: str, gemm: int, k: int) -> bool:
     return OVERLAP == "1" or 0 < k <= SHORT_K_MAX_K
 
 
+# The epilogue's float32 -> bf16 / fp16 rounding by the GPU's conversion (NATIVE_CAST, see
+# to_out) instead of common.round_to_dtype's float32 grid rounding (written for the Triton
+# interpreter, which this kernel never runs on). Why: round_to_dtype is ~12 instructions a
+# value, so about half of a 64 x 128 tile's epilogue (sm_90 build of the "rows" fp8 GEMM2:
+# ~1240 instructions a thread between its K loops), and Qwen3-30B-A3B's GEMM2 spends half its
+# time outside its K steps (OVERLAP above). The same values for every finite output below
+# 2^112. Written without a GPU (2026-12-03), off until its GPU tests and an A/B have run
+# (`bash benchmarks/h200_run.sh ncugemm2`); MOE_OPS_WS_NATIVE_CAST=1 turns it on.
+NATIVE_CAST = env_choice("MOE_OPS_WS_NATIVE_CAST", "0", ("0", "1")) == "1"
+
+
 # MOE_OPS_WS_GEMM=0 turns the kernel off (every launch then runs grouped_gemm's kernels).
 ENABLED = env_choice("MOE_OPS_WS_GEMM", "1", ("0", "1")) == "1"
 
@@ -650,7 +661,7 @@ def _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
                       EARLY: gl.constexpr, PAIRS: gl.constexpr, ATOMIC_TOP_K: gl.constexpr,
                       GATHER_TOP_K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                       ROW0: gl.constexpr, COL0: gl.constexpr, ROWS: gl.constexpr,
-                      COLS: gl.constexpr, MMA: gl.constexpr):
+                      COLS: gl.constexpr, MMA: gl.constexpr, NATIVE_CAST: gl.constexpr):
     """The consumer's tiles with OVERLAP: each tile's first step(s) are issued before the
     previous tile's epilogue, which then runs beside them (and beside the other warpgroup's
     MMAs) instead of leaving the tensor cores to the other warpgroup alone; the last tile's
@@ -695,7 +706,7 @@ def _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
         if tile != first_tile:
             _epilogue(acc_prev, slots_prev, col0_prev, expert_prev, a_scale_rows_prev, ptrs,
                       sizes, strides, ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES,
-                      terms_prev, EARLY, ATOMIC_TOP_K)
+                      terms_prev, EARLY, ATOMIC_TOP_K, NATIVE_CAST)
         acc = _first_done(part, empty, first_index, second_index, s_a, s_b, GATED,
                           BLOCK_SCALES)
         acc, index, phase = _mma_steps(
@@ -719,7 +730,7 @@ def _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
     if first_tile < num_m * num_n:
         _epilogue(acc_prev, slots_prev, col0_prev, expert_prev, a_scale_rows_prev, ptrs, sizes,
                   strides, ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms_prev, EARLY,
-                  ATOMIC_TOP_K)
+                  ATOMIC_TOP_K, NATIVE_CAST)
 
 
 @gluon.jit
@@ -729,7 +740,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
               SCALES_AFTER_MMA: gl.constexpr, STAGGER: gl.constexpr, EARLY: gl.constexpr,
               PAIRS: gl.constexpr, ATOMIC_TOP_K: gl.constexpr, GATHER_TOP_K: gl.constexpr,
-              HALF: gl.constexpr, OVERLAP: gl.constexpr):
+              HALF: gl.constexpr, OVERLAP: gl.constexpr, NATIVE_CAST: gl.constexpr):
     """A consumer warpgroup (HALF 0 or 1 of each tile): its tiles one after another, or with
     OVERLAP each tile's first steps issued before the previous one's epilogue."""
     a_desc, w_desc = descs
@@ -751,12 +762,12 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
         _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M, ALIGN_M, FORM,
                           ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, SCALES_AFTER_MMA,
                           EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, BM, BN, ROW0, COL0, ROWS,
-                          COLS, MMA)
+                          COLS, MMA, NATIVE_CAST)
     else:
         _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                       HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
                       STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, HALF, BM, BN, ROW0,
-                      COL0, ROWS, COLS, MMA)
+                      COL0, ROWS, COLS, MMA, NATIVE_CAST)
 
 
 @gluon.jit
@@ -768,7 +779,7 @@ def _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
                   PAIRS: gl.constexpr, ATOMIC_TOP_K: gl.constexpr, GATHER_TOP_K: gl.constexpr,
                   HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, ROW0: gl.constexpr,
                   COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
-                  MMA: gl.constexpr):
+                  MMA: gl.constexpr, NATIVE_CAST: gl.constexpr):
     """The consumer's tiles one after another: K loop, then epilogue."""
     a_bufs, w_bufs, ready, empty, go = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
@@ -820,9 +831,11 @@ def _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
             else:
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
-                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY, ATOMIC_TOP_K)
+                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY, ATOMIC_TOP_K,
+                      NATIVE_CAST)
             _epilogue(acc_hi, slots, col0 + COLS, expert, a_scale_rows, ptrs, sizes, strides,
-                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY, ATOMIC_TOP_K)
+                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY, ATOMIC_TOP_K,
+                      NATIVE_CAST)
         else:
             acc = gl.zeros([ROWS, COLS], gl.float32, MMA)
             if live:
@@ -834,7 +847,8 @@ def _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
             else:
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
-                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY, ATOMIC_TOP_K)
+                      ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY, ATOMIC_TOP_K,
+                      NATIVE_CAST)
 
 
 @gluon.jit
@@ -873,7 +887,7 @@ def _epilogue_terms(slots, a_scale_rows, sorted_pair_ids_ptr, topk_weights_ptr, 
 def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, terms, EARLY: gl.constexpr,
-              ATOMIC_TOP_K: gl.constexpr):
+              ATOMIC_TOP_K: gl.constexpr, NATIVE_CAST: gl.constexpr = False):
     """A warpgroup's finished [64, 128] share of a tile at output column col0: fp8 per tensor's
     row and column scales, the bias, then GEMM1's activation into intermediate[slot] or GEMM2's
     routing weight into out[pair]; padding slots (pair id >= num_pairs) are not written.
@@ -906,11 +920,12 @@ def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
                     row_ok, col0, stride_om, COALESCED, True)
     elif EARLY and ACTIVATION == 0:
         # (the same float32 operations as write_rows', the weights already loaded)
-        _store_rows(out_ptr, round_to_dtype(acc * weights[:, None], out_ptr.dtype.element_ty),
+        _store_rows(out_ptr, to_out(acc * weights[:, None], out_ptr.dtype.element_ty,
+                                    NATIVE_CAST),
                     pair_ids.to(gl.int64), row_ok, col0, stride_om, COALESCED)
     else:
         write_rows(acc, slots, pair_ids, row_ok, col0, topk_weights_ptr, out_ptr, stride_om,
-                   alpha, limit, ACTIVATION, COALESCED)
+                   alpha, limit, ACTIVATION, COALESCED, NATIVE_CAST)
 
 
 @gluon.jit
@@ -958,17 +973,33 @@ def _mma_steps_wide(acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_s
 
 
 @gluon.jit
+def to_out(values, out_ty: gl.constexpr, NATIVE_CAST: gl.constexpr):
+    """float32 -> the output dtype, rounding to nearest even: NATIVE_CAST, the GPU's own
+    conversion (cvt.rn: one instruction for two values); otherwise common.round_to_dtype,
+    which rounds onto the target grid in float32 first (a workaround for the Triton
+    interpreter's truncating casts, which this Gluon kernel never runs on: ~12 instructions a
+    value). The two agree for every finite value below 2^112 (beyond it round_to_dtype rounds
+    twice)."""
+    if NATIVE_CAST:
+        return values.to(out_ty)
+    else:
+        return round_to_dtype(values, out_ty)
+
+
+@gluon.jit
 def write_rows(values, slots, pair_ids, row_ok, first_col, topk_weights_ptr, out_ptr, stride_om,
-               alpha, limit, ACTIVATION: gl.constexpr, COALESCED: gl.constexpr):
+               alpha, limit, ACTIVATION: gl.constexpr, COALESCED: gl.constexpr,
+               NATIVE_CAST: gl.constexpr = False):
     """A finished tile [slots, C] (fp32, scales and bias applied; slots, pair_ids, row_ok along
     its rows) -> GEMM2 (ACTIVATION 0): times each pair's routing weight into out[pair]; GEMM1:
     act(gate, up) of the interleaved gate/up columns (or relu2 of all) into out[slot], from
-    column first_col (halved when gated). Rows with row_ok False are not written."""
+    column first_col (halved when gated). Rows with row_ok False are not written. NATIVE_CAST:
+    see to_out."""
     out_ty: gl.constexpr = out_ptr.dtype.element_ty
     if ACTIVATION == 0:
         values = values * gl.load(topk_weights_ptr + pair_ids, mask=row_ok, other=0.0)[:, None]
-        _store_rows(out_ptr, round_to_dtype(values, out_ty), pair_ids.to(gl.int64), row_ok,
-                    first_col, stride_om, COALESCED)
+        _store_rows(out_ptr, to_out(values, out_ty, NATIVE_CAST), pair_ids.to(gl.int64),
+                    row_ok, first_col, stride_om, COALESCED)
     else:
         C: gl.constexpr = values.type.shape[1]
         if ACTIVATION >= 1 and ACTIVATION <= 3:
@@ -982,7 +1013,7 @@ def write_rows(values, slots, pair_ids, row_ok, first_col, topk_weights_ptr, out
         else:
             h = apply_activation(values, values, alpha, limit, "relu2")
         H_COLS: gl.constexpr = h.type.shape[1]
-        _store_rows(out_ptr, round_to_dtype(h, out_ty), slots.to(gl.int64), row_ok,
+        _store_rows(out_ptr, to_out(h, out_ty, NATIVE_CAST), slots.to(gl.int64), row_ok,
                     first_col // (C // H_COLS), stride_om, COALESCED)
 
 
@@ -1023,7 +1054,7 @@ def _ws_fp8_block_kernel(
     BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
     STAGGER: gl.constexpr, EARLY: gl.constexpr, PAIRS: gl.constexpr,
     ATOMIC_TOP_K: gl.constexpr = 0, GATHER_TOP_K: gl.constexpr = 0, GATHER_LAG: gl.constexpr = 2,
-    OVERLAP: gl.constexpr = 0,
+    OVERLAP: gl.constexpr = 0, NATIVE_CAST: gl.constexpr = 0,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
@@ -1053,10 +1084,12 @@ def _ws_fp8_block_kernel(
     gl.warp_specialize([
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 0, OVERLAP)),
+                     STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 0, OVERLAP,
+                     NATIVE_CAST)),
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
-                     STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 1, OVERLAP)),
+                     STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 1, OVERLAP,
+                     NATIVE_CAST)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, GATHER_TOP_K, GATHER_LAG)),
     ], [4, GATHER_WARPS if GATHER_TOP_K > 0 else 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -1106,7 +1139,8 @@ def _descriptors(a: torch.Tensor, w: torch.Tensor, tile: str):
 
 def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str, k: int,
                early: Optional[bool], pairs: Optional[bool], atomic_top_k: int,
-               gather_top_k: int, overlap: Optional[bool] = None) -> dict:
+               gather_top_k: int, overlap: Optional[bool] = None,
+               native_cast: Optional[bool] = None) -> dict:
     """The kernel's constexprs for a launch (but ALIGN_M, the dispatch's): the module settings
     and rules above for this form, GEMM and K. GATHER_LAG 0 where no lag fits (gather_lag);
     the launcher refuses a gather then."""
@@ -1122,14 +1156,15 @@ def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str
                 EARLY=int(EARLY_EPILOGUE if early is None else early), PAIRS=int(pairs),
                 ATOMIC_TOP_K=atomic_top_k, GATHER_TOP_K=gather_top_k,
                 GATHER_LAG=gather_lag(stages, pairs, stagger) if gather_top_k else 1,
-                OVERLAP=int(overlaps(tile, gemm, k) if overlap is None else overlap))
+                OVERLAP=int(overlaps(tile, gemm, k) if overlap is None else overlap),
+                NATIVE_CAST=int(NATIVE_CAST if native_cast is None else native_cast))
 
 
 def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: str,
          alpha: float = 0.0, limit: float = 0.0, tile: str = "cols", quant: str = "fp8_block",
          programs: Optional[int] = None, early: Optional[bool] = None,
          pairs: Optional[bool] = None, atomic: bool = False, gather_top_k: int = 0,
-         overlap: Optional[bool] = None) -> None:
+         overlap: Optional[bool] = None, native_cast: Optional[bool] = None) -> None:
     """One GEMM over the dispatch's live slots (see the module docstring).
 
     a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
@@ -1142,7 +1177,8 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     is added into its token's (pair // top_k) instead of written. gather_top_k (GEMM1, see
     GATHER): the routing's top_k, and a / a_scale are the token rows [T, K] / their scales,
     gathered by the kernel's producer, instead of rows in dispatch order. overlap: each tile's
-    first steps issued before the previous tile's epilogue (default: overlaps)."""
+    first steps issued before the previous tile's epilogue (default: overlaps). native_cast:
+    the output's rounding by the GPU's conversion (default: NATIVE_CAST; see to_out)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if pairs and not pairs_fit(quant, tile, gemm):
@@ -1177,7 +1213,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         programs = device_properties(a.device).multi_processor_count
     dummy = routing.topk_weights
     consts = _constants(tile, gemm, activation, bias is not None, quant, K, early, pairs,
-                        routing.top_k if atomic else 0, gather_top_k, overlap)
+                        routing.top_k if atomic else 0, gather_top_k, overlap, native_cast)
     if consts["GATHER_LAG"] < 1:
         raise ValueError(f"gather_top_k: no gather lag fits a ring of {consts['STAGES']} slots "
                          f"with pairs={bool(consts['PAIRS'])}, stagger {consts['STAGGER']} "
@@ -1197,11 +1233,12 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                  has_bias: bool = False, out_dtype: str = "bf16", quant: str = "fp8_block",
                  early: Optional[bool] = None, pairs: Optional[bool] = None, k: int = 0,
                  atomic_top_k: int = 0, gather_top_k: int = 0,
-                 overlap: Optional[bool] = None):
+                 overlap: Optional[bool] = None, native_cast: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
     run, Gluon having no interpreter. k: the GEMM's K where the ring's slots depend on it
     (ring_stages); atomic_top_k: GEMM2's atomic form for that top_k (out_dtype "fp32");
-    gather_top_k: GEMM1 gathering its rows for that top_k (GATHER); overlap: OVERLAP's form.
+    gather_top_k: GEMM1 gathering its rows for that top_k (GATHER); overlap: OVERLAP's form;
+    native_cast: NATIVE_CAST's.
     Returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1218,7 +1255,8 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32", "stride_am": "i32",
         "alpha": "fp32", "limit": "fp32"}
     consts = dict(ALIGN_M=bm, **_constants(tile, gemm, activation, has_bias, quant, k, early,
-                                           pairs, atomic_top_k, gather_top_k, overlap))
+                                           pairs, atomic_top_k, gather_top_k, overlap,
+                                           native_cast))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_am")}
