@@ -1108,7 +1108,8 @@ def test_overlap_rule_and_refusals(monkeypatch):
                                             (1, torch.bfloat16)])
 def test_native_cast_is_bit_equal(tile, quant, gemm, out_dtype):
     """NATIVE_CAST (the GPU's float32 -> bf16 / fp16 conversion in the epilogue) writes the
-    same bits as round_to_dtype's grid rounding: GEMM2's pair rows (bf16 and fp16 outputs,
+    same values as round_to_dtype's grid rounding (torch.equal: an exact zero's sign, which
+    round_to_dtype drops, aside): GEMM2's pair rows (bf16 and fp16 outputs,
     values spread over many binades by the random scales) and GEMM1's activation rows, every
     routed row written, GEMM1's padding rows not."""
     if tile == "wide" and not ws_gemm.wide_admits(quant, "none" if gemm == 2 else "swiglu",

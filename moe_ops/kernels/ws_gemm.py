@@ -327,7 +327,7 @@ def overlaps(tile: str, gemm: int, k: int) -> bool:
 # value, so about half of a 64 x 128 tile's epilogue (sm_90 build of the "rows" fp8 GEMM2:
 # ~1240 instructions a thread between its K loops), and Qwen3-30B-A3B's GEMM2 spends half its
 # time outside its K steps (OVERLAP above). The same values for every finite output below
-# 2^112. Written without a GPU (2026-12-03), off until its GPU tests and an A/B have run
+# 2^112 (an exact -0.0 keeps its sign, which round_to_dtype drops). Written without a GPU (2026-12-03), off until its GPU tests and an A/B have run
 # (`bash benchmarks/h200_run.sh ncugemm2`); MOE_OPS_WS_NATIVE_CAST=1 turns it on.
 NATIVE_CAST = env_choice("MOE_OPS_WS_NATIVE_CAST", "0", ("0", "1")) == "1"
 
@@ -979,7 +979,7 @@ def to_out(values, out_ty: gl.constexpr, NATIVE_CAST: gl.constexpr):
     which rounds onto the target grid in float32 first (a workaround for the Triton
     interpreter's truncating casts, which this Gluon kernel never runs on: ~12 instructions a
     value). The two agree for every finite value below 2^112 (beyond it round_to_dtype rounds
-    twice)."""
+    twice), but for the sign of an exact zero (round_to_dtype writes -0.0 as +0.0)."""
     if NATIVE_CAST:
         return values.to(out_ty)
     else:
