@@ -217,8 +217,8 @@
 # tests (bit for bit against it, GEMM1 and GEMM2, every form; the experts call against the
 # oracle) with OVERLAP's GEMM1 tests, compute-sanitizer on two of them, the GEMM2 probe of
 # Qwen3 with MOE_OPS_WS_NATIVE_CAST 0 / 1, then the fp8 layers (Qwen3, Mixtral, Llama 4) and
-# DeepSeek-V3 fp8_block at T = 4096 / 16384 with 0 / 1, two alternated passes; about 6
-# minutes.
+# DeepSeek-V3 fp8_block at T = 4096 / 16384 with 0 / 1, two alternated passes; about 8
+# minutes (run it alone in a call).
 # ncugemm2: what Qwen3-30B-A3B's GEMM2 tiles wait on (the probe found half its time outside
 # its K steps): OVERLAP's GEMM1 bit-equality tests (re-run with the written-rows comparison;
 # with the gathering GEMM1 too),
