@@ -89,7 +89,7 @@ def probe(args):
     with other tile orders (--group-m: how many SMs read one weight tile or one row block at
     once)."""
     from triton.testing import do_bench
-    from bench import check_and_time, print_variant_table
+    from bench import check_and_time
     from moe_ops.kernels import ws_gemm
     dev = torch.device("cuda")
     quant, E, top_k, _, (N, K), _ = MODELS[args.model]
@@ -141,12 +141,17 @@ def probe(args):
                     print(rows[-1], flush=True)
             del ref_rows, out_pairs, pb
             torch.cuda.empty_cache()
+    report(args, f"ws_probe_{args.model}.json", quant, rows, [("T", ">6"), ("variant", "28")])
+
+
+def report(args, name, quant, rows, name_columns):
+    """The records into --out/name (if given), then the closing table."""
+    from bench import print_variant_table
     if args.out:
         import bench
-        bench.write_records(os.path.join(args.out, f"ws_probe_{args.model}.json"),
+        bench.write_records(os.path.join(args.out, name),
                             [dict(r, model=args.model, quant=quant) for r in rows])
-    print_variant_table(rows, [("T", ">6"), ("variant", "28")],
-                        [("ms", "8.3f"), ("tflops", "8.1f")])
+    print_variant_table(rows, name_columns, [("ms", "8.3f"), ("tflops", "8.1f")])
 
 
 def make_problem(tokens, top_k, E, N, K, device, seed=0, quant="fp8_block"):
@@ -272,7 +277,7 @@ def main():
     if args.probe:
         probe(args)
         return
-    from bench import check_and_time, print_variant_table
+    from bench import check_and_time
     dev = torch.device("cuda")
     rows = []
     from moe_ops.kernels.grouped_gemm import GemmConfig
@@ -320,12 +325,8 @@ def main():
                 print(rows[-1], flush=True)
             del ref_rows, out_pairs, pb
             torch.cuda.empty_cache()
-    if args.out:
-        import bench
-        bench.write_records(os.path.join(args.out, f"ws_{quant}.json"),
-                            [dict(r, model=args.model, quant=quant) for r in rows])
-    print_variant_table(rows, [("T", ">6"), ("gemm", "6"), ("variant", "24")],
-                        [("ms", "8.3f"), ("tflops", "8.1f")])
+    report(args, f"ws_{quant}.json", quant, rows,
+           [("T", ">6"), ("gemm", "6"), ("variant", "24")])
 
 
 if __name__ == "__main__":

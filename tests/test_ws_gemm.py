@@ -912,11 +912,9 @@ def test_gathering_gemm1_is_bit_equal(tile, quant, programs, lag, stages, K, ski
     monkeypatch.setattr(ws_gemm, "GATHER_LAG", lag)
     monkeypatch.setattr(ws_gemm, "RING_STAGES", stages)
     monkeypatch.setattr(ws_gemm, "SKIP_PADDING", skip)
-    E, N, T, k = 8, 512, 700, 4
+    a, a_scale, w, w_scale, routing = gathering_problem(tile, quant, K, seed=17)
+    N, T, k = w.shape[1], 700, 4
     dev = torch.device("cuda")
-    routing = random_dispatch(tile, E, T, k, seed=17, skew=True)
-    a, a_scale = act_quant(torch.randn(T, K, device=dev, dtype=torch.bfloat16), quant)
-    w, w_scale = fp8_weights(quant, E, N, K)
     slots = routing.sorted_pair_ids.numel()
     outs = []
     for gather in (True, False):
@@ -930,10 +928,26 @@ def test_gathering_gemm1_is_bit_equal(tile, quant, programs, lag, stages, K, ski
             ws_gemm.gemm(rows, row_scales, w, w_scale, None, out, routing, gemm=1,
                          activation="swiglu", tile=tile, quant=quant, programs=programs)
         outs.append(out)
-    live = routing.sorted_pair_ids < T * k
-    assert torch.isfinite(outs[0][live]).all(), "a routed slot's row was not written"
-    assert torch.isnan(outs[0][~live]).all(), "a padding slot's row was written"
-    assert torch.equal(outs[0][live], outs[1][live])
+    assert_same_slot_rows(outs[0], outs[1], routing, T * k)
+
+
+def gathering_problem(tile, quant, K, seed):
+    """GEMM1 on token rows: T = 700 tokens routed to k = 4 of E = 8 experts (skewed) on one
+    dispatch aligned to the tile's rows, the rows [T, K] quantized as the package does, e4m3
+    weights [E, N = 512, K]. Returns (a, a_scale, w, w_scale, routing)."""
+    routing = random_dispatch(tile, 8, 700, 4, seed=seed, skew=True)
+    a, a_scale = act_quant(torch.randn(700, K, device="cuda", dtype=torch.bfloat16), quant)
+    return (a, a_scale) + fp8_weights(quant, 8, 512, K) + (routing, )
+
+
+def assert_same_slot_rows(checked, other, routing, num_pairs):
+    """Two GEMM1 outputs [slots, N / 2] (NaN-poisoned): `checked` wrote every routed slot's row
+    and no padding slot's, and the routed rows equal `other`'s bit for bit (the padding rows,
+    NaN in both, compared nowhere)."""
+    live = routing.sorted_pair_ids < num_pairs
+    assert torch.isfinite(checked[live].float()).all(), "a routed slot's row was not written"
+    assert torch.isnan(checked[~live].float()).all(), "a padding slot's row was written"
+    assert torch.equal(checked[live], other[live])
 
 
 @needs_hopper
@@ -990,11 +1004,7 @@ def assert_arms_equal(problem, tile, quant, gemm, arms, out_dtype=torch.bfloat16
         assert torch.isfinite(outs[1].float()).all(), "a pair's row was not written"
         assert torch.equal(outs[0], outs[1])
     else:
-        live = routing.sorted_pair_ids < T * k
-        assert torch.isfinite(outs[1][live].float()).all(), "a routed slot's row was not written"
-        assert torch.isnan(outs[1][~live].float()).all(), "a padding slot's row was written"
-        # (the padding rows hold NaN in both: compared where written)
-        assert torch.equal(outs[0][live], outs[1][live])
+        assert_same_slot_rows(outs[1], outs[0], routing, T * k)
 
 
 @needs_hopper
@@ -1005,23 +1015,17 @@ def test_overlap_with_the_gathering_gemm1(tile, quant, programs, K):
     """OVERLAP with GEMM1 gathering its rows (GATHER): a consumer holds the issued-ahead slots
     through the previous tile's epilogue while the gathered rows' arrivals lag behind their
     loads; the same rows bit for bit as the serial tiles gathering, padding slots unwritten."""
-    E, N, T, k = 8, 512, 700, 4
-    dev = torch.device("cuda")
-    routing = random_dispatch(tile, E, T, k, seed=29, skew=True)
-    a, a_scale = act_quant(torch.randn(T, K, device=dev, dtype=torch.bfloat16), quant)
-    w, w_scale = fp8_weights(quant, E, N, K)
+    a, a_scale, w, w_scale, routing = gathering_problem(tile, quant, K, seed=29)
+    N, T, k = w.shape[1], 700, 4
     slots = routing.sorted_pair_ids.numel()
     outs = []
     for overlap in (False, True):
-        out = torch.full((slots, N // 2), float("nan"), device=dev, dtype=torch.bfloat16)
+        out = torch.full((slots, N // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
         ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=1, activation="swiglu",
                      tile=tile, quant=quant, programs=programs, gather_top_k=k,
                      overlap=overlap)
         outs.append(out)
-    live = routing.sorted_pair_ids < T * k
-    assert torch.isfinite(outs[1][live].float()).all(), "a routed slot's row was not written"
-    assert torch.isnan(outs[1][~live].float()).all(), "a padding slot's row was written"
-    assert torch.equal(outs[0][live], outs[1][live])
+    assert_same_slot_rows(outs[1], outs[0], routing, T * k)
 
 
 @needs_hopper
@@ -1044,11 +1048,10 @@ sys.path.insert(0, "benchmarks")
 from aot_sm90 import loops
 from moe_ops.kernels import ws_gemm
 ws_gemm.SKIP_PADDING = "0"
-for tile, gemm, activation, quant, bias, early in (("rows", 2, "none", "fp8", False, False),
-                                                    ("rows", 1, "swiglu", "fp8", True, True),
-                                                    ("cols", 2, "none", "fp8_block", False, True),
-                                                    ("rows", 1, "swiglu", "fp8_block", False, False)):
-    shortest = []
+for tile, gemm, activation, quant, bias, early in (
+        ("rows", 2, "none", "fp8", False, False), ("rows", 1, "swiglu", "fp8", True, True),
+        ("cols", 2, "none", "fp8_block", False, True),
+        ("rows", 1, "swiglu", "fp8_block", False, False)):
     for overlap in (False, True):
         kernel = ws_gemm.compile_sm90(tile=tile, gemm=gemm, activation=activation, quant=quant,
                                       has_bias=bias, early=early, overlap=overlap, k=768)
@@ -1057,7 +1060,6 @@ for tile, gemm, activation, quant, bias, early in (("rows", 2, "none", "fp8", Fa
         body = min((b for b in loops(kernel) if sum("QGMMA" in i for i in b) == per_step),
                    key=len)
         local = sum(i.split()[0].startswith(("LDL", "STL")) for i in body)
-        shortest.append(len(body))
         print(tile, gemm, quant, int(overlap), len(body), local,
               kernel.asm["ptx"].count("wgmma.wait_group"))
 """
@@ -1067,9 +1069,9 @@ def test_overlap_builds():
     """OVERLAP's sm_90 builds: each consumer's K loop at most 6 instructions longer than
     without it (the carried accumulator costs no moves there; fp8's pair loop from a step known
     only at run time 144 -> 146-150 a pair of steps, fp8_block's swiglu GEMM1 131 -> 133 a step)
-    and free of local memory, GEMM1 and GEMM2, fp8 (pairs)
-    and fp8_block, with and without the early epilogue; one wgmma wait more in the PTX (the
-    first steps', one a consumer). The odd last step of fp8's pairs and the epilogue are outside this check."""
+    and free of local memory, GEMM1 and GEMM2, fp8 (pairs) and fp8_block, with and without the
+    early epilogue; one wgmma wait more in the PTX (the first steps', one a consumer). The odd
+    last step of fp8's pairs and the epilogue are outside this check."""
     rows, done = sm90_script_rows(OVERLAP_BUILDS)
     assert len(rows) == 8, done.stdout
     for off, on in zip(rows[0::2], rows[1::2]):

@@ -314,9 +314,15 @@ def gathers(quant: str, tile: str, k: int, n: int) -> bool:
 OVERLAP = env_choice("MOE_OPS_WS_OVERLAP", "0", ("0", "short", "1"))
 
 
+def overlap_fits(tile: str, gemm: int) -> bool:
+    """Whether a launch can take OVERLAP's form: "rows" / "cols" tiles, without the padding skip
+    or a stagger (the kernel's static_assert)."""
+    return tile != "wide" and not skip_padding(gemm) and not stagger_steps(tile, gemm)
+
+
 def overlaps(tile: str, gemm: int, k: int) -> bool:
     """Whether a launch issues each tile's first steps before the previous epilogue (OVERLAP)."""
-    if OVERLAP == "0" or tile == "wide" or skip_padding(gemm) or stagger_steps(tile, gemm):
+    if OVERLAP == "0" or not overlap_fits(tile, gemm):
         return False
     return OVERLAP == "1" or 0 < k <= SHORT_K_MAX_K
 
@@ -327,8 +333,9 @@ def overlaps(tile: str, gemm: int, k: int) -> bool:
 # value, so about half of a 64 x 128 tile's epilogue (sm_90 build of the "rows" fp8 GEMM2:
 # ~1240 instructions a thread between its K loops), and Qwen3-30B-A3B's GEMM2 spends half its
 # time outside its K steps (OVERLAP above). The same values for every finite output below
-# 2^112 (an exact -0.0 keeps its sign, which round_to_dtype drops). Written without a GPU (2026-12-03), off until its GPU tests and an A/B have run
-# (`bash benchmarks/h200_run.sh ncugemm2`); MOE_OPS_WS_NATIVE_CAST=1 turns it on.
+# 2^112 (an exact -0.0 keeps its sign, which round_to_dtype drops). Written without a GPU
+# (2026-12-03), off until its GPU tests and an A/B have run (`bash benchmarks/h200_run.sh
+# native`); MOE_OPS_WS_NATIVE_CAST=1 turns it on.
 NATIVE_CAST = env_choice("MOE_OPS_WS_NATIVE_CAST", "0", ("0", "1")) == "1"
 
 
@@ -689,7 +696,7 @@ def _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
     weights_prev = gl.zeros([ROWS], gl.float32, row_l)
     row_scales_prev = weights_prev
     for tile in range(first_tile, num_m * num_n, gl.num_programs(0)):
-        expert, slots, col0, a_scale_rows, first_slot = _tile_rows(
+        expert, slots, col0, a_scale_rows, _ = _tile_rows(
             tile, num_m, num_n, ptrs, num_pairs, stride_as, BM, BN, GROUP_M, ALIGN_M, ROW0,
             COL0, ROWS, row_l, GATHER_TOP_K)
         if EARLY:
@@ -1195,7 +1202,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     if gather_top_k and (gemm != 1 or gather_top_k != routing.top_k):
         raise ValueError(f"gather_top_k is GEMM1's, the routing's top_k {routing.top_k}; got "
                          f"gemm={gemm}, gather_top_k={gather_top_k}")
-    if overlap and (tile == "wide" or skip_padding(gemm) or stagger_steps(tile, gemm)):
+    if overlap and not overlap_fits(tile, gemm):
         raise ValueError(f"overlap=True is for the 'rows' / 'cols' tiles without the padding "
                          f"skip or a stagger, got {tile!r}, skip {skip_padding(gemm)}, "
                          f"stagger {stagger_steps(tile, gemm)}")
