@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -219,6 +219,15 @@
 # Qwen3 with MOE_OPS_WS_NATIVE_CAST 0 / 1, then the fp8 layers (Qwen3, Mixtral, Llama 4) and
 # DeepSeek-V3 fp8_block at T = 4096 / 16384 with 0 / 1, two alternated passes; about 8
 # minutes (run it alone in a call).
+# native4: the 4-bit Gluon kernel's epilogue on the GPU's conversion (ws_fp4's native_cast,
+# default ws_gemm.NATIVE_CAST): its GPU tests (bit for bit against round_to_dtype, each form)
+# and compute-sanitizer on one, then DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 4096 /
+# 16384 with MOE_OPS_WS_NATIVE_CAST 0 / 1, two alternated passes; with it fp8 per tensor's
+# GEMM2 on the "wide" tiles (MOE_OPS_WS_WIDE_FP8_GEMM2, admitted with the native cast): its
+# GPU tests and compute-sanitizer on one, then Mixtral, Llama 4 and Qwen3 fp8 at T = 4096 /
+# 16384 with 0 / 1, two alternated passes; about 6.5 minutes.
+# record: the sweep of record (bench, $DEADLINE_S, 430 s), gpu_check (every case, at most
+# $CHECK_S, 200 s), compute-sanitizer on gpu_check's small set; about 8 minutes.
 # ncugemm2: what Qwen3-30B-A3B's GEMM2 tiles wait on (the probe found half its time outside
 # its K steps): OVERLAP's GEMM1 bit-equality tests (re-run with the written-rows comparison;
 # with the gathering GEMM1 too),
@@ -1005,6 +1014,24 @@ if [[ "$what" == native ]]; then
   done
   ab_passes native 60 8 MOE_OPS_WS_NATIVE_CAST "0 1" -- --models qwen3_30b_a3b mixtral_8x7b \
     llama4_scout deepseek_v3 --quant fp8 fp8_block --tokens 4096 16384
+fi
+if [[ "$what" == native4 ]]; then
+  tests_then_sanitize native4 tests/test_ws_fp4.py "native_cast_is_bit_equal" \
+    "native_cast_is_bit_equal and nvfp4-128" 150
+  tests_then_sanitize wide_fp8_gemm2 tests/test_ws_gemm.py "wide_fp8_gemm2" \
+    "wide_fp8_gemm2 and swiglu" 100
+  ab_passes native4 40 4 MOE_OPS_WS_NATIVE_CAST "0 1" -- --models deepseek_v3 gpt_oss_120b \
+    --quant nvfp4 mxfp4 --tokens 4096 16384
+  ab_passes wide_fp8_gemm2 50 6 MOE_OPS_WS_WIDE_FP8_GEMM2 "0 1" -- --models mixtral_8x7b \
+    llama4_scout qwen3_30b_a3b --quant fp8 --tokens 4096 16384
+fi
+if [[ "$what" == record ]]; then
+  python3 benchmarks/bench.py --out "$out/h200.json" --plot "$out/h200.png" \
+    --deadline-s "${DEADLINE_S:-430}" > "$out/bench_table.txt" 2> "$out/bench.log" || status=1
+  timeout "${CHECK_S:-200}" python3 benchmarks/gpu_check.py --json "$out/gpu_check.json" \
+    > "$out/gpu_check.log" 2>&1 || status=1
+  tail -n 8 "$out/gpu_check.log"
+  sanitize
 fi
 if [[ "$what" == ncugemm2 ]]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_ws_gemm.py \

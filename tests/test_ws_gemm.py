@@ -255,16 +255,30 @@ def test_experts_on_wide_tiles(quant, activation, bias, monkeypatch, gemm_calls,
                      "wide" if ws_gemm.wide_admits(quant, "none", bias) else rule], tiles
 
 
+@needs_hopper
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_experts_on_wide_fp8_gemm2(activation, monkeypatch, gemm_calls, poisoned_empty):
+    """MOE_OPS_WS_WIDE_FP8_GEMM2 (with the native cast): fp8 per tensor's GEMM2 without a bias
+    on the 128 x 256 tiles too, the experts call against the oracle."""
+    on_ws_gemm(monkeypatch, "wide", WIDE_FP8_GEMM2=True, NATIVE_CAST=True)
+    tiles = gemm_calls(ws_gemm, "gemm", record="tile")
+    check_skewed_experts("fp8", activation, False, seed=53)
+    assert tiles == ["wide", "wide"], tiles
+
+
 WIDE_K_LOOP = """
 import collections, sys
 sys.path.insert(0, "benchmarks")
 from aot_sm90 import loops
 from moe_ops.kernels import ws_gemm
-builds = list(ws_gemm.WIDE_BUILDS) + [("fp8", "none", False)]
-for quant, activation, bias in builds:
+# (the admitted builds with the default cast; fp8's GEMM2 without a bias with and without
+# the native cast, last)
+builds = [b + (None, ) for b in ws_gemm.WIDE_BUILDS] + [("fp8", "none", False, True),
+                                                        ("fp8", "none", False, False)]
+for quant, activation, bias, native in builds:
     gemm = 2 if activation == "none" else 1
     kernel = ws_gemm.compile_sm90(tile="wide", gemm=gemm, activation=activation,
-                                  has_bias=bias, quant=quant)
+                                  has_bias=bias, quant=quant, native_cast=native)
     # each consumer's K loop (the two consumers are separate code): the two shortest loops
     # holding one step's 8 wgmmas (the tile loops around them hold them and more)
     k_loops = sorted((b for b in loops(kernel) if sum("QGMMA" in i for i in b) == 8),
@@ -277,11 +291,11 @@ for quant, activation, bias in builds:
 def test_wide_builds_do_not_spill_in_their_k_loop():
     """The "wide" builds ws_gemm admits (WIDE_BUILDS) keep their three 64-register tiles in
     registers through both consumers' K loops (sm_90 SASS: at most one register exchanged
-    through local memory around a wgmma issue, 4 accesses a step); fp8 per tensor's GEMM2
-    without a bias, which it does not admit, spills (if that changes, the form may admit
-    it)."""
+    through local memory around a wgmma issue, 4 accesses a step); so does fp8 per tensor's
+    GEMM2 without a bias with the native cast (WIDE_NATIVE_BUILDS), which spills with
+    round_to_dtype's (if that changes, the form may admit it)."""
     rows, done = sm90_script_rows(WIDE_K_LOOP)
-    assert len(rows) == len(ws_gemm.WIDE_BUILDS) + 1, done.stdout
+    assert len(rows) == len(ws_gemm.WIDE_BUILDS) + 2, done.stdout
     assert all(row[3] == "2" for row in rows), done.stdout
     assert all(int(row[4]) <= 4 for row in rows[:-1]), done.stdout
     assert int(rows[-1][4]) > 16, done.stdout

@@ -84,8 +84,25 @@ WIDE_BUILDS = (("fp8_block", "none", False), ("fp8_block", "none", True),
     for bias in (False, True))
 
 
-def wide_admits(quant: str, activation: str, has_bias: bool) -> bool:
-    return (quant, activation, has_bias) in WIDE_BUILDS
+# fp8 per tensor's GEMM2 without a bias (Mixtral's, Llama 4's, Qwen3's): its "wide" K loops keep
+# their registers only with NATIVE_CAST's shorter epilogue (sm_90: 2 local accesses a step, 84+
+# with round_to_dtype; tests/test_ws_gemm.py). Admitted with NATIVE_CAST when
+# MOE_OPS_WS_WIDE_FP8_GEMM2=1. Measured on an H200 (`bash benchmarks/h200_run.sh native4`,
+# results/h200_ab_wide_fp8_gemm2_*_twentyseventh.*, 2026-12-03; its GPU tests passed, memcheck
+# clean), graph replays, two alternated passes, 0 / 1: Mixtral fp8 T = 16384 10882 / 10977 ->
+# 11242 / 11161 us, Llama 4 fp8 4155 / 4179 -> 4250 / 4243, Qwen3 fp8 1744 / 1711 -> 1732 /
+# 1727, the T = 4096 points within their spread. So off.
+WIDE_NATIVE_BUILDS = (("fp8", "none", False),)
+WIDE_FP8_GEMM2 = env_choice("MOE_OPS_WS_WIDE_FP8_GEMM2", "0", ("0", "1")) == "1"
+
+
+def wide_admits(quant: str, activation: str, has_bias: bool,
+                native_cast: Optional[bool] = None) -> bool:
+    """Whether "wide" is built for this GEMM (WIDE_BUILDS; WIDE_NATIVE_BUILDS with
+    WIDE_FP8_GEMM2 and the native cast, by default NATIVE_CAST)."""
+    build = (quant, activation, has_bias)
+    native = NATIVE_CAST if native_cast is None else native_cast
+    return build in WIDE_BUILDS or (WIDE_FP8_GEMM2 and native and build in WIDE_NATIVE_BUILDS)
 
 
 ACTIVATIONS = ("none", "swiglu", "geglu", "swiglu_oai", "relu2")
@@ -333,10 +350,15 @@ def overlaps(tile: str, gemm: int, k: int) -> bool:
 # value, so about half of a 64 x 128 tile's epilogue (sm_90 build of the "rows" fp8 GEMM2:
 # ~1240 instructions a thread between its K loops), and Qwen3-30B-A3B's GEMM2 spends half its
 # time outside its K steps (OVERLAP above). The same values for every finite output below
-# 2^112 (an exact -0.0 keeps its sign, which round_to_dtype drops). Written without a GPU
-# (2026-12-03), off until its GPU tests and an A/B have run (`bash benchmarks/h200_run.sh
-# native`); MOE_OPS_WS_NATIVE_CAST=1 turns it on.
-NATIVE_CAST = env_choice("MOE_OPS_WS_NATIVE_CAST", "0", ("0", "1")) == "1"
+# 2^112 (an exact -0.0 keeps its sign, which round_to_dtype drops). Measured on an H200
+# (`bash benchmarks/h200_run.sh native`, results/h200_native_twentyseventh.*, 2026-12-03): its
+# GPU tests bit for bit against round_to_dtype (every form, both GEMMs) and compute-sanitizer
+# clean; Qwen3's GEMM2 alone at T = 16384 0.615 -> 0.510 ms (4096: 0.189 -> 0.160); the
+# layers, graph replays, two alternated passes: Qwen3 fp8 T = 16384 1850 / 1840 -> 1613 / 1750
+# us, Llama 4 fp8 4369 / 4198 -> 4202 / 4104, the T = 4096 points 1-6% faster, Mixtral fp8
+# and DeepSeek-V3 fp8_block T = 16384 within their passes' spread (8%). So on; ws_fp4's
+# epilogue takes the same switch. MOE_OPS_WS_NATIVE_CAST=0: round_to_dtype.
+NATIVE_CAST = env_choice("MOE_OPS_WS_NATIVE_CAST", "1", ("0", "1")) == "1"
 
 
 # MOE_OPS_WS_GEMM=0 turns the kernel off (every launch then runs grouped_gemm's kernels).
@@ -1208,9 +1230,10 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
                          f"stagger {stagger_steps(tile, gemm)}")
     bm, bn = TILES[tile]
     if tile == "wide" and not wide_admits(quant, activation if gemm == 1 else "none",
-                                          bias is not None):
+                                          bias is not None, native_cast):
         raise ValueError(f"tile='wide' is built for {WIDE_BUILDS} (quant, activation, bias) "
-                         f"only (the others spill in their K loop), got "
+                         f"only (and {WIDE_NATIVE_BUILDS} with WIDE_FP8_GEMM2 and the native "
+                         f"cast; the others spill in their K loop), got "
                          f"{(quant, activation if gemm == 1 else 'none', bias is not None)}")
     if routing.direct or routing.align_block_m % bm:
         raise ValueError(f"the warp-specialized GEMM needs a dispatch aligned to {bm} rows")
