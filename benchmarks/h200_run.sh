@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -228,6 +228,13 @@
 # 16384 with 0 / 1, two alternated passes; about 6.5 minutes.
 # record: the sweep of record (bench, $DEADLINE_S, 430 s), gpu_check (every case, at most
 # $CHECK_S, 200 s), compute-sanitizer on gpu_check's small set; about 8 minutes.
+# tunepf: tuneq3's steps for each model:quant of $TUNE_PAIRS (default Llama 4 and Mixtral fp8,
+# DeepSeek-V3 fp8_block), the layer at T = 1024 / 4096 / 16384; about a minute a pair.
+# tuneq3: Qwen3-30B-A3B fp8's prefill buckets (1024-8192) re-tuned against the shipped entries
+# (the tuner's current-pair rule) with the kernels of now (the gathering GEMM1, the native
+# cast: the tables' prefill entries predate both), into the tree's table, old and new tables
+# copied to the results dir (retune_prefill); then the layer at T = 1024-16384 on the new
+# table, the old and the new again; about a minute.
 # ncugemm2: what Qwen3-30B-A3B's GEMM2 tiles wait on (the probe found half its time outside
 # its K steps): OVERLAP's GEMM1 bit-equality tests (re-run with the written-rows comparison;
 # with the gathering GEMM1 too),
@@ -1032,6 +1039,33 @@ if [[ "$what" == record ]]; then
     > "$out/gpu_check.log" 2>&1 || status=1
   tail -n 8 "$out/gpu_check.log"
   sanitize
+fi
+# retune_prefill MODEL QUANT TOKENS...: the pair's buckets 1024-8192 re-tuned into the tree's
+# table (the old and new tables kept in the results dir), then the layer on new, old, new
+retune_prefill() {
+  local model=$1 quant=$2 table arm
+  shift 2
+  table=moe_ops/tuned/nvidia_h200__${model}__${quant}.json
+  cp "$table" "$out/table_${model}_${quant}_old.json"
+  timeout 200 python3 -m moe_ops.tune --model "$model" --quant "$quant" --ship \
+    --buckets 1024,2048,4096,8192 --report "$out/tune_${model}_${quant}.json" --quiet \
+    > "$out/tune_${model}_${quant}.log" 2>&1 || status=1
+  tail -n 6 "$out/tune_${model}_${quant}.log"
+  cp "$table" "$out/table_${model}_${quant}_new.json"
+  for arm in new old new2; do
+    cp "$out/table_${model}_${quant}_${arm%2}.json" "$table"
+    layer_arm "tune_${model}_${quant}_$arm" 40 $# MOE_OPS_TABLE_ARM="$arm" -- --models "$model" \
+      --quant "$quant" --tokens "$@"
+  done
+  cp "$out/table_${model}_${quant}_new.json" "$table"
+}
+if [[ "$what" == tunepf ]]; then
+  for pair in ${TUNE_PAIRS:-llama4_scout:fp8 mixtral_8x7b:fp8 deepseek_v3:fp8_block}; do
+    retune_prefill "${pair%%:*}" "${pair##*:}" 1024 4096 16384
+  done
+fi
+if [[ "$what" == tuneq3 ]]; then
+  retune_prefill qwen3_30b_a3b fp8 1024 2048 4096 16384
 fi
 if [[ "$what" == ncugemm2 ]]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_ws_gemm.py \
