@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -228,6 +228,19 @@
 # 16384 with 0 / 1, two alternated passes; about 6.5 minutes.
 # record: the sweep of record (bench, $DEADLINE_S, 430 s), gpu_check (every case, at most
 # $CHECK_S, 200 s), compute-sanitizer on gpu_check's small set; about 8 minutes.
+# gridround (on a tree with benchmarks/experiments/triton_native_cast.patch applied: `git apply`
+# it first): the Triton kernels' output rounding by the GPU's own cast (common.GRID_ROUNDING
+# off): its GPU test (tests/test_round_to_dtype.py) with the kernels' GPU tests
+# (test_kernels_experts.py), then the bf16 prefill experts calls of dev_grid_rounding.py with
+# MOE_OPS_GRID_ROUNDING 1 / 0, two alternated passes (their outputs' digests must be equal);
+# about 6 minutes.
+# pipepairs: fp8 per tensor's pairs of K steps pipelined (ws_gemm.PIPE_PAIRS: the next pair's
+# wgmmas issued before the previous pair's wait and promotion): its GPU tests (bit for bit
+# with the serial pairs, 1-16 steps a tile, both GEMMs; the experts call against the oracle)
+# and compute-sanitizer on one, the GEMM2 probe of Mixtral and Qwen3 at T = 16384 with
+# MOE_OPS_WS_PIPE_PAIRS 0 / 1 (its "6 slots" rows compare at equal ring depth: the pipelined
+# form takes the whole ring), then Mixtral, Llama 4 and Qwen3 fp8 at T = 4096 / 16384 with 0
+# / 1, two alternated passes; about 7 minutes.
 # tunepf: tuneq3's steps for each model:quant of $TUNE_PAIRS (default Llama 4 and Mixtral fp8,
 # DeepSeek-V3 fp8_block), the layer at T = 1024 / 4096 / 16384; about a minute a pair.
 # tuneq3: Qwen3-30B-A3B fp8's prefill buckets (1024-8192) re-tuned against the shipped entries
@@ -1059,6 +1072,34 @@ retune_prefill() {
   done
   cp "$out/table_${model}_${quant}_new.json" "$table"
 }
+if [[ "$what" == gridround ]]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_round_to_dtype.py \
+    tests/test_kernels_experts.py > "$out/pytest_gridround.log" 2>&1 || status=1
+  tail -n 2 "$out/pytest_gridround.log"
+  for pass in 1 2; do
+    for arm in 1 0; do
+      MOE_OPS_GRID_ROUNDING=$arm timeout 120 python3 benchmarks/dev_grid_rounding.py \
+        --out "$out/grid_rounding_${arm}_$pass.json" > "$out/grid_rounding_${arm}_$pass.log" 2>&1 \
+        || status=1
+      cat "$out/grid_rounding_${arm}_$pass.log"
+    done
+  done
+fi
+if [[ "$what" == pipepairs ]]; then
+  tests_then_sanitize pipepairs tests/test_ws_gemm.py "pipelined_pairs" \
+    "pipelined_pairs_are_bit_equal and 7-768-2-rows" 200
+  for arm in 0 1; do
+    for model in mixtral_8x7b qwen3_30b_a3b; do
+      MOE_OPS_WS_PIPE_PAIRS=$arm timeout 100 python3 benchmarks/dev_ws_fp8_block.py \
+        --model "$model" --probe --tokens 16384 --k-mults 1 --tiles rows cols --forms 00 \
+        --repeat 2 > "$out/ws_probe_pipe_${model}_$arm.log" 2>&1 || status=1
+      echo "$model MOE_OPS_WS_PIPE_PAIRS=$arm"
+      grep -v "^{" "$out/ws_probe_pipe_${model}_$arm.log" | tail -n 9
+    done
+  done
+  ab_passes pipepairs 50 6 MOE_OPS_WS_PIPE_PAIRS "0 1" -- --models mixtral_8x7b \
+    llama4_scout qwen3_30b_a3b --quant fp8 --tokens 4096 16384
+fi
 if [[ "$what" == tunepf ]]; then
   for pair in ${TUNE_PAIRS:-llama4_scout:fp8 mixtral_8x7b:fp8 deepseek_v3:fp8_block}; do
     retune_prefill "${pair%%:*}" "${pair##*:}" 1024 4096 16384

@@ -1182,3 +1182,59 @@ def test_native_cast_builds():
     for tile, gemm, quant, size, size_native, body, body_native, local, local_native in rows:
         assert int(size) - int(size_native) >= 500, done.stdout
         assert body == body_native and int(local_native) <= int(local), done.stdout
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile", ["rows", "cols"])
+@pytest.mark.parametrize("gemm", [2, 1])
+@pytest.mark.parametrize("programs,K", [(5, 128), (5, 256), (5, 512), (7, 768), (7, 1024),
+                                        (132, 1152), (3, 2048)])
+def test_pipelined_pairs_are_bit_equal(tile, gemm, programs, K):
+    """PIPE_PAIRS (each pair of K steps issued before the previous pair's wait and promotion,
+    into a second partial) promotes in the serial pairs' order: both GEMMs equal bit for bit
+    with and without it, every routed row written (GEMM1's padding rows not), for tiles of 1-16
+    steps (no pair, one to eight pairs, odd and even counts, an odd last step) and 3-132
+    programs."""
+    problem = gemm2_problem(tile, "fp8", 8, 512, K, 300, 4, seed=37)
+    assert_arms_equal(problem, tile, "fp8", gemm, [dict(pipe_pairs=False),
+                                                   dict(pipe_pairs=True)], programs=programs)
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile", ["rows", "cols"])
+@pytest.mark.parametrize("activation,bias", [("swiglu", False), ("relu2", True)])
+def test_experts_with_pipelined_pairs(tile, activation, bias, monkeypatch, ws_gemm_calls,
+                                      poisoned_empty):
+    """The experts call with PIPE_PAIRS on both GEMMs (GEMM1 on copied rows: the gather takes
+    the serial pairs), on the skewed experts problem, against the oracle."""
+    on_ws_gemm(monkeypatch, tile, PIPE_PAIRS=True)
+    check_skewed_experts("fp8", activation, bias, seed=71)
+    assert ws_gemm_calls == [1, 2]
+
+
+PIPE_PAIRS_BUILDS = """
+import sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops, sass
+from moe_ops.kernels import ws_gemm
+for tile, gemm, activation, k in (("rows", 2, "none", 14336), ("cols", 2, "none", 768),
+                                  ("rows", 1, "swiglu", 4096)):
+    kernel = ws_gemm.compile_sm90(tile=tile, gemm=gemm, activation=activation, quant="fp8",
+                                  k=k, pipe_pairs=True)
+    # the loop of two pairs: 16 wgmmas, a wait for at most two running steps between them
+    body = min((b for b in loops(kernel) if sum("QGMMA" in i for i in b) == 16), key=len)
+    local = sum(i.split()[0].startswith(("LDL", "STL")) for i in body)
+    waits = sum("DEPBAR.LE gsb0, 0x2" in i for i in body)
+    print(tile, gemm, len(body), local, waits, kernel.metadata.shared)
+"""
+
+
+def test_pipelined_pairs_build():
+    """PIPE_PAIRS' sm_90 builds: each consumer's loop of two pairs keeps both partials in
+    registers (no local access), waits for the older pair with the newer one's two steps still
+    running, and the form's whole ring fits a block's shared memory."""
+    rows, done = sm90_script_rows(PIPE_PAIRS_BUILDS)
+    assert len(rows) == 3, done.stdout
+    for tile, gemm, length, local, waits, shared in rows:
+        assert local == "0" and int(waits) >= 2, done.stdout
+        assert int(shared) <= 227 * 1024, done.stdout

@@ -232,6 +232,27 @@ def skip_padding(gemm: int) -> bool:
 FP8_PROMOTE_STEPS = int(env_choice("MOE_OPS_WS_FP8_PROMOTE_STEPS", "2", ("1", "2")))
 
 
+# Pipelined pairs (PIPE_PAIRS, with paired promotion): each consumer issues the next pair's
+# wgmmas into a second partial before it waits for the previous pair's and promotes it, so its
+# wgmmas never drain while it adds (the paired loop above waits for each pair's last wgmma, and
+# both consumers of a "rows" / "cols" tile consume the same slots, so they tend to promote at
+# once while the tensor cores idle). The promotions' order is unchanged: the same values bit
+# for bit. A consumer then holds up to four slots, so the ring takes the form's most slots
+# (MAX_STAGES: one pair of lookahead beside the two held); not with the producer's gather or
+# OVERLAP (their slot accounting assumes two held). Written without a GPU (2026-12-03), off
+# until measured (`bash benchmarks/h200_run.sh pipepairs`); MOE_OPS_WS_PIPE_PAIRS=1 turns it
+# on.
+PIPE_PAIRS = env_choice("MOE_OPS_WS_PIPE_PAIRS", "0", ("0", "1")) == "1"
+
+
+def pipelines_pairs(pairs: bool, gather_top_k: int, overlap: bool,
+                    pipe_pairs: Optional[bool] = None) -> bool:
+    """Whether a launch with paired promotion pipelines its pairs (pipe_pairs, by default
+    PIPE_PAIRS; never with a gather or OVERLAP)."""
+    wanted = PIPE_PAIRS if pipe_pairs is None else pipe_pairs
+    return bool(wanted and pairs and gather_top_k == 0 and not overlap)
+
+
 def pairs_fit(quant: str, tile: str, gemm: int) -> bool:
     """Whether a launch can promote every other K step: fp8 per tensor on the "rows" and "cols"
     forms ("wide" holds three accumulator tiles: see _mma_steps_wide), not staggered (the pair
@@ -526,6 +547,64 @@ def _promote(acc, part, s_a, s_b, GATED: gl.constexpr, SECOND: gl.constexpr):
 
 
 @gluon.jit
+def _issue_pair(acc, a_bufs, w_bufs, ready, index, phase, FORM: gl.constexpr,
+                ROW0: gl.constexpr, COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """The wgmmas of two K steps (ring slots index and the next) chained into a new partial,
+    issued and left running. Returns the partial, the two slots and the ring position after
+    them."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    index1, phase1 = ring_next(index, phase, STAGES)
+    mbarrier.wait(ready.index(index), phase)
+    a0, w0 = _half_tiles(a_bufs, w_bufs, index, FORM, ROW0, COL0, ROWS, COLS)
+    part = warpgroup_mma(a0, w0.permute((1, 0)), acc, use_acc=False, is_async=True)
+    mbarrier.wait(ready.index(index1), phase1)
+    a1, w1 = _half_tiles(a_bufs, w_bufs, index1, FORM, ROW0, COL0, ROWS, COLS)
+    part = warpgroup_mma(a1, w1.permute((1, 0)), part, is_async=True)
+    index2, phase2 = ring_next(index1, phase1, STAGES)
+    return part, index, index1, index2, phase2
+
+
+@gluon.jit
+def _retire_pair(acc, part, slot0, slot1, empty, OUTSTANDING: gl.constexpr):
+    """Wait until at most OUTSTANDING wgmmas run (the pair's two done), release its two slots,
+    promote its partial."""
+    part = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(part, ))
+    mbarrier.arrive(empty.index(slot0), count=1)
+    mbarrier.arrive(empty.index(slot1), count=1)
+    return acc + part
+
+
+@gluon.jit
+def _pipelined_pairs(acc, a_bufs, w_bufs, ready, empty, index, phase, pairs,
+                     FORM: gl.constexpr, ROW0: gl.constexpr, COL0: gl.constexpr,
+                     ROWS: gl.constexpr, COLS: gl.constexpr):
+    """`pairs` pairs of K steps, each issued before the one before it is waited for and
+    promoted (PIPE_PAIRS): two partials in turn, A for the even pairs and B for the odd, so a
+    running wgmma's registers are never copied (the loop carries A, running, as Triton's own
+    pipelined dots carry their accumulator). The promotions in pair order, as the serial
+    loop's. Returns the accumulator and the ring position after the pairs."""
+    if pairs > 0:
+        part_a, a0, a1, index, phase = _issue_pair(acc, a_bufs, w_bufs, ready, index, phase,
+                                                   FORM, ROW0, COL0, ROWS, COLS)
+        for q in range(1, pairs - 1, 2):
+            part_b, b0, b1, index, phase = _issue_pair(acc, a_bufs, w_bufs, ready, index,
+                                                       phase, FORM, ROW0, COL0, ROWS, COLS)
+            acc = _retire_pair(acc, part_a, a0, a1, empty, 2)
+            part_a, a0, a1, index, phase = _issue_pair(acc, a_bufs, w_bufs, ready, index,
+                                                       phase, FORM, ROW0, COL0, ROWS, COLS)
+            acc = _retire_pair(acc, part_b, b0, b1, empty, 2)
+        if pairs % 2 == 0:
+            # (the last pair, odd: issued before the one running is retired)
+            part_b, b0, b1, index, phase = _issue_pair(acc, a_bufs, w_bufs, ready, index,
+                                                       phase, FORM, ROW0, COL0, ROWS, COLS)
+            acc = _retire_pair(acc, part_a, a0, a1, empty, 2)
+            acc = _retire_pair(acc, part_b, b0, b1, empty, 0)
+        else:
+            acc = _retire_pair(acc, part_a, a0, a1, empty, 0)
+    return acc, index, phase
+
+
+@gluon.jit
 def _half_tiles(a_bufs, w_bufs, index, FORM: gl.constexpr, ROW0: gl.constexpr,
                 COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
     """Ring slot `index`'s operands of this warpgroup's half of the tile: its 128 weight rows
@@ -554,7 +633,8 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
     STAGGER: after step arrive_at's release (-1: none) the `go` barrier gets its arrive.
     PAIRS (fp8 per tensor, FP8_PROMOTE_STEPS 2): two steps' wgmmas chain into the partial, each
     slot released as its wgmma completes, then one promotion; an odd last step alone (kb0 is
-    then even)."""
+    then even). PAIRS 2 (PIPE_PAIRS): the next pair issued into a second partial before the
+    previous one's wait and promotion (_pipelined_pairs)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     w_scale_a, w_scale_b = _scale_rows(w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED)
     first = kb0
@@ -564,20 +644,18 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
         if CARRIED:
             # (a one-step tile's step 0 was issued ahead: no pair, and no single step again)
             first = gl.maximum(first, kb0)
+    if PAIRS == 2:
+        acc, index, phase = _pipelined_pairs(acc, a_bufs, w_bufs, ready, empty, index, phase,
+                                             (first - kb0) // 2, FORM, ROW0, COL0, ROWS, COLS)
+    elif PAIRS:
         for kp in range(kb0, first, 2):
-            index1, phase1 = ring_next(index, phase, STAGES)
-            mbarrier.wait(ready.index(index), phase)
-            a0, w0 = _half_tiles(a_bufs, w_bufs, index, FORM, ROW0, COL0, ROWS, COLS)
-            part = warpgroup_mma(a0, w0.permute((1, 0)), acc, use_acc=False, is_async=True)
-            mbarrier.wait(ready.index(index1), phase1)
-            a1, w1 = _half_tiles(a_bufs, w_bufs, index1, FORM, ROW0, COL0, ROWS, COLS)
-            part = warpgroup_mma(a1, w1.permute((1, 0)), part, is_async=True)
+            part, slot0, slot1, index, phase = _issue_pair(acc, a_bufs, w_bufs, ready, index,
+                                                           phase, FORM, ROW0, COL0, ROWS, COLS)
             part = warpgroup_mma_wait(num_outstanding=1, deps=(part, ))
-            mbarrier.arrive(empty.index(index), count=1)
+            mbarrier.arrive(empty.index(slot0), count=1)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-            mbarrier.arrive(empty.index(index1), count=1)
+            mbarrier.arrive(empty.index(slot1), count=1)
             acc += part
-            index, phase = ring_next(index1, phase1, STAGES)
     for kb in range(first, k_steps):
         if BLOCK_SCALES and not SCALES_AFTER_MMA:
             s_a, s_b = _step_scales(a_scale_rows, kb, w_scale_a, w_scale_b, GATED)
@@ -1096,6 +1174,8 @@ def _ws_fp8_block_kernel(
     # (see gather_lag)
     gl.static_assert(GATHER_TOP_K == 0 or (GATHER_LAG >= 1 and GATHER_LAG + PAIRS < STAGES
                                            and GATHER_LAG + STAGGER <= STAGES))
+    # (PAIRS 2, pipelined pairs: see PIPE_PAIRS)
+    gl.static_assert(PAIRS < 2 or (GATHER_TOP_K == 0 and OVERLAP == 0 and STAGES >= 4))
     if STAGGER > 0:
         go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(go, count=1)
@@ -1169,23 +1249,26 @@ def _descriptors(a: torch.Tensor, w: torch.Tensor, tile: str):
 def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str, k: int,
                early: Optional[bool], pairs: Optional[bool], atomic_top_k: int,
                gather_top_k: int, overlap: Optional[bool] = None,
-               native_cast: Optional[bool] = None) -> dict:
+               native_cast: Optional[bool] = None, pipe_pairs: Optional[bool] = None) -> dict:
     """The kernel's constexprs for a launch (but ALIGN_M, the dispatch's): the module settings
     and rules above for this form, GEMM and K. GATHER_LAG 0 where no lag fits (gather_lag);
     the launcher refuses a gather then."""
-    stages = ring_stages(tile, k)
     stagger = stagger_steps(tile, gemm)
     pairs = promote_pairs(quant, tile, gemm) if pairs is None else pairs
+    overlap = overlaps(tile, gemm, k) if overlap is None else overlap
+    pipelined = pipelines_pairs(pairs, gather_top_k, overlap, pipe_pairs)
+    stages = MAX_STAGES[tile] if pipelined else ring_stages(tile, k)
     return dict(GROUP_M=GROUP_M, STAGES=stages, FORM=FORMS[tile],
                 ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                 HAS_BIAS=has_bias, CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
                 BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
                 SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger,
-                EARLY=int(EARLY_EPILOGUE if early is None else early), PAIRS=int(pairs),
+                EARLY=int(EARLY_EPILOGUE if early is None else early),
+                PAIRS=2 if pipelined else int(pairs),
                 ATOMIC_TOP_K=atomic_top_k, GATHER_TOP_K=gather_top_k,
                 GATHER_LAG=gather_lag(stages, pairs, stagger) if gather_top_k else 1,
-                OVERLAP=int(overlaps(tile, gemm, k) if overlap is None else overlap),
+                OVERLAP=int(overlap),
                 NATIVE_CAST=int(NATIVE_CAST if native_cast is None else native_cast))
 
 
@@ -1193,7 +1276,8 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
          alpha: float = 0.0, limit: float = 0.0, tile: str = "cols", quant: str = "fp8_block",
          programs: Optional[int] = None, early: Optional[bool] = None,
          pairs: Optional[bool] = None, atomic: bool = False, gather_top_k: int = 0,
-         overlap: Optional[bool] = None, native_cast: Optional[bool] = None) -> None:
+         overlap: Optional[bool] = None, native_cast: Optional[bool] = None,
+         pipe_pairs: Optional[bool] = None) -> None:
     """One GEMM over the dispatch's live slots (see the module docstring).
 
     a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
@@ -1207,7 +1291,8 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     GATHER): the routing's top_k, and a / a_scale are the token rows [T, K] / their scales,
     gathered by the kernel's producer, instead of rows in dispatch order. overlap: each tile's
     first steps issued before the previous tile's epilogue (default: overlaps). native_cast:
-    the output's rounding by the GPU's conversion (default: NATIVE_CAST; see to_out)."""
+    the output's rounding by the GPU's conversion (default: NATIVE_CAST; see to_out).
+    pipe_pairs: the pairs pipelined, where pairs apply (default: PIPE_PAIRS)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if pairs and not pairs_fit(quant, tile, gemm):
@@ -1243,7 +1328,8 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
         programs = device_properties(a.device).multi_processor_count
     dummy = routing.topk_weights
     consts = _constants(tile, gemm, activation, bias is not None, quant, K, early, pairs,
-                        routing.top_k if atomic else 0, gather_top_k, overlap, native_cast)
+                        routing.top_k if atomic else 0, gather_top_k, overlap, native_cast,
+                        pipe_pairs)
     if consts["GATHER_LAG"] < 1:
         raise ValueError(f"gather_top_k: no gather lag fits a ring of {consts['STAGES']} slots "
                          f"with pairs={bool(consts['PAIRS'])}, stagger {consts['STAGGER']} "
@@ -1263,12 +1349,13 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                  has_bias: bool = False, out_dtype: str = "bf16", quant: str = "fp8_block",
                  early: Optional[bool] = None, pairs: Optional[bool] = None, k: int = 0,
                  atomic_top_k: int = 0, gather_top_k: int = 0,
-                 overlap: Optional[bool] = None, native_cast: Optional[bool] = None):
+                 overlap: Optional[bool] = None, native_cast: Optional[bool] = None,
+                 pipe_pairs: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
     run, Gluon having no interpreter. k: the GEMM's K where the ring's slots depend on it
     (ring_stages); atomic_top_k: GEMM2's atomic form for that top_k (out_dtype "fp32");
     gather_top_k: GEMM1 gathering its rows for that top_k (GATHER); overlap: OVERLAP's form;
-    native_cast: NATIVE_CAST's.
+    native_cast: NATIVE_CAST's; pipe_pairs: PIPE_PAIRS'.
     Returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1286,7 +1373,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "alpha": "fp32", "limit": "fp32"}
     consts = dict(ALIGN_M=bm, **_constants(tile, gemm, activation, has_bias, quant, k, early,
                                            pairs, atomic_top_k, gather_top_k, overlap,
-                                           native_cast))
+                                           native_cast, pipe_pairs))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_am")}
