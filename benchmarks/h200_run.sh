@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -241,6 +241,10 @@
 # MOE_OPS_WS_PIPE_PAIRS 0 / 1 (its "6 slots" rows compare at equal ring depth: the pipelined
 # form takes the whole ring), then Mixtral, Llama 4 and Qwen3 fp8 at T = 4096 / 16384 with 0
 # / 1, two alternated passes; about 7 minutes.
+# scalecols: fp8_block's step scales loaded after the wgmmas' issue on the "cols" form alone
+# (MOE_OPS_WS_SCALE_LOADS=cols; the form DeepSeek-V3 runs at T <= 4096, where "after" was
+# never measured): DeepSeek-V3 fp8_block at T = 1024 / 2048 / 4096 with before / cols, two
+# alternated passes; about 3 minutes.
 # tunepf: tuneq3's steps for each model:quant of $TUNE_PAIRS (default Llama 4 and Mixtral fp8,
 # DeepSeek-V3 fp8_block), the layer at T = 1024 / 4096 / 16384; about a minute a pair.
 # tuneq3: Qwen3-30B-A3B fp8's prefill buckets (1024-8192) re-tuned against the shipped entries
@@ -1099,6 +1103,10 @@ if [[ "$what" == pipepairs ]]; then
   done
   ab_passes pipepairs 50 6 MOE_OPS_WS_PIPE_PAIRS "0 1" -- --models mixtral_8x7b \
     llama4_scout qwen3_30b_a3b --quant fp8 --tokens 4096 16384
+fi
+if [[ "$what" == scalecols ]]; then
+  ab_passes scalecols 50 4 MOE_OPS_WS_SCALE_LOADS "before cols" -- --models deepseek_v3 \
+    --quant fp8_block --tokens 1024 2048 4096
 fi
 if [[ "$what" == tunepf ]]; then
   for pair in ${TUNE_PAIRS:-llama4_scout:fp8 mixtral_8x7b:fp8 deepseek_v3:fp8_block}; do

@@ -1238,3 +1238,14 @@ def test_pipelined_pairs_build():
     for tile, gemm, length, local, waits, shared in rows:
         assert local == "0" and int(waits) >= 2, done.stdout
         assert int(shared) <= 227 * 1024, done.stdout
+
+
+def test_scale_loads_rule(monkeypatch):
+    """MOE_OPS_WS_SCALE_LOADS: "before" (the default) everywhere, "after" everywhere, "cols"
+    after on the "cols" form alone; the kernel's constexpr follows."""
+    for setting, expected in (("before", (0, 0, 0)), ("after", (1, 1, 1)), ("cols", (0, 1, 0))):
+        monkeypatch.setattr(ws_gemm, "SCALE_LOADS", setting)
+        monkeypatch.setattr(ws_gemm, "SCALES_AFTER_MMA", setting == "after")
+        got = tuple(ws_gemm._constants(tile, 2, "none", False, "fp8_block", 2048, None, None, 0,
+                                       0)["SCALES_AFTER_MMA"] for tile in ("rows", "cols", "wide"))
+        assert got == expected, (setting, got)

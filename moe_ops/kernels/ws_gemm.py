@@ -212,7 +212,17 @@ SKIP_PADDING = env_choice("MOE_OPS_WS_SKIP_PADDING", "0", ("0", "gemm2", "1"))
 # 2026-12-01, DeepSeek-V3 T = 16384, GEMM alone, before -> after): "rows" GEMM1's shape 9.25 ->
 # 10.22 ms, GEMM2's 5.12 -> 5.56; "cols" 13.10 -> 10.88 and 5.63 -> 5.23; "wide" 8.51 -> 8.38
 # and 4.56 -> 4.39. No form gains beyond the spread on the tiles that run, so "before".
-SCALES_AFTER_MMA = env_choice("MOE_OPS_WS_SCALE_LOADS", "before", ("before", "after")) == "after"
+# "cols" loads them after on the "cols" form alone: that form gained there (GEMM1's shape
+# 13.10 -> 10.88 ms) but ran at none of the points measured (T = 16384: the 128-row forms);
+# it is the form of DeepSeek-V3 at T <= 4096 (below WS_ROWS_TILE_MIN_ROWS rows an expert), not
+# yet measured there (`bash benchmarks/h200_run.sh scalecols`).
+SCALE_LOADS = env_choice("MOE_OPS_WS_SCALE_LOADS", "before", ("before", "after", "cols"))
+SCALES_AFTER_MMA = SCALE_LOADS == "after"
+
+
+def scales_after(tile: str) -> bool:
+    """Whether a launch of this form loads fp8_block's step scales after its wgmmas' issue."""
+    return SCALES_AFTER_MMA or (SCALE_LOADS == "cols" and tile == "cols")
 
 
 def skip_padding(gemm: int) -> bool:
@@ -1263,7 +1273,7 @@ def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str
                 HAS_BIAS=has_bias, CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
                 BLOCK_SCALES=int(quant == "fp8_block"), SKIP_PADDING=int(skip_padding(gemm)),
-                SCALES_AFTER_MMA=int(SCALES_AFTER_MMA), STAGGER=stagger,
+                SCALES_AFTER_MMA=int(scales_after(tile)), STAGGER=stagger,
                 EARLY=int(EARLY_EPILOGUE if early is None else early),
                 PAIRS=2 if pipelined else int(pairs),
                 ATOMIC_TOP_K=atomic_top_k, GATHER_TOP_K=gather_top_k,
