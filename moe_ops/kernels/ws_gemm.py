@@ -375,19 +375,19 @@ def overlaps(tile: str, gemm: int, k: int) -> bool:
     return OVERLAP == "1" or 0 < k <= SHORT_K_MAX_K
 
 
-# The epilogue's float32 -> bf16 / fp16 rounding by the GPU's conversion (NATIVE_CAST, see
-# to_out) instead of common.round_to_dtype's float32 grid rounding (written for the Triton
-# interpreter, which this kernel never runs on). Why: round_to_dtype is ~12 instructions a
-# value, so about half of a 64 x 128 tile's epilogue (sm_90 build of the "rows" fp8 GEMM2:
-# ~1240 instructions a thread between its K loops), and Qwen3-30B-A3B's GEMM2 spends half its
-# time outside its K steps (OVERLAP above). The same values for every finite output below
-# 2^112 (an exact -0.0 keeps its sign, which round_to_dtype drops). Measured on an H200
-# (`bash benchmarks/h200_run.sh native`, results/h200_native_twentyseventh.*, 2026-12-03): its
-# GPU tests bit for bit against round_to_dtype (every form, both GEMMs) and compute-sanitizer
-# clean; Qwen3's GEMM2 alone at T = 16384 0.615 -> 0.510 ms (4096: 0.189 -> 0.160); the
-# layers, graph replays, two alternated passes: Qwen3 fp8 T = 16384 1850 / 1840 -> 1613 / 1750
-# us, Llama 4 fp8 4369 / 4198 -> 4202 / 4104, the T = 4096 points 1-6% faster, Mixtral fp8
-# and DeepSeek-V3 fp8_block T = 16384 within their passes' spread (8%). So on; ws_fp4's
+# The epilogue's float32 -> bf16 / fp16 rounding by the GPU's conversion (NATIVE_CAST, see to_out)
+# instead of common.round_to_dtype's float32 grid rounding (written for the Triton interpreter,
+# which this kernel never runs on). Why: round_to_dtype is ~12 instructions a value, so about half
+# of a 64 x 128 tile's epilogue (sm_90 build of the "rows" fp8 GEMM2: ~1240 instructions a thread
+# between its K loops), and Qwen3-30B-A3B's GEMM2 spent half its time outside its K steps
+# (OVERLAP above). The same values for every finite output below 2^112 (an exact -0.0 keeps its
+# sign, which round_to_dtype drops). Measured on an H200 (`bash benchmarks/h200_run.sh native`,
+# 2026-12-03; results/h200_pytest_native_*, h200_ws_probe_native_*, h200_ab_native_*,
+# twentyseventh): its GPU tests bit for bit against round_to_dtype (every form, both GEMMs) and
+# compute-sanitizer clean; Qwen3's GEMM2 alone at T = 16384 0.615 -> 0.510 ms (4096: 0.189 ->
+# 0.160); the layers, graph replays, two alternated passes: Qwen3 fp8 T = 16384 1850 / 1840 ->
+# 1613 / 1750 us, Llama 4 fp8 4369 / 4198 -> 4202 / 4104, the T = 4096 points 1-6% faster, Mixtral
+# fp8 and DeepSeek-V3 fp8_block T = 16384 within their passes' spread (8%). So on; ws_fp4's
 # epilogue takes the same switch. MOE_OPS_WS_NATIVE_CAST=0: round_to_dtype.
 NATIVE_CAST = env_choice("MOE_OPS_WS_NATIVE_CAST", "1", ("0", "1")) == "1"
 
