@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -92,7 +92,9 @@
 # NCU_CASES="mixtral_8x7b:fp8:grouped_gemm qwen3_30b_a3b:none:grouped_gemm" for issue 3's
 # decode points; the tensor pipe's active cycles printed too (NCU_TOKENS=16384
 # NCU_CASES="deepseek_v3:nvfp4:_ws_fp4" for the 4-bit prefill GEMMs: where their rate a clock
-# goes, NOTES fourteenth session).
+# goes, NOTES fourteenth session). The L2's bytes (lts__t_bytes) and DRAM's read / written bytes
+# printed with them (NCU_TOKENS=4096 NCU_CASES="deepseek_v3:fp8_block:_ws_fp8_block": whether
+# fp8_block's "cols" tiles at T = 4096 are bound by the L2, NOTES).
 # c4x: four consumer warpgroups at 4-bit decode (MOE_OPS_WS_FP4_CONSUMERS=4: a tile of 256
 # weight rows, 20 warps at 96-112 registers a thread, no spills at sm_90) against the default
 # rule and the mixed counts 4,3 / 3,4, DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 1-64;
@@ -245,6 +247,17 @@
 # (MOE_OPS_WS_SCALE_LOADS=cols; the form DeepSeek-V3 runs at T <= 4096, where "after" was
 # never measured): DeepSeek-V3 fp8_block at T = 1024 / 2048 / 4096 with before / cols, two
 # alternated passes; about 3 minutes.
+# expertgroups: ws_gemm's tile groups cut at the experts' boundaries (ws_gemm.EXPERT_GROUPS):
+# its GPU tests (bit for bit with the fixed windows, both GEMMs, every form, the gathering
+# GEMM1; the experts call against the oracle) and compute-sanitizer on one, Nsight Compute's
+# DRAM and L2 bytes of DeepSeek-V3 fp8_block's GEMMs at T = 4096 with it (ncu4l's lines; the
+# same without it: results/h200_ncu_layer_deepseek_v3_fp8_block_4096_l2_twentyeighth.csv),
+# then DeepSeek-V3 fp8_block at T = 1024-16384, Qwen3 and Mixtral fp8 at T = 4096 / 16384 with
+# MOE_OPS_WS_EXPERT_GROUPS 0 / 1, two alternated passes; about 5 minutes.
+# expertrule: the same switch's rule (MOE_OPS_WS_EXPERT_GROUPS=auto, ws_gemm.expert_groups_apply)
+# against 0: DeepSeek-V3 fp8_block, Llama 4 and Mixtral fp8 at T = 2048 / 4096 / 16384 (the
+# rule on for DeepSeek-V3 throughout, Llama 4 to 4096, Mixtral at 2048), two alternated
+# passes; about 2.5 minutes.
 # tunepf: tuneq3's steps for each model:quant of $TUNE_PAIRS (default Llama 4 and Mixtral fp8,
 # DeepSeek-V3 fp8_block), the layer at T = 1024 / 4096 / 16384; about a minute a pair.
 # tuneq3: Qwen3-30B-A3B fp8's prefill buckets (1024-8192) re-tuned against the shipped entries
@@ -692,11 +705,11 @@ if [[ "$what" == ncu4l ]]; then
     name="$name${NCU_TAG:+_$NCU_TAG}"
     timeout 160 ncu -k "regex:$kernel" -c 2 --section SpeedOfLight --section WarpStateStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats \
-      --metrics sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active --csv \
+      --metrics sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,lts__t_bytes.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum --csv \
       --page details python3 benchmarks/profile_layer.py --models "$m" --quant "$q" \
       --tokens "$tokens" --calls 1 > "$out/$name.csv" 2> "$out/$name.log" || status=1
     echo "$m $q T = $tokens"
-    grep -E '"(sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active|Duration|DRAM Throughput|Memory Throughput|Executed Ipc Active|Issue Slots Busy|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|Grid Size|Registers Per Thread|L2 Hit Rate|Mem Busy|Max Bandwidth)"' \
+    grep -E '"(sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active|lts__t_bytes.sum|dram__bytes_read.sum|dram__bytes_write.sum|lts__t_sectors_srcunit_tex_op_read.sum|L2 Cache Throughput|Duration|DRAM Throughput|Memory Throughput|Executed Ipc Active|Issue Slots Busy|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|Grid Size|Registers Per Thread|L2 Hit Rate|Mem Busy|Max Bandwidth)"' \
       "$out/$name.csv" | awk -F'","' '{print $5 " | " $(NF-2) " | " $NF}' | cut -c1-120
   done
 fi
@@ -1105,6 +1118,18 @@ fi
 if [[ "$what" == scalecols ]]; then
   ab_passes scalecols 50 4 MOE_OPS_WS_SCALE_LOADS "before cols" -- --models deepseek_v3 \
     --quant fp8_block --tokens 1024 2048 4096
+fi
+if [[ "$what" == expertgroups ]]; then
+  tests_then_sanitize expertgroups tests/test_ws_gemm.py "expert_groups" \
+    "expert_groups_are_bit_equal and cols-fp8_block and 8-132 and 1-" 200
+  MOE_OPS_WS_EXPERT_GROUPS=1 NCU_TOKENS=4096 NCU_TAG=l2_groups \
+    NCU_CASES="deepseek_v3:fp8_block:_ws_fp8_block" bash benchmarks/h200_run.sh ncu4l || status=1
+  ab_passes expertgroups 60 9 MOE_OPS_WS_EXPERT_GROUPS "0 1" -- --models deepseek_v3 \
+    qwen3_30b_a3b mixtral_8x7b --quant fp8_block fp8 --tokens 1024 4096 16384
+fi
+if [[ "$what" == expertrule ]]; then
+  ab_passes expertrule 50 9 MOE_OPS_WS_EXPERT_GROUPS "0 auto" -- --models deepseek_v3 \
+    llama4_scout mixtral_8x7b --quant fp8_block fp8 --tokens 2048 4096 16384
 fi
 if [[ "$what" == tunepf ]]; then
   for pair in ${TUNE_PAIRS:-llama4_scout:fp8 mixtral_8x7b:fp8 deepseek_v3:fp8_block}; do

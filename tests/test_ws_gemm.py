@@ -1249,3 +1249,109 @@ def test_scale_loads_rule(monkeypatch):
         got = tuple(ws_gemm._constants(tile, 2, "none", False, "fp8_block", 2048, None, None, 0,
                                        0)["SCALES_AFTER_MMA"] for tile in ("rows", "cols", "wide"))
         assert got == expected, (setting, got)
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile,quant", [("rows", "fp8"), ("cols", "fp8"), ("rows", "fp8_block"),
+                                        ("cols", "fp8_block"), ("wide", "fp8_block")])
+@pytest.mark.parametrize("gemm", [2, 1])
+@pytest.mark.parametrize("experts,programs", [(8, 3), (8, 132), (64, 7)])
+def test_expert_groups_are_bit_equal(tile, quant, gemm, experts, programs):
+    """EXPERT_GROUPS (the tile groups cut at the experts' boundaries) changes the tiles' order
+    alone: both GEMMs equal bit for bit with and without it, every routed row written (GEMM1's
+    padding rows not), with 1-3 row blocks an expert straddling the 8-block windows (8 experts)
+    and groups of one block (64 experts), on 3-132 programs."""
+    if tile == "wide" and not ws_gemm.wide_admits(quant, "swiglu" if gemm == 1 else "none",
+                                                  False):
+        pytest.skip("no wide build")
+    problem = gemm2_problem(tile, quant, experts, 512, 1024, 300, 4, seed=43)
+    assert_arms_equal(problem, tile, quant, gemm, [dict(expert_groups=False),
+                                                   dict(expert_groups=True)], programs=programs)
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile,quant", [("rows", "fp8"), ("cols", "fp8_block")])
+def test_expert_groups_with_the_gathering_gemm1(tile, quant):
+    """EXPERT_GROUPS with GEMM1 gathering its rows (the producer's tile order is the
+    consumers'): the same rows bit for bit as without it, padding slots unwritten."""
+    a, a_scale, w, w_scale, routing = gathering_problem(tile, quant, 1024, seed=47)
+    N, T, k = w.shape[1], 700, 4
+    slots = routing.sorted_pair_ids.numel()
+    outs = []
+    for expert_groups in (False, True):
+        out = torch.full((slots, N // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=1, activation="swiglu",
+                     tile=tile, quant=quant, programs=11, gather_top_k=k,
+                     expert_groups=expert_groups)
+        outs.append(out)
+    assert_same_slot_rows(outs[1], outs[0], routing, T * k)
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile", ["rows", "cols"])
+@pytest.mark.parametrize("quant,activation,bias", [("fp8", "swiglu", True),
+                                                   ("fp8_block", "swiglu", False)])
+def test_experts_with_expert_groups(tile, quant, activation, bias, monkeypatch, ws_gemm_calls,
+                                    poisoned_empty):
+    """The experts call with EXPERT_GROUPS on both GEMMs, on the skewed experts problem,
+    against the oracle."""
+    on_ws_gemm(monkeypatch, tile, EXPERT_GROUPS=True)
+    check_skewed_experts(quant, activation, bias, seed=73)
+    assert ws_gemm_calls == [1, 2]
+
+
+EXPERT_GROUPS_BUILDS = """
+import sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops, resource_usage
+from moe_ops.kernels import ws_gemm
+for tile, gemm, activation, quant in (("rows", 2, "none", "fp8"),
+                                      ("cols", 1, "swiglu", "fp8_block")):
+    sizes = []
+    for expert_groups in (False, True):
+        kernel = ws_gemm.compile_sm90(tile=tile, gemm=gemm, activation=activation, quant=quant,
+                                      expert_groups=expert_groups)
+        # the K loop: the innermost loop with wgmmas
+        body = min((b for b in loops(kernel) if any("GMMA" in i for i in b)), key=len)
+        local = sum(i.split()[0].startswith(("LDL", "STL")) for i in body)
+        sizes.append(len(body))
+    print(tile, gemm, sizes[0], sizes[1], local, resource_usage(kernel).split()[-2])
+"""
+
+
+def test_expert_groups_build():
+    """EXPERT_GROUPS' sm_90 builds: the K loop about the default build's (the change is in
+    each tile's coordinates: registers move, no instructions join the loop), no local memory
+    in it, no stack."""
+    rows, done = sm90_script_rows(EXPERT_GROUPS_BUILDS)
+    assert len(rows) == 2, done.stdout
+    for tile, gemm, size, size_grouped, local, stack in rows:
+        assert int(size_grouped) <= int(size) + 4, done.stdout
+        assert local == "0" and stack == "0", done.stdout
+
+
+def test_expert_groups_rule(monkeypatch):
+    """MOE_OPS_WS_EXPERT_GROUPS: "auto" cuts the groups where an expert's weights pass 8 MB and
+    its rows fill fewer than GROUP_M row blocks (DeepSeek-V3's GEMMs to T = 16384, Llama 4's
+    and Mixtral's at small T; never Qwen3-30B-A3B's 1.5-3 MB experts); 0 / 1 never / always;
+    an explicit argument wins; compile_sm90's default build is the fixed windows'."""
+    deepseek_gemm1 = dict(num_experts=256, n=4096, k=7168)
+    qwen3_gemm2 = dict(num_experts=128, n=2048, k=768)
+    mixtral_gemm1 = dict(num_experts=8, n=28672, k=4096)
+    monkeypatch.setattr(ws_gemm, "EXPERT_GROUPS", "auto")
+    assert ws_gemm.expert_groups_apply("cols", 4096 * 8, **deepseek_gemm1)
+    assert ws_gemm.expert_groups_apply("rows", 16384 * 8, **deepseek_gemm1)
+    assert not ws_gemm.expert_groups_apply("rows", 16384 * 8, **qwen3_gemm2)
+    assert not ws_gemm.expert_groups_apply("rows", 1024 * 8, **qwen3_gemm2)
+    assert ws_gemm.expert_groups_apply("rows", 2048 * 2, **mixtral_gemm1)
+    assert not ws_gemm.expert_groups_apply("rows", 4096 * 2, **mixtral_gemm1)
+    assert not ws_gemm.expert_groups_apply("rows", 4096 * 2, **deepseek_gemm1,
+                                           expert_groups=False)
+    assert ws_gemm._constants("rows", 2, "none", False, "fp8", 768, None, None, 0,
+                              0)["EXPERT_GROUPS"] == 0
+    for setting, expected in (("0", False), ("1", True)):
+        monkeypatch.setattr(ws_gemm, "EXPERT_GROUPS", setting)
+        assert ws_gemm.expert_groups_apply("cols", 4096 * 8, **deepseek_gemm1) == expected
+        assert ws_gemm.expert_groups_apply("rows", 16384 * 8, **qwen3_gemm2) == expected
+    assert ws_gemm._constants("rows", 2, "none", False, "fp8", 768, None, None, 0,
+                              0)["EXPERT_GROUPS"] == 1

@@ -113,6 +113,50 @@ STAGES = 4          # 4 x 32 KB of operand slots ("rows"), 4 x 40 KB ("cols"), 4
 # The most slots each form's shared memory holds (227 KB a block, the epilogue's ~20 KB with them)
 MAX_STAGES = {"rows": 6, "cols": 5, "wide": 4}
 GROUP_M = 8
+# Tile groups cut at the experts' boundaries (EXPERT_GROUPS): with fixed windows of GROUP_M row
+# blocks an expert whose blocks straddle two windows has its weight tiles read by the first
+# window's blocks and again by the second's a whole window of tiles later, by when they have
+# left the L2 if the window's weights pass its 50 MB. Nsight Compute on DeepSeek-V3 fp8_block
+# at T = 4096 ("cols": 2-3 blocks of 64 rows an expert, 8 a window; 16 column blocks, so one
+# window is about one wave of 132 programs): GEMM1 read 9.49 GB from DRAM for 7.5 GB of
+# weights, GEMM2 4.48 for 3.76, the L2 at 80% / 76% of its throughput, DRAM at 64% / 60%
+# (results/h200_ncu_layer_deepseek_v3_fp8_block_4096_l2_twentyeighth.csv). Cut there, an
+# expert's two pieces are at most its own tiles apart. The tiles and their results are the same
+# (the order alone changes); each tile reads its window's GROUP_M block experts once (one
+# thread holds them all: no reduction across warps), ~150-230 SASS instructions a tile in each
+# warpgroup. Measured on an H200 with it on every launch (`bash benchmarks/h200_run.sh
+# expertgroups`, results/h200_*expertgroups*_twentyeighth.*, 2026-12-03): DeepSeek-V3's GEMMs at
+# T = 4096 read 9.49 -> 8.38 GB (GEMM1) and 4.48 -> 3.84 GB (GEMM2) from DRAM, 3.11 -> 3.09 and
+# 1.71 -> 1.62 ms under the profiler; the layers as graph replays, two alternated passes:
+# DeepSeek-V3 fp8_block T = 4096 5214 / 5195 -> 5073 / 5012 us, T = 16384 15206 / 16301 ->
+# 14252 / 15101, T = 1024 equal; Qwen3-30B-A3B fp8 slower (T = 16384 1718 / 1617 -> 1797 /
+# 1758: its 3 MB experts' weights stay in the L2 anyway, and its GEMM2's 6-step tiles pay the
+# coordinates' instructions), Mixtral fp8 within 1% (its experts span whole windows from T =
+# 4096 on). So by rule ("auto", expert_groups_apply): where an expert's weights pass
+# EXPERT_GROUPS_MIN_BYTES and its rows are fewer than a window's blocks. The rule against 0
+# (`bash benchmarks/h200_run.sh expertrule`, results/h200_ab_expertrule_*_twentyeighth.*), two
+# alternated passes: DeepSeek-V3 fp8_block T = 16384 15769 / 16590 -> 14757 / 16075 us, 4096
+# 5365 / 5121 -> 5225 / 5215, 2048 4534 / 4550 -> 4588 / 4588; Llama 4 fp8 T = 4096 1364 /
+# 1358 -> 1302 / 1352, 2048 768 / 798 -> 781 / 755; Mixtral fp8 T = 2048 1580 / 1602 -> 1550 /
+# 1568; the points it leaves off (Llama 4 T = 16384, Mixtral 4096 / 16384) moved 1-2% either
+# way between the arms. MOE_OPS_WS_EXPERT_GROUPS 0 / 1: never / always.
+EXPERT_GROUPS = env_choice("MOE_OPS_WS_EXPERT_GROUPS", "auto", ("0", "auto", "1"))
+EXPERT_GROUPS_MIN_BYTES = 8 << 20
+
+
+def expert_groups_apply(tile: str, num_pairs: int, num_experts: int, n: int, k: int,
+                        expert_groups: Optional[bool] = None) -> bool:
+    """Whether a launch cuts its tile groups at the experts' boundaries: expert_groups when
+    given, else EXPERT_GROUPS, whose "auto" takes them where an expert's e4m3 weights (n x k
+    bytes) are at least EXPERT_GROUPS_MIN_BYTES (a window of them passes the L2) and its
+    routed rows, on average, fill fewer than GROUP_M of the tile's row blocks (so windows hold
+    several experts and cut some)."""
+    if expert_groups is not None:
+        return bool(expert_groups)
+    if EXPERT_GROUPS != "auto":
+        return EXPERT_GROUPS == "1"
+    return (n * k >= EXPERT_GROUPS_MIN_BYTES
+            and num_pairs < GROUP_M * TILES[tile][0] * num_experts)
 # Registers a thread: consumers 232 (two fp32 tiles and the addressing), the producer 40 (the
 # minimum that holds its loop); the launch's budget of 168 x 12 warps fits one program an SM.
 CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168
@@ -214,8 +258,11 @@ SKIP_PADDING = env_choice("MOE_OPS_WS_SKIP_PADDING", "0", ("0", "gemm2", "1"))
 # and 4.56 -> 4.39. No form gains beyond the spread on the tiles that run, so "before".
 # "cols" loads them after on the "cols" form alone: that form gained there (GEMM1's shape
 # 13.10 -> 10.88 ms) but ran at none of the points measured (T = 16384: the 128-row forms);
-# it is the form of DeepSeek-V3 at T <= 4096 (below WS_ROWS_TILE_MIN_ROWS rows an expert), not
-# yet measured there (`bash benchmarks/h200_run.sh scalecols`).
+# it is the form of DeepSeek-V3 at T <= 4096 (below WS_ROWS_TILE_MIN_ROWS rows an expert).
+# Measured there (`bash benchmarks/h200_run.sh scalecols`, results/h200_ab_scalecols_*,
+# 2026-12-03), the layer as graph replays, two alternated passes, before / cols: T = 1024 3016
+# / 3071 -> 3081 / 3064 us, 2048 4277 / 4255 -> 4246 / 4276, 4096 5023 / 5689 -> 4931 / 5767:
+# within the passes' spread, so "before" stays.
 SCALE_LOADS = env_choice("MOE_OPS_WS_SCALE_LOADS", "before", ("before", "after", "cols"))
 SCALES_AFTER_MMA = SCALE_LOADS == "after"
 
@@ -249,9 +296,14 @@ FP8_PROMOTE_STEPS = int(env_choice("MOE_OPS_WS_FP8_PROMOTE_STEPS", "2", ("1", "2
 # once while the tensor cores idle). The promotions' order is unchanged: the same values bit
 # for bit. A consumer then holds up to four slots, so the ring takes the form's most slots
 # (MAX_STAGES: one pair of lookahead beside the two held); not with the producer's gather or
-# OVERLAP (their slot accounting assumes two held). Written without a GPU (2026-12-03), off
-# until measured (`bash benchmarks/h200_run.sh pipepairs`); MOE_OPS_WS_PIPE_PAIRS=1 turns it
-# on.
+# OVERLAP (their slot accounting assumes two held). Measured on an H200 (`bash
+# benchmarks/h200_run.sh pipepairs`, results/h200_*pipe*_twentyeighth.*, 2026-12-03): its GPU
+# tests bit for bit with the serial pairs, compute-sanitizer clean; Mixtral's GEMM2 alone at T =
+# 16384 3.02-3.12 ms either way; the layers as graph replays, two alternated passes, 0 / 1:
+# Mixtral fp8 T = 4096 2783 / 2629 -> 2805 / 2731 us, 16384 10603 / 10768 -> 10639 / 10649,
+# Llama 4 fp8 1311 / 1330 -> 1316 / 1298, 4034 / 4110 -> 4086 / 4087, Qwen3 fp8 552 / 546 ->
+# 572 / 572, 1728 / 1730 -> 1709 / 1628: no gain beyond the spread (Qwen3 T = 4096 4% slower),
+# so off; MOE_OPS_WS_PIPE_PAIRS=1 turns it on.
 PIPE_PAIRS = env_choice("MOE_OPS_WS_PIPE_PAIRS", "0", ("0", "1")) == "1"
 
 
@@ -421,16 +473,38 @@ def ring_next(index, phase, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
-    """As grouped_gemm._tile_coords: GROUP_M row blocks walk the column blocks together."""
-    per_group = GROUP_M * num_n
-    first_m = (tile // per_group) * GROUP_M
-    size = gl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (tile % per_group) % size, (tile % per_group) // size
+def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr, EXPERT_GROUPS: gl.constexpr,
+                 block_expert_ptr, BM: gl.constexpr, ALIGN_M: gl.constexpr):
+    """A tile's (row block, column block). As grouped_gemm._tile_coords: a group of GROUP_M
+    row blocks walks the column blocks together, so a weight tile is read by the group's row
+    blocks of its expert at about the same time. With EXPERT_GROUPS the groups are also cut at
+    the experts' boundaries (see EXPERT_GROUPS)."""
+    if EXPERT_GROUPS:
+        # Every group holds size * num_n consecutive tiles from its first row block * num_n
+        # on, whatever the sizes, so tile // num_n is a row block of the tile's own group: the
+        # group is that block's GROUP_M-aligned window cut to its expert's run (an expert's
+        # blocks are contiguous). The window's experts in one thread each (no reduction
+        # across warps).
+        window_l: gl.constexpr = gl.BlockedLayout([GROUP_M], [32], [gl.num_warps()], [0])
+        block = tile // num_n
+        blocks = (block // GROUP_M) * GROUP_M + gl.arange(0, GROUP_M, layout=window_l)
+        experts = gl.load(block_expert_ptr + blocks * BM // ALIGN_M, mask=blocks < num_m,
+                          other=-2)
+        same = experts == gl.load(block_expert_ptr + block * BM // ALIGN_M)
+        first_m = gl.min(gl.where(same, blocks, num_m), axis=0)
+        size = gl.max(gl.where(same, blocks + 1, 0), axis=0) - first_m
+        in_group = tile - first_m * num_n
+    else:
+        per_group = GROUP_M * num_n
+        first_m = (tile // per_group) * GROUP_M
+        size = gl.minimum(num_m - first_m, GROUP_M)
+        in_group = tile % per_group
+    return first_m + in_group % size, in_group // size
 
 
 @gluon.jit
 def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
+              EXPERT_GROUPS: gl.constexpr,
               ALIGN_M: gl.constexpr, FORM: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
@@ -472,7 +546,8 @@ def _producer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
     late = 0   # GATHER: the slot of the oldest step whose rows are not yet arrived for
     issued = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M, EXPERT_GROUPS,
+                                    block_expert_ptr, BM, ALIGN_M)
         expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
         w_row = expert * N + pid_n * BN
         if GATHER:
@@ -698,7 +773,8 @@ def _mma_steps(acc, a_bufs, w_bufs, ready, empty, index, phase, k_steps, a_scale
 
 @gluon.jit
 def _tile_rows(tile, num_m, num_n, ptrs, num_pairs, stride_as, BM: gl.constexpr,
-               BN: gl.constexpr, GROUP_M: gl.constexpr, ALIGN_M: gl.constexpr,
+               BN: gl.constexpr, GROUP_M: gl.constexpr, EXPERT_GROUPS: gl.constexpr,
+               ALIGN_M: gl.constexpr,
                ROW0: gl.constexpr, COL0: gl.constexpr, ROWS: gl.constexpr, row_l: gl.constexpr,
                GATHER_TOP_K: gl.constexpr):
     """A tile's expert, this warpgroup's slots (along the MMA's rows), its first output column,
@@ -706,7 +782,8 @@ def _tile_rows(tile, num_m, num_n, ptrs, num_pairs, stride_as, BM: gl.constexpr,
     first slot."""
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
      num_padded_ptr, topk_weights_ptr, a_ptr) = ptrs
-    pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+    pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M, EXPERT_GROUPS, block_expert_ptr,
+                                BM, ALIGN_M)
     expert = gl.load(block_expert_ptr + pid_m * BM // ALIGN_M)
     slots = pid_m * BM + ROW0 + gl.arange(0, ROWS, layout=row_l)
     col0 = pid_n * BN + COL0          # first weight row (output column) of this half
@@ -772,6 +849,7 @@ def _first_done(part, empty, first_index, second_index, s_a, s_b, GATED: gl.cons
 
 @gluon.jit
 def _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
+                      EXPERT_GROUPS: gl.constexpr,
                       ALIGN_M: gl.constexpr, FORM: gl.constexpr, ACTIVATION: gl.constexpr,
                       HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
                       BLOCK_SCALES: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
@@ -807,8 +885,8 @@ def _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
     row_scales_prev = weights_prev
     for tile in range(first_tile, num_m * num_n, gl.num_programs(0)):
         expert, slots, col0, a_scale_rows, _ = _tile_rows(
-            tile, num_m, num_n, ptrs, num_pairs, stride_as, BM, BN, GROUP_M, ALIGN_M, ROW0,
-            COL0, ROWS, row_l, GATHER_TOP_K)
+            tile, num_m, num_n, ptrs, num_pairs, stride_as, BM, BN, GROUP_M, EXPERT_GROUPS,
+            ALIGN_M, ROW0, COL0, ROWS, row_l, GATHER_TOP_K)
         if EARLY:
             pair_ids, row_ok, weights, row_scales = _epilogue_terms(
                 slots, a_scale_rows, sorted_pair_ids_ptr, topk_weights_ptr, num_pairs,
@@ -852,6 +930,7 @@ def _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
 
 @gluon.jit
 def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
+              EXPERT_GROUPS: gl.constexpr,
               ALIGN_M: gl.constexpr, FORM: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
@@ -876,12 +955,13 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                                                   instr_shape=[16, COLS, 32])
     if OVERLAP:
         gl.static_assert(FORM != 2 and STAGGER == 0 and SKIP_PADDING == 0)
-        _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M, ALIGN_M, FORM,
-                          ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, SCALES_AFTER_MMA,
+        _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M, EXPERT_GROUPS, ALIGN_M,
+                          FORM, ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, SCALES_AFTER_MMA,
                           EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, BM, BN, ROW0, COL0, ROWS,
                           COLS, MMA, NATIVE_CAST)
     else:
-        _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M, ALIGN_M, FORM, ACTIVATION,
+        _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M, EXPERT_GROUPS, ALIGN_M, FORM,
+                      ACTIVATION,
                       HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
                       STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, HALF, BM, BN, ROW0,
                       COL0, ROWS, COLS, MMA, NATIVE_CAST)
@@ -889,6 +969,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
 
 @gluon.jit
 def _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
+                  EXPERT_GROUPS: gl.constexpr,
                   ALIGN_M: gl.constexpr, FORM: gl.constexpr, ACTIVATION: gl.constexpr,
                   HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
                   BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
@@ -921,8 +1002,8 @@ def _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
                 else:
                     mbarrier.wait(go, 0)
         expert, slots, col0, a_scale_rows, first_slot = _tile_rows(
-            tile, num_m, num_n, ptrs, num_pairs, stride_as, BM, BN, GROUP_M, ALIGN_M, ROW0,
-            COL0, ROWS, row_l, GATHER_TOP_K)
+            tile, num_m, num_n, ptrs, num_pairs, stride_as, BM, BN, GROUP_M, EXPERT_GROUPS,
+            ALIGN_M, ROW0, COL0, ROWS, row_l, GATHER_TOP_K)
         if EARLY:
             # (see EARLY_EPILOGUE: issued now, used after the K loop)
             terms = _epilogue_terms(slots, a_scale_rows, sorted_pair_ids_ptr, topk_weights_ptr,
@@ -1165,7 +1246,8 @@ def _ws_fp8_block_kernel(
     block_expert_ptr, num_padded_ptr, topk_weights_ptr, a_ptr,
     N, K, num_pairs, stride_as, stride_wse, stride_wsn, stride_be, stride_om, stride_am, alpha,
     limit,
-    ALIGN_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, FORM: gl.constexpr,
+    ALIGN_M: gl.constexpr, GROUP_M: gl.constexpr, EXPERT_GROUPS: gl.constexpr,
+    STAGES: gl.constexpr, FORM: gl.constexpr,
     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COALESCED: gl.constexpr,
     BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
@@ -1201,15 +1283,18 @@ def _ws_fp8_block_kernel(
     # (the constexprs are spelled out in each tuple: a tuple held in a variable would turn them
     # into tensors)
     gl.warp_specialize([
-        (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
+        (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, EXPERT_GROUPS, ALIGN_M, FORM,
+                     ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
                      STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 0, OVERLAP,
                      NATIVE_CAST)),
-        (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
+        (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, EXPERT_GROUPS, ALIGN_M, FORM,
+                     ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
                      STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 1, OVERLAP,
                      NATIVE_CAST)),
-        (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, ALIGN_M, FORM, ACTIVATION,
+        (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, EXPERT_GROUPS, ALIGN_M, FORM,
+                     ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, GATHER_TOP_K, GATHER_LAG)),
     ], [4, GATHER_WARPS if GATHER_TOP_K > 0 else 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -1259,7 +1344,8 @@ def _descriptors(a: torch.Tensor, w: torch.Tensor, tile: str):
 def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str, k: int,
                early: Optional[bool], pairs: Optional[bool], atomic_top_k: int,
                gather_top_k: int, overlap: Optional[bool] = None,
-               native_cast: Optional[bool] = None, pipe_pairs: Optional[bool] = None) -> dict:
+               native_cast: Optional[bool] = None, pipe_pairs: Optional[bool] = None,
+               expert_groups: Optional[bool] = None) -> dict:
     """The kernel's constexprs for a launch (but ALIGN_M, the dispatch's): the module settings
     and rules above for this form, GEMM and K. GATHER_LAG 0 where no lag fits (gather_lag);
     the launcher refuses a gather then."""
@@ -1268,7 +1354,10 @@ def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str
     overlap = overlaps(tile, gemm, k) if overlap is None else overlap
     pipelined = pipelines_pairs(pairs, gather_top_k, overlap, pipe_pairs)
     stages = MAX_STAGES[tile] if pipelined else ring_stages(tile, k)
-    return dict(GROUP_M=GROUP_M, STAGES=stages, FORM=FORMS[tile],
+    return dict(GROUP_M=GROUP_M,
+                EXPERT_GROUPS=int(EXPERT_GROUPS == "1" if expert_groups is None
+                                  else expert_groups),
+                STAGES=stages, FORM=FORMS[tile],
                 ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
                 HAS_BIAS=has_bias, CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, COALESCED=COALESCED_STORE,
@@ -1287,7 +1376,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
          programs: Optional[int] = None, early: Optional[bool] = None,
          pairs: Optional[bool] = None, atomic: bool = False, gather_top_k: int = 0,
          overlap: Optional[bool] = None, native_cast: Optional[bool] = None,
-         pipe_pairs: Optional[bool] = None) -> None:
+         pipe_pairs: Optional[bool] = None, expert_groups: Optional[bool] = None) -> None:
     """One GEMM over the dispatch's live slots (see the module docstring).
 
     a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
@@ -1302,7 +1391,8 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     gathered by the kernel's producer, instead of rows in dispatch order. overlap: each tile's
     first steps issued before the previous tile's epilogue (default: overlaps). native_cast:
     the output's rounding by the GPU's conversion (default: NATIVE_CAST; see to_out).
-    pipe_pairs: the pairs pipelined, where pairs apply (default: PIPE_PAIRS)."""
+    pipe_pairs: the pairs pipelined, where pairs apply (default: PIPE_PAIRS). expert_groups:
+    the tile groups cut at the experts' boundaries (default: expert_groups_apply's rule)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if pairs and not pairs_fit(quant, tile, gemm):
@@ -1339,7 +1429,9 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     dummy = routing.topk_weights
     consts = _constants(tile, gemm, activation, bias is not None, quant, K, early, pairs,
                         routing.top_k if atomic else 0, gather_top_k, overlap, native_cast,
-                        pipe_pairs)
+                        pipe_pairs, expert_groups_apply(tile, routing.num_pairs,
+                                                        routing.num_experts, N, K,
+                                                        expert_groups))
     if consts["GATHER_LAG"] < 1:
         raise ValueError(f"gather_top_k: no gather lag fits a ring of {consts['STAGES']} slots "
                          f"with pairs={bool(consts['PAIRS'])}, stagger {consts['STAGGER']} "
@@ -1360,12 +1452,13 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                  early: Optional[bool] = None, pairs: Optional[bool] = None, k: int = 0,
                  atomic_top_k: int = 0, gather_top_k: int = 0,
                  overlap: Optional[bool] = None, native_cast: Optional[bool] = None,
-                 pipe_pairs: Optional[bool] = None):
+                 pipe_pairs: Optional[bool] = None, expert_groups: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
     run, Gluon having no interpreter. k: the GEMM's K where the ring's slots depend on it
     (ring_stages); atomic_top_k: GEMM2's atomic form for that top_k (out_dtype "fp32");
     gather_top_k: GEMM1 gathering its rows for that top_k (GATHER); overlap: OVERLAP's form;
-    native_cast: NATIVE_CAST's; pipe_pairs: PIPE_PAIRS'.
+    native_cast: NATIVE_CAST's; pipe_pairs: PIPE_PAIRS'; expert_groups: EXPERT_GROUPS' (by
+    default on only with MOE_OPS_WS_EXPERT_GROUPS=1: its rule needs the routing).
     Returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1383,7 +1476,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "alpha": "fp32", "limit": "fp32"}
     consts = dict(ALIGN_M=bm, **_constants(tile, gemm, activation, has_bias, quant, k, early,
                                            pairs, atomic_top_k, gather_top_k, overlap,
-                                           native_cast, pipe_pairs))
+                                           native_cast, pipe_pairs, expert_groups))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_am")}
