@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|widedeep|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -258,6 +258,11 @@
 # against 0: DeepSeek-V3 fp8_block, Llama 4 and Mixtral fp8 at T = 2048 / 4096 / 16384 (the
 # rule on for DeepSeek-V3 throughout, Llama 4 to 4096, Mixtral at 2048), two alternated
 # passes; about 2.5 minutes.
+# widedeep: DeepSeek-V3 fp8_block at T = 2048-8192 on the 128-row tiles (the "cols" form's
+# 64 x 256 tiles move 40 KB of operands through the L2 a 4.2 MFLOP step; "wide", 128 x 256,
+# 48 KB for 8.4, at the cost of padding each expert to 128 rows): Nsight Compute's L2 and DRAM
+# lines of both GEMMs at T = 4096 with MOE_OPS_WS_FP8_BLOCK_TILE=wide, then the layer with
+# auto / wide / rows, two alternated passes; about 3 minutes.
 # tunepf: tuneq3's steps for each model:quant of $TUNE_PAIRS (default Llama 4 and Mixtral fp8,
 # DeepSeek-V3 fp8_block), the layer at T = 1024 / 4096 / 16384; about a minute a pair.
 # tuneq3: Qwen3-30B-A3B fp8's prefill buckets (1024-8192) re-tuned against the shipped entries
@@ -1130,6 +1135,12 @@ fi
 if [[ "$what" == expertrule ]]; then
   ab_passes expertrule 50 9 MOE_OPS_WS_EXPERT_GROUPS "0 auto" -- --models deepseek_v3 \
     llama4_scout mixtral_8x7b --quant fp8_block fp8 --tokens 2048 4096 16384
+fi
+if [[ "$what" == widedeep ]]; then
+  MOE_OPS_WS_FP8_BLOCK_TILE=wide NCU_TOKENS=4096 NCU_TAG=l2_wide \
+    NCU_CASES="deepseek_v3:fp8_block:_ws_fp8_block" bash benchmarks/h200_run.sh ncu4l || status=1
+  ab_passes widedeep 50 3 MOE_OPS_WS_FP8_BLOCK_TILE "auto wide rows" -- --models deepseek_v3 \
+    --quant fp8_block --tokens 2048 4096 8192
 fi
 if [[ "$what" == tunepf ]]; then
   for pair in ${TUNE_PAIRS:-llama4_scout:fp8 mixtral_8x7b:fp8 deepseek_v3:fp8_block}; do

@@ -1029,15 +1029,22 @@ def test_overlap_with_the_gathering_gemm1(tile, quant, programs, K):
     """OVERLAP with GEMM1 gathering its rows (GATHER): a consumer holds the issued-ahead slots
     through the previous tile's epilogue while the gathered rows' arrivals lag behind their
     loads; the same rows bit for bit as the serial tiles gathering, padding slots unwritten."""
-    a, a_scale, w, w_scale, routing = gathering_problem(tile, quant, K, seed=29)
+    assert_gathering_arms_equal(tile, quant, K, 29, programs, [dict(overlap=False),
+                                                               dict(overlap=True)])
+
+
+def assert_gathering_arms_equal(tile, quant, K, seed, programs, arms):
+    """GEMM1 gathering its rows (gathering_problem's, T = 700, k = 4) once per arm (ws_gemm.gemm's
+    keyword arguments), outputs NaN-poisoned: the second arm writes every routed slot's row and
+    no padding slot's, the same bits as the first."""
+    a, a_scale, w, w_scale, routing = gathering_problem(tile, quant, K, seed=seed)
     N, T, k = w.shape[1], 700, 4
     slots = routing.sorted_pair_ids.numel()
     outs = []
-    for overlap in (False, True):
+    for arm in arms:
         out = torch.full((slots, N // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
         ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=1, activation="swiglu",
-                     tile=tile, quant=quant, programs=programs, gather_top_k=k,
-                     overlap=overlap)
+                     tile=tile, quant=quant, programs=programs, gather_top_k=k, **arm)
         outs.append(out)
     assert_same_slot_rows(outs[1], outs[0], routing, T * k)
 
@@ -1274,17 +1281,8 @@ def test_expert_groups_are_bit_equal(tile, quant, gemm, experts, programs):
 def test_expert_groups_with_the_gathering_gemm1(tile, quant):
     """EXPERT_GROUPS with GEMM1 gathering its rows (the producer's tile order is the
     consumers'): the same rows bit for bit as without it, padding slots unwritten."""
-    a, a_scale, w, w_scale, routing = gathering_problem(tile, quant, 1024, seed=47)
-    N, T, k = w.shape[1], 700, 4
-    slots = routing.sorted_pair_ids.numel()
-    outs = []
-    for expert_groups in (False, True):
-        out = torch.full((slots, N // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
-        ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=1, activation="swiglu",
-                     tile=tile, quant=quant, programs=11, gather_top_k=k,
-                     expert_groups=expert_groups)
-        outs.append(out)
-    assert_same_slot_rows(outs[1], outs[0], routing, T * k)
+    assert_gathering_arms_equal(tile, quant, 1024, 47, 11, [dict(expert_groups=False),
+                                                            dict(expert_groups=True)])
 
 
 @needs_hopper
@@ -1295,7 +1293,7 @@ def test_experts_with_expert_groups(tile, quant, activation, bias, monkeypatch, 
                                     poisoned_empty):
     """The experts call with EXPERT_GROUPS on both GEMMs, on the skewed experts problem,
     against the oracle."""
-    on_ws_gemm(monkeypatch, tile, EXPERT_GROUPS=True)
+    on_ws_gemm(monkeypatch, tile, EXPERT_GROUPS="1")
     check_skewed_experts(quant, activation, bias, seed=73)
     assert ws_gemm_calls == [1, 2]
 
