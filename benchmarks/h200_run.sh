@@ -703,6 +703,14 @@ if [[ "$what" == c4ab ]]; then
   done
 fi
 if [[ "$what" == ncu4l ]]; then
+  ncu_metrics=sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,lts__t_bytes.sum
+  ncu_metrics+=,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum
+  ncu_lines="sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active|lts__t_bytes.sum"
+  ncu_lines+="|dram__bytes_read.sum|dram__bytes_write.sum|lts__t_sectors_srcunit_tex_op_read.sum"
+  ncu_lines+="|L2 Cache Throughput|Duration|DRAM Throughput|Memory Throughput"
+  ncu_lines+="|Executed Ipc Active|Issue Slots Busy|No Eligible|Active Warps Per Scheduler"
+  ncu_lines+="|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|Grid Size"
+  ncu_lines+="|Registers Per Thread|L2 Hit Rate|Mem Busy|Max Bandwidth"
   for case in ${NCU_CASES:-gpt_oss_120b:mxfp4:_ws_fp4 deepseek_v3:nvfp4:_ws_fp4}; do
     IFS=: read -r m q kernel <<< "$case"
     tokens=${NCU_TOKENS:-64}
@@ -710,11 +718,11 @@ if [[ "$what" == ncu4l ]]; then
     name="$name${NCU_TAG:+_$NCU_TAG}"
     timeout 160 ncu -k "regex:$kernel" -c 2 --section SpeedOfLight --section WarpStateStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats \
-      --metrics sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,lts__t_bytes.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum --csv \
+      --metrics "$ncu_metrics" --csv \
       --page details python3 benchmarks/profile_layer.py --models "$m" --quant "$q" \
       --tokens "$tokens" --calls 1 > "$out/$name.csv" 2> "$out/$name.log" || status=1
     echo "$m $q T = $tokens"
-    grep -E '"(sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active|lts__t_bytes.sum|dram__bytes_read.sum|dram__bytes_write.sum|lts__t_sectors_srcunit_tex_op_read.sum|L2 Cache Throughput|Duration|DRAM Throughput|Memory Throughput|Executed Ipc Active|Issue Slots Busy|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|Grid Size|Registers Per Thread|L2 Hit Rate|Mem Busy|Max Bandwidth)"' \
+    grep -E "\"($ncu_lines)\"" \
       "$out/$name.csv" | awk -F'","' '{print $5 " | " $(NF-2) " | " $NF}' | cut -c1-120
   done
 fi

@@ -157,6 +157,8 @@ def expert_groups_apply(tile: str, num_pairs: int, num_experts: int, n: int, k: 
         return EXPERT_GROUPS == "1"
     return (n * k >= EXPERT_GROUPS_MIN_BYTES
             and num_pairs < GROUP_M * TILES[tile][0] * num_experts)
+
+
 # Registers a thread: consumers 232 (two fp32 tiles and the addressing), the producer 40 (the
 # minimum that holds its loop); the launch's budget of 168 x 12 warps fits one program an SM.
 CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168
