@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|widedeep|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|widedeep|groupm|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -263,6 +263,13 @@
 # 48 KB for 8.4, at the cost of padding each expert to 128 rows): Nsight Compute's L2 and DRAM
 # lines of both GEMMs at T = 4096 with MOE_OPS_WS_FP8_BLOCK_TILE=wide, then the layer with
 # auto / wide / rows, two alternated passes; about 3 minutes.
+# groupm: ws_gemm's tile groups of more row blocks (MOE_OPS_WS_GROUP_M for both GEMMs,
+# MOE_OPS_WS_GROUP_M_GEMM1 for GEMM1; benchmarks/dev_l2_order.py's model has Mixtral's and
+# Llama 4's experts read 2-5x from DRAM with 8): their GPU tests (bit for bit across sizes) and
+# compute-sanitizer on one, Nsight Compute's DRAM and L2 lines of Mixtral fp8's GEMMs at T =
+# 16384 with 8 and with 32 / 16 (the model: GEMM1 4.8 -> 2.1 GB), then Mixtral and Llama 4 fp8
+# and DeepSeek-V3 fp8_block at T = 4096 / 16384 with GROUP_M:GROUP_M_GEMM1 8:0 / 16:0 / 16:32 /
+# 32:0, two alternated passes; about 6 minutes.
 # tunepf: tuneq3's steps for each model:quant of $TUNE_PAIRS (default Llama 4 and Mixtral fp8,
 # DeepSeek-V3 fp8_block), the layer at T = 1024 / 4096 / 16384; about a minute a pair.
 # tuneq3: Qwen3-30B-A3B fp8's prefill buckets (1024-8192) re-tuned against the shipped entries
@@ -1149,6 +1156,22 @@ if [[ "$what" == widedeep ]]; then
     NCU_CASES="deepseek_v3:fp8_block:_ws_fp8_block" bash benchmarks/h200_run.sh ncu4l || status=1
   ab_passes widedeep 50 3 MOE_OPS_WS_FP8_BLOCK_TILE "auto wide rows" -- --models deepseek_v3 \
     --quant fp8_block --tokens 2048 4096 8192
+fi
+if [[ "$what" == groupm ]]; then
+  tests_then_sanitize groupm tests/test_ws_gemm.py "group_sizes" \
+    "group_sizes_are_bit_equal and True-1-rows" 150
+  for arm in 8:0 16:32; do
+    MOE_OPS_WS_GROUP_M=${arm%%:*} MOE_OPS_WS_GROUP_M_GEMM1=${arm##*:} NCU_TOKENS=16384 \
+      NCU_TAG="l2_group_${arm/:/_}" NCU_CASES="mixtral_8x7b:fp8:_ws_fp8_block" \
+      bash benchmarks/h200_run.sh ncu4l || status=1
+  done
+  for pass in 1 2; do
+    for arm in 8:0 16:0 16:32 32:0; do
+      layer_arm "ab_groupm_${arm/:/_}_$pass" 60 6 MOE_OPS_WS_GROUP_M=${arm%%:*} \
+        MOE_OPS_WS_GROUP_M_GEMM1=${arm##*:} -- --models mixtral_8x7b llama4_scout deepseek_v3 \
+        --quant fp8 fp8_block --tokens 4096 16384
+    done
+  done
 fi
 if [[ "$what" == tunepf ]]; then
   for pair in ${TUNE_PAIRS:-llama4_scout:fp8 mixtral_8x7b:fp8 deepseek_v3:fp8_block}; do

@@ -1,6 +1,7 @@
 """The CPU-runnable parts of the benchmark scripts (benchmarks/bench.py, baseline.py,
-gpu_check.py): the floors, the torch baseline against the reference backend, the weight
-generator, JSON/plot writing, and the CLI end to end on a tiny shapes file."""
+gpu_check.py, dev_l2_order.py): the floors, the torch baseline against the reference
+backend, the weight generator, JSON/plot writing, the CLI end to end on a tiny shapes file,
+and the tile order's DRAM model."""
 import json
 import math
 import sys
@@ -14,6 +15,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import baseline  # noqa: E402
 import bench  # noqa: E402
+import dev_l2_order  # noqa: E402
 import gpu_check  # noqa: E402
 
 SHAPES = bench.load_shapes(BENCH_DIR / "shapes.json")
@@ -516,3 +518,52 @@ def test_ncu_sass_stalls_ranks_instructions_and_opcodes(tmp_path, capsys):
         empty = tmp_path / "empty.csv"
         empty.write_text("==PROF== nothing\n")
         ncu_sass_stalls.main([str(empty)])
+
+
+# ---------------------------------------------------------------------------------------------
+# The tile order's DRAM model (dev_l2_order.py)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("group_m", [1, 8, 32])
+def test_l2_model_orders_match_the_kernels_tile_coordinates(group_m):
+    """Each order visits every (row block, column block) once; the "experts" order's groups
+    never hold two experts, and tile t's coordinates follow from tile // num_n alone, the
+    invariant ws_gemm._tile_coords' expert groups rest on (the block's group-aligned window cut
+    to its expert's run); "windows" is grouped_gemm's fixed windows."""
+    experts = dev_l2_order.block_experts(dev_l2_order.expert_rows(16, 2, 700, seed=3), 64)
+    num_m, num_n = len(experts), 5
+    every = sorted((m, n) for m in range(num_m) for n in range(num_n))
+    for order in ("windows", "experts", "rows"):
+        assert sorted(dev_l2_order.tile_order(experts, num_n, order, group_m)) == every
+    tiles = dev_l2_order.tile_order(experts, num_n, "experts", group_m)
+    for t, (m, n) in enumerate(tiles):
+        block = t // num_n
+        window = range(block // group_m * group_m, min(block // group_m * group_m + group_m,
+                                                        num_m))
+        run = [b for b in window if experts[b] == experts[block]]
+        first, size = run[0], len(run)
+        assert (m, n) == (first + (t - first * num_n) % size, (t - first * num_n) // size)
+        assert experts[m] == experts[block]
+    windows = dev_l2_order.tile_order(experts, num_n, "windows", group_m)
+    for t, (m, n) in enumerate(windows):
+        first = t // (group_m * num_n) * group_m
+        size = min(group_m, num_m - first)
+        i = t % (group_m * num_n)
+        assert (m, n) == (first + i % size, i // size)
+
+
+def test_l2_model_counts_rereads():
+    """Weights read once when every chunk fits the cache; with a cache too small for a window's
+    weights, the fixed windows re-read the experts that straddle them and the cut groups read
+    fewer bytes; what misses is whole chunks."""
+    case = "deepseek_v3:fp8_block:2048:2:64:256:128"
+    big = {r["order"]: r for r in dev_l2_order.run_case(case, ["windows", "experts"], 8,
+                                                        64 << 30, seed=1)}
+    for row in big.values():
+        assert row["weight_factor"] == pytest.approx(1.0)
+    small = {r["order"]: r for r in dev_l2_order.run_case(case, ["windows", "experts"], 8,
+                                                          4 << 20, seed=1)}
+    assert small["windows"]["weight_factor"] > 1.03
+    assert small["experts"]["weight_reads_gb"] < small["windows"]["weight_reads_gb"]
+    chunk = 256 * 128
+    assert round(small["windows"]["weight_reads_gb"] * 1e9) % chunk == 0

@@ -1305,25 +1305,26 @@ from aot_sm90 import loops, resource_usage
 from moe_ops.kernels import ws_gemm
 for tile, gemm, activation, quant in (("rows", 2, "none", "fp8"),
                                       ("cols", 1, "swiglu", "fp8_block")):
-    sizes = []
-    for expert_groups in (False, True):
+    sizes, local = [], 0
+    for expert_groups, group_m in ((False, 8), (True, 8), (True, 32)):
         kernel = ws_gemm.compile_sm90(tile=tile, gemm=gemm, activation=activation, quant=quant,
-                                      expert_groups=expert_groups)
+                                      expert_groups=expert_groups, group_m=group_m)
         # the K loop: the innermost loop with wgmmas
         body = min((b for b in loops(kernel) if any("GMMA" in i for i in b)), key=len)
-        local = sum(i.split()[0].startswith(("LDL", "STL")) for i in body)
+        local += sum(i.split()[0].startswith(("LDL", "STL")) for i in body)
         sizes.append(len(body))
-    print(tile, gemm, sizes[0], sizes[1], local, resource_usage(kernel).split()[-2])
+        stack = resource_usage(kernel).split()[-2]
+        print(tile, gemm, expert_groups, group_m, sizes[0], sizes[-1], local, stack)
 """
 
 
 def test_expert_groups_build():
-    """EXPERT_GROUPS' sm_90 builds: the K loop about the default build's (the change is in
-    each tile's coordinates: registers move, no instructions join the loop), no local memory
-    in it, no stack."""
+    """EXPERT_GROUPS' sm_90 builds, groups of 8 and 32 blocks: the K loop about the default
+    build's (the change is in each tile's coordinates: registers move, no instructions join
+    the loop), no local memory in it, no stack (the window's experts 8 at a time)."""
     rows, done = sm90_script_rows(EXPERT_GROUPS_BUILDS)
-    assert len(rows) == 2, done.stdout
-    for tile, gemm, size, size_grouped, local, stack in rows:
+    assert len(rows) == 6, done.stdout
+    for tile, gemm, expert_groups, group_m, size, size_grouped, local, stack in rows:
         assert int(size_grouped) <= int(size) + 4, done.stdout
         assert local == "0" and stack == "0", done.stdout
 
@@ -1353,3 +1354,45 @@ def test_expert_groups_rule(monkeypatch):
         assert ws_gemm.expert_groups_apply("rows", 16384 * 8, **qwen3_gemm2) == expected
     assert ws_gemm._constants("rows", 2, "none", False, "fp8", 768, None, None, 0,
                               0)["EXPERT_GROUPS"] == 1
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile,quant", [("rows", "fp8"), ("cols", "fp8_block"),
+                                        ("wide", "fp8_block")])
+@pytest.mark.parametrize("gemm", [2, 1])
+@pytest.mark.parametrize("expert_groups", [False, True])
+def test_group_sizes_are_bit_equal(tile, quant, gemm, expert_groups):
+    """group_m (the row blocks a group of the tile order holds) changes the tiles' order alone:
+    groups of 1, 16 and 32 blocks write the same bits as 8, with and without the groups cut at
+    the experts' boundaries (8 experts of 1-3 blocks, 7 programs)."""
+    if tile == "wide" and not ws_gemm.wide_admits(quant, "swiglu" if gemm == 1 else "none",
+                                                  False):
+        pytest.skip("no wide build")
+    problem = gemm2_problem(tile, quant, 8, 512, 1024, 300, 4, seed=53)
+    for size in (1, 16, 32):
+        assert_arms_equal(problem, tile, quant, gemm,
+                          [dict(expert_groups=expert_groups, group_m=8),
+                           dict(expert_groups=expert_groups, group_m=size)], programs=7)
+
+
+def test_group_sizes(monkeypatch):
+    """MOE_OPS_WS_GROUP_M sets both GEMMs' group size, MOE_OPS_WS_GROUP_M_GEMM1 GEMM1's alone
+    (0: the other's); the kernel's constexpr follows, an explicit group_m wins; a size that is
+    not a power of two is refused naming its variable, before any launch."""
+    assert (ws_gemm.group_size(1), ws_gemm.group_size(2)) == (8, 8)
+    monkeypatch.setattr(ws_gemm, "GROUP_M_GEMM1", 32)
+    monkeypatch.setattr(ws_gemm, "GROUP_M", 16)
+    assert (ws_gemm.group_size(1), ws_gemm.group_size(2)) == (32, 16)
+    constants = [ws_gemm._constants("rows", gemm, "swiglu" if gemm == 1 else "none", False,
+                                    "fp8", 4096, None, None, 0, 0)["GROUP_M"] for gemm in (1, 2)]
+    assert constants == [32, 16]
+    assert ws_gemm._constants("rows", 1, "swiglu", False, "fp8", 4096, None, None, 0, 0,
+                              group_m=4)["GROUP_M"] == 4
+    with pytest.raises(ValueError, match="group_m must be a power of two"):
+        ws_gemm.gemm(None, None, None, None, None, None, None, gemm=2, activation="none",
+                     quant="fp8", group_m=12)
+    for name in ("MOE_OPS_WS_GROUP_M", "MOE_OPS_WS_GROUP_M_GEMM1"):
+        done = subprocess.run([sys.executable, "-c", "import moe_ops.kernels.ws_gemm"],
+                              env=dict(os.environ, **{name: "12"}), capture_output=True,
+                              text=True, cwd=os.path.join(os.path.dirname(__file__), ".."))
+        assert done.returncode != 0 and f"{name} must be a power of two" in done.stderr

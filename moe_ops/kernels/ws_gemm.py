@@ -112,7 +112,31 @@ QUANTS = ("fp8_block", "fp8")
 STAGES = 4          # 4 x 32 KB of operand slots ("rows"), 4 x 40 KB ("cols"), 4 x 48 KB ("wide")
 # The most slots each form's shared memory holds (227 KB a block, the epilogue's ~20 KB with them)
 MAX_STAGES = {"rows": 6, "cols": 5, "wide": 4}
-GROUP_M = 8
+# Row blocks a group of the persistent tile order holds (they walk the column blocks together:
+# a weight tile is read once a group while a group's activation rows stay in the L2). A model
+# of the order's DRAM reads (benchmarks/dev_l2_order.py: the rounds of 132 tiles through an LRU
+# L2, within 5% of Nsight Compute's bytes for DeepSeek-V3's GEMMs at T = 4096) has the
+# experts of Mixtral / Llama 4 (117 / 84 MB of fp8 weights in GEMM1) read once a group:
+# GEMM1's weights 2.0x / 1.2x at T = 4096 and 5.0x / 2.0x at 16384 with 8, 1.25x / 1.0x and
+# 2.0x / 1.25x with 32 and the groups cut at the experts' boundaries (fixed windows of 32
+# re-read activations instead); Mixtral's GEMM2 (K
+# = 14336: 1.8 MB of activations a row block) reads fewest with 16 (results/
+# model_l2_order_*_twentyeighth.*). Not yet measured on the GPU (`bash benchmarks/h200_run.sh
+# groupm`). MOE_OPS_WS_GROUP_M=n sets both GEMMs' (GROUP_M), MOE_OPS_WS_GROUP_M_GEMM1=n GEMM1's
+# alone (0: GROUP_M's); powers of two (the expert groups' window is a register vector).
+GROUP_M = env_int("MOE_OPS_WS_GROUP_M", 8)
+GROUP_M_GEMM1 = env_int("MOE_OPS_WS_GROUP_M_GEMM1", 0)
+if GROUP_M < 1 or GROUP_M & (GROUP_M - 1):
+    raise ValueError(f"MOE_OPS_WS_GROUP_M must be a power of two, got {GROUP_M}")
+if GROUP_M_GEMM1 & (GROUP_M_GEMM1 - 1):
+    raise ValueError(f"MOE_OPS_WS_GROUP_M_GEMM1 must be a power of two, got {GROUP_M_GEMM1}")
+
+
+def group_size(gemm: int) -> int:
+    """Row blocks a group of GEMM `gemm`'s tile order holds (GROUP_M, GROUP_M_GEMM1)."""
+    return GROUP_M_GEMM1 if gemm == 1 and GROUP_M_GEMM1 else GROUP_M
+
+
 # Tile groups cut at the experts' boundaries (EXPERT_GROUPS): with fixed windows of GROUP_M row
 # blocks an expert whose blocks straddle two windows has its weight tiles read by the first
 # window's blocks and again by the second's a whole window of tiles later, by when they have
@@ -145,18 +169,18 @@ EXPERT_GROUPS_MIN_BYTES = 8 << 20
 
 
 def expert_groups_apply(tile: str, num_pairs: int, num_experts: int, n: int, k: int,
-                        expert_groups: Optional[bool] = None) -> bool:
+                        expert_groups: Optional[bool] = None, gemm: int = 2) -> bool:
     """Whether a launch cuts its tile groups at the experts' boundaries: expert_groups when
     given, else EXPERT_GROUPS, whose "auto" takes them where an expert's e4m3 weights (n x k
     bytes) are at least EXPERT_GROUPS_MIN_BYTES (a window of them passes the L2) and its
-    routed rows, on average, fill fewer than GROUP_M of the tile's row blocks (so windows hold
-    several experts and cut some)."""
+    routed rows, on average, fill fewer than group_size(gemm) of the tile's row blocks (so
+    windows hold several experts and cut some)."""
     if expert_groups is not None:
         return bool(expert_groups)
     if EXPERT_GROUPS != "auto":
         return EXPERT_GROUPS == "1"
     return (n * k >= EXPERT_GROUPS_MIN_BYTES
-            and num_pairs < GROUP_M * TILES[tile][0] * num_experts)
+            and num_pairs < group_size(gemm) * TILES[tile][0] * num_experts)
 
 
 # Registers a thread: consumers 232 (two fp32 tiles and the addressing), the producer 40 (the
@@ -486,15 +510,24 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr, EXPERT_GROUPS: gl.co
         # on, whatever the sizes, so tile // num_n is a row block of the tile's own group: the
         # group is that block's GROUP_M-aligned window cut to its expert's run (an expert's
         # blocks are contiguous). The window's experts in one thread each (no reduction
-        # across warps).
-        window_l: gl.constexpr = gl.BlockedLayout([GROUP_M], [32], [gl.num_warps()], [0])
+        # across warps), 8 at a time (32 at once spill the producer's 40 registers).
+        CHUNK: gl.constexpr = 8 if GROUP_M > 8 else GROUP_M
+        window_l: gl.constexpr = gl.BlockedLayout([CHUNK], [32], [gl.num_warps()], [0])
         block = tile // num_n
-        blocks = (block // GROUP_M) * GROUP_M + gl.arange(0, GROUP_M, layout=window_l)
+        expert = gl.load(block_expert_ptr + block * BM // ALIGN_M)
+        blocks = (block // GROUP_M) * GROUP_M + gl.arange(0, CHUNK, layout=window_l)
         experts = gl.load(block_expert_ptr + blocks * BM // ALIGN_M, mask=blocks < num_m,
                           other=-2)
-        same = experts == gl.load(block_expert_ptr + block * BM // ALIGN_M)
-        first_m = gl.min(gl.where(same, blocks, num_m), axis=0)
-        size = gl.max(gl.where(same, blocks + 1, 0), axis=0) - first_m
+        first_m = gl.min(gl.where(experts == expert, blocks, num_m), axis=0)
+        end_m = gl.max(gl.where(experts == expert, blocks + 1, 0), axis=0)
+        for chunk in gl.static_range(1, GROUP_M // CHUNK):
+            more = blocks + chunk * CHUNK
+            experts = gl.load(block_expert_ptr + more * BM // ALIGN_M, mask=more < num_m,
+                              other=-2)
+            first_m = gl.minimum(first_m, gl.min(gl.where(experts == expert, more, num_m),
+                                                 axis=0))
+            end_m = gl.maximum(end_m, gl.max(gl.where(experts == expert, more + 1, 0), axis=0))
+        size = end_m - first_m
         in_group = tile - first_m * num_n
     else:
         per_group = GROUP_M * num_n
@@ -1347,7 +1380,7 @@ def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str
                early: Optional[bool], pairs: Optional[bool], atomic_top_k: int,
                gather_top_k: int, overlap: Optional[bool] = None,
                native_cast: Optional[bool] = None, pipe_pairs: Optional[bool] = None,
-               expert_groups: Optional[bool] = None) -> dict:
+               expert_groups: Optional[bool] = None, group_m: Optional[int] = None) -> dict:
     """The kernel's constexprs for a launch (but ALIGN_M, the dispatch's): the module settings
     and rules above for this form, GEMM and K. GATHER_LAG 0 where no lag fits (gather_lag);
     the launcher refuses a gather then."""
@@ -1356,7 +1389,7 @@ def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str
     overlap = overlaps(tile, gemm, k) if overlap is None else overlap
     pipelined = pipelines_pairs(pairs, gather_top_k, overlap, pipe_pairs)
     stages = MAX_STAGES[tile] if pipelined else ring_stages(tile, k)
-    return dict(GROUP_M=GROUP_M,
+    return dict(GROUP_M=group_size(gemm) if group_m is None else group_m,
                 EXPERT_GROUPS=int(EXPERT_GROUPS == "1" if expert_groups is None
                                   else expert_groups),
                 STAGES=stages, FORM=FORMS[tile],
@@ -1378,7 +1411,8 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
          programs: Optional[int] = None, early: Optional[bool] = None,
          pairs: Optional[bool] = None, atomic: bool = False, gather_top_k: int = 0,
          overlap: Optional[bool] = None, native_cast: Optional[bool] = None,
-         pipe_pairs: Optional[bool] = None, expert_groups: Optional[bool] = None) -> None:
+         pipe_pairs: Optional[bool] = None, expert_groups: Optional[bool] = None,
+         group_m: Optional[int] = None) -> None:
     """One GEMM over the dispatch's live slots (see the module docstring).
 
     a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
@@ -1394,9 +1428,13 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     first steps issued before the previous tile's epilogue (default: overlaps). native_cast:
     the output's rounding by the GPU's conversion (default: NATIVE_CAST; see to_out).
     pipe_pairs: the pairs pipelined, where pairs apply (default: PIPE_PAIRS). expert_groups:
-    the tile groups cut at the experts' boundaries (default: expert_groups_apply's rule)."""
+    the tile groups cut at the experts' boundaries (default: expert_groups_apply's rule).
+    group_m: the row blocks a group of the tile order holds, a power of two (default:
+    group_size)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+    if group_m is not None and (group_m < 1 or group_m & (group_m - 1)):
+        raise ValueError(f"group_m must be a power of two, got {group_m}")
     if pairs and not pairs_fit(quant, tile, gemm):
         raise ValueError(f"pairs=True is for quant 'fp8' (fp8_block's scales change every K "
                          f"step) on the 'rows' / 'cols' tiles without a stagger, got "
@@ -1433,7 +1471,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
                         routing.top_k if atomic else 0, gather_top_k, overlap, native_cast,
                         pipe_pairs, expert_groups_apply(tile, routing.num_pairs,
                                                         routing.num_experts, N, K,
-                                                        expert_groups))
+                                                        expert_groups, gemm), group_m)
     if consts["GATHER_LAG"] < 1:
         raise ValueError(f"gather_top_k: no gather lag fits a ring of {consts['STAGES']} slots "
                          f"with pairs={bool(consts['PAIRS'])}, stagger {consts['STAGGER']} "
@@ -1454,13 +1492,15 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                  early: Optional[bool] = None, pairs: Optional[bool] = None, k: int = 0,
                  atomic_top_k: int = 0, gather_top_k: int = 0,
                  overlap: Optional[bool] = None, native_cast: Optional[bool] = None,
-                 pipe_pairs: Optional[bool] = None, expert_groups: Optional[bool] = None):
+                 pipe_pairs: Optional[bool] = None, expert_groups: Optional[bool] = None,
+                 group_m: Optional[int] = None):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
     run, Gluon having no interpreter. k: the GEMM's K where the ring's slots depend on it
     (ring_stages); atomic_top_k: GEMM2's atomic form for that top_k (out_dtype "fp32");
     gather_top_k: GEMM1 gathering its rows for that top_k (GATHER); overlap: OVERLAP's form;
     native_cast: NATIVE_CAST's; pipe_pairs: PIPE_PAIRS'; expert_groups: EXPERT_GROUPS' (by
-    default on only with MOE_OPS_WS_EXPERT_GROUPS=1: its rule needs the routing).
+    default on only with MOE_OPS_WS_EXPERT_GROUPS=1: its rule needs the routing); group_m:
+    GROUP_M's (default: group_size).
     Returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1478,7 +1518,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "alpha": "fp32", "limit": "fp32"}
     consts = dict(ALIGN_M=bm, **_constants(tile, gemm, activation, has_bias, quant, k, early,
                                            pairs, atomic_top_k, gather_top_k, overlap,
-                                           native_cast, pipe_pairs, expert_groups))
+                                           native_cast, pipe_pairs, expert_groups, group_m))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_am")}
