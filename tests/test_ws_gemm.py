@@ -1286,14 +1286,15 @@ def test_expert_groups_with_the_gathering_gemm1(tile, quant):
 
 
 @needs_hopper
-@pytest.mark.parametrize("tile", ["rows", "cols"])
-@pytest.mark.parametrize("quant,activation,bias", [("fp8", "swiglu", True),
-                                                   ("fp8_block", "swiglu", False)])
-def test_experts_with_expert_groups(tile, quant, activation, bias, monkeypatch, ws_gemm_calls,
-                                    poisoned_empty):
-    """The experts call with EXPERT_GROUPS on both GEMMs, on the skewed experts problem,
-    against the oracle."""
-    on_ws_gemm(monkeypatch, tile, EXPERT_GROUPS="1")
+@pytest.mark.parametrize("tile,quant,activation,bias,group_m", [
+    ("rows", "fp8", "swiglu", True, 8), ("cols", "fp8_block", "swiglu", False, 8),
+    ("cols", "fp8", "relu2", False, 32), ("rows", "fp8_block", "swiglu", True, 32)])
+def test_experts_with_expert_groups(tile, quant, activation, bias, group_m, monkeypatch,
+                                    ws_gemm_calls, poisoned_empty):
+    """The experts call with EXPERT_GROUPS on both GEMMs, groups of 8 and 32 row blocks (the
+    latter GEMM1's alone: GROUP_M_GEMM1), on the skewed experts problem, against the
+    oracle."""
+    on_ws_gemm(monkeypatch, tile, EXPERT_GROUPS="1", GROUP_M_GEMM1=group_m)
     check_skewed_experts(quant, activation, bias, seed=73)
     assert ws_gemm_calls == [1, 2]
 
