@@ -259,10 +259,13 @@
 # rule on for DeepSeek-V3 throughout, Llama 4 to 4096, Mixtral at 2048), two alternated
 # passes; about 2.5 minutes.
 # widedeep: DeepSeek-V3 fp8_block at T = 2048-8192 on the 128-row tiles (the "cols" form's
-# 64 x 256 tiles move 40 KB of operands through the L2 a 4.2 MFLOP step; "wide", 128 x 256,
-# 48 KB for 8.4, at the cost of padding each expert to 128 rows): Nsight Compute's L2 and DRAM
-# lines of both GEMMs at T = 4096 with MOE_OPS_WS_FP8_BLOCK_TILE=wide, then the layer with
-# auto / wide / rows, two alternated passes; about 3 minutes.
+# 64 x 256 tiles move 40 KB of operands through the L2 a 4.2 MFLOP step, the weights read once
+# a 64-row block; "wide", 128 x 256, 48 KB for 8.4, each expert padded to 128 rows, whose
+# padding halves the skip (MOE_OPS_WS_SKIP_PADDING=1) leaves without MMAs: the MMA work of the
+# 64-row blocks with the weight traffic of the 128-row ones): the skip's GPU tests (bit for
+# bit, "rows" and "wide") and compute-sanitizer on "wide", Nsight Compute's L2 and DRAM lines
+# at T = 4096 on wide + skip, then the layer with tile:skip auto:0 / wide:0 / wide:1 / rows:1,
+# two alternated passes; about 4 minutes.
 # groupm: ws_gemm's tile groups of more row blocks (MOE_OPS_WS_GROUP_M for both GEMMs,
 # MOE_OPS_WS_GROUP_M_GEMM1 for GEMM1; benchmarks/dev_l2_order.py's model has Mixtral's and
 # Llama 4's experts read 2-5x from DRAM with 8): their GPU tests (bit for bit across sizes) and
@@ -1152,10 +1155,18 @@ if [[ "$what" == expertrule ]]; then
     llama4_scout mixtral_8x7b --quant fp8_block fp8 --tokens 2048 4096 16384
 fi
 if [[ "$what" == widedeep ]]; then
-  MOE_OPS_WS_FP8_BLOCK_TILE=wide NCU_TOKENS=4096 NCU_TAG=l2_wide \
-    NCU_CASES="deepseek_v3:fp8_block:_ws_fp8_block" bash benchmarks/h200_run.sh ncu4l || status=1
-  ab_passes widedeep 50 3 MOE_OPS_WS_FP8_BLOCK_TILE "auto wide rows" -- --models deepseek_v3 \
-    --quant fp8_block --tokens 2048 4096 8192
+  tests_then_sanitize widedeep tests/test_ws_gemm.py "padding_halves_skip" \
+    "padding_halves_skip and wide" 120
+  MOE_OPS_WS_FP8_BLOCK_TILE=wide MOE_OPS_WS_SKIP_PADDING=1 NCU_TOKENS=4096 \
+    NCU_TAG=l2_wide_skip NCU_CASES="deepseek_v3:fp8_block:_ws_fp8_block" \
+    bash benchmarks/h200_run.sh ncu4l || status=1
+  for pass in 1 2; do
+    for arm in auto:0 wide:0 wide:1 rows:1; do
+      layer_arm "ab_widedeep_${arm/:/_}_$pass" 50 3 MOE_OPS_WS_FP8_BLOCK_TILE=${arm%%:*} \
+        MOE_OPS_WS_SKIP_PADDING=${arm##*:} -- --models deepseek_v3 --quant fp8_block \
+        --tokens 2048 4096 8192
+    done
+  done
 fi
 if [[ "$what" == groupm ]]; then
   tests_then_sanitize groupm tests/test_ws_gemm.py "group_sizes" \

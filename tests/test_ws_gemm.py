@@ -800,11 +800,13 @@ def test_tile_rule(monkeypatch):
 
 
 @needs_hopper
-@pytest.mark.parametrize("quant", ["fp8_block", "fp8"])
-def test_padding_halves_skip_their_mmas(quant, monkeypatch):
+@pytest.mark.parametrize("tile,quant", [("rows", "fp8_block"), ("rows", "fp8"),
+                                        ("wide", "fp8_block")])
+def test_padding_halves_skip_their_mmas(tile, quant, monkeypatch):
     """Experts whose last 128-row block ends within its first 64 rows (130, 40, 64, 1 pairs)
-    leave the second warpgroup only padding: it skips its MMAs, and the output is bit for bit
-    the one computed with the skip off, every pair's row written."""
+    leave the second warpgroup only padding: it skips its MMAs (on "wide" both of its column
+    halves), and the output is bit for bit the one computed with the skip off, every pair's row
+    written."""
     torch.manual_seed(9)
     counts = [130, 40, 200, 64, 1, 0, 128, 300]
     E, N, K = len(counts), 256, 512
@@ -827,7 +829,7 @@ def test_padding_halves_skip_their_mmas(quant, monkeypatch):
         monkeypatch.setattr(ws_gemm, "SKIP_PADDING", "1" if skip else "0")
         out = torch.full((T, N), float("nan"), device=dev, dtype=torch.bfloat16)
         ws_gemm.gemm(a, a_scale, w, w_scale, None, out, routing, gemm=2, activation="none",
-                     tile="rows", quant=quant, programs=7)
+                     tile=tile, quant=quant, programs=7)
         outs.append(out)
     assert torch.isfinite(outs[0]).all(), "a pair's row was not written"
     assert torch.equal(outs[0], outs[1])
