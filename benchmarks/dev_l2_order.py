@@ -107,7 +107,8 @@ def dram_bytes(tiles, experts_of_blocks, k_steps, a_chunk, w_chunk, cache_bytes,
     return missed
 
 
-def run_case(text: str, orders, group_m: int, cache_bytes: int, seed: int) -> list[dict]:
+def run_case(text: str, orders, group_m: int, cache_bytes: int, seed: int,
+             programs: int = PROGRAMS) -> list[dict]:
     model, quant, tokens, gemm, bm, bn, bk = text.split(":")
     tokens, gemm, bm, bn, bk = int(tokens), int(gemm), int(bm), int(bn), int(bk)
     num_experts, top_k, hidden, inter = MODELS[model]
@@ -121,7 +122,7 @@ def run_case(text: str, orders, group_m: int, cache_bytes: int, seed: int) -> li
     for order in orders:
         tiles = tile_order(blocks, num_n, order, group_m)
         a_bytes, w_bytes = dram_bytes(tiles, blocks, k_steps, bm * bk * a_value,
-                                      bn * bk * w_value, cache_bytes, PROGRAMS)
+                                      bn * bk * w_value, cache_bytes, programs)
         out.append(dict(case=text, order=order, tiles=len(tiles), row_blocks=len(blocks),
                         weights_gb=weights / 1e9, weight_reads_gb=w_bytes / 1e9,
                         activation_reads_gb=a_bytes / 1e9,
@@ -138,6 +139,9 @@ def main() -> int:
     ap.add_argument("--group-m", type=int, default=8)
     ap.add_argument("--l2-mb", type=float, nargs="+", default=[50.0])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--programs", type=int, default=PROGRAMS,
+                    help="tiles side by side (the persistent kernels: one program an SM; the "
+                         "tile kernels: their resident blocks)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     results = []
@@ -146,7 +150,7 @@ def main() -> int:
     for case in args.cases:
         for l2_mb in args.l2_mb:
             for row in run_case(case, args.orders, args.group_m, int(l2_mb * (1 << 20)),
-                                args.seed):
+                                args.seed, args.programs):
                 row["l2_mb"] = l2_mb
                 results.append(row)
                 print(f"{case:44} {row['order']:8} {l2_mb:6.0f} {row['weights_gb']:10.2f} "
