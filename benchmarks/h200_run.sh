@@ -316,17 +316,30 @@ layer_arm() {
     --out "$out/$name.json" > "$out/$name.log" 2>&1 || status=1
   echo "$name ${vars[*]}"; grep -A"$rows" '^ *model' "$out/$name.log" | cut -c1-100
 }
-# ab_passes NAME DEADLINE ROWS VAR "ARM ..." -- BENCH_ARGS...: an A/B of environment variable
-# VAR over the arms, two alternated passes of layer_arm, into $out/ab_NAME_<arm>_<pass>.json
-ab_passes() {
-  local name=$1 deadline=$2 rows=$3 var=$4 arms=$5 pass arm
-  [[ ${6:-} == -- ]] || { echo "ab_passes: '--' expected before the bench arguments" >&2; return 1; }
-  shift 6
+# ab_env_passes NAME DEADLINE ROWS "LABEL:VAR=V,VAR=V ..." -- BENCH_ARGS...: an A/B over arms
+# of environment settings, two alternated passes of layer_arm, into
+# $out/ab_NAME_<label>_<pass>.json
+ab_env_passes() {
+  local name=$1 deadline=$2 rows=$3 arms=$4 pass arm settings
+  if [[ ${5:-} != -- ]]; then
+    echo "ab_env_passes: '--' expected before the bench arguments" >&2
+    return 1
+  fi
+  shift 5
   for pass in 1 2; do
     for arm in $arms; do
-      layer_arm "ab_${name}_${arm}_$pass" "$deadline" "$rows" "$var=$arm" -- "$@"
+      IFS=, read -r -a settings <<< "${arm#*:}"
+      layer_arm "ab_${name}_${arm%%:*}_$pass" "$deadline" "$rows" "${settings[@]}" -- "$@"
     done
   done
+}
+# ab_passes NAME DEADLINE ROWS VAR "ARM ..." -- BENCH_ARGS...: ab_env_passes over the values of
+# one environment variable VAR, into $out/ab_NAME_<arm>_<pass>.json
+ab_passes() {
+  local name=$1 deadline=$2 rows=$3 var=$4 arms="" arm
+  for arm in $5; do arms+=" $arm:$var=$arm"; done
+  shift 5
+  ab_env_passes "$name" "$deadline" "$rows" "$arms" "$@"
 }
 FP4_DECODE=(--models deepseek_v3 gpt_oss_120b --quant nvfp4 mxfp4)
 # tests_then_sanitize NAME FILE SELECTION SANITIZED LIMIT: `pytest FILE -k SELECTION` (at most
@@ -1160,13 +1173,12 @@ if [[ "$what" == widedeep ]]; then
   MOE_OPS_WS_FP8_BLOCK_TILE=wide MOE_OPS_WS_SKIP_PADDING=1 NCU_TOKENS=4096 \
     NCU_TAG=l2_wide_skip NCU_CASES="deepseek_v3:fp8_block:_ws_fp8_block" \
     bash benchmarks/h200_run.sh ncu4l || status=1
-  for pass in 1 2; do
-    for arm in auto:0 wide:0 wide:1 rows:1; do
-      layer_arm "ab_widedeep_${arm/:/_}_$pass" 50 3 MOE_OPS_WS_FP8_BLOCK_TILE=${arm%%:*} \
-        MOE_OPS_WS_SKIP_PADDING=${arm##*:} -- --models deepseek_v3 --quant fp8_block \
-        --tokens 2048 4096 8192
-    done
+  arms=""
+  for arm in auto:0 wide:0 wide:1 rows:1; do
+    arms+=" ${arm/:/_}:MOE_OPS_WS_FP8_BLOCK_TILE=${arm%%:*},MOE_OPS_WS_SKIP_PADDING=${arm##*:}"
   done
+  ab_env_passes widedeep 50 3 "$arms" -- --models deepseek_v3 --quant fp8_block \
+    --tokens 2048 4096 8192
 fi
 if [[ "$what" == groupm ]]; then
   tests_then_sanitize groupm tests/test_ws_gemm.py "group_sizes" \
@@ -1176,13 +1188,12 @@ if [[ "$what" == groupm ]]; then
       NCU_TAG="l2_group_${arm/:/_}" NCU_CASES="mixtral_8x7b:fp8:_ws_fp8_block" \
       bash benchmarks/h200_run.sh ncu4l || status=1
   done
-  for pass in 1 2; do
-    for arm in 8:0 16:0 16:32 32:0; do
-      layer_arm "ab_groupm_${arm/:/_}_$pass" 60 6 MOE_OPS_WS_GROUP_M=${arm%%:*} \
-        MOE_OPS_WS_GROUP_M_GEMM1=${arm##*:} -- --models mixtral_8x7b llama4_scout deepseek_v3 \
-        --quant fp8 fp8_block --tokens 4096 16384
-    done
+  arms=""
+  for arm in 8:0 16:0 16:32 32:0; do
+    arms+=" ${arm/:/_}:MOE_OPS_WS_GROUP_M=${arm%%:*},MOE_OPS_WS_GROUP_M_GEMM1=${arm##*:}"
   done
+  ab_env_passes groupm 60 6 "$arms" -- --models mixtral_8x7b llama4_scout deepseek_v3 \
+    --quant fp8 fp8_block --tokens 4096 16384
 fi
 if [[ "$what" == tunepf ]]; then
   for pair in ${TUNE_PAIRS:-llama4_scout:fp8 mixtral_8x7b:fp8 deepseek_v3:fp8_block}; do

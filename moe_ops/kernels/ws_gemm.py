@@ -124,12 +124,16 @@ MAX_STAGES = {"rows": 6, "cols": 5, "wide": 4}
 # model_l2_order_*_twentyeighth.*). Not yet measured on the GPU (`bash benchmarks/h200_run.sh
 # groupm`). MOE_OPS_WS_GROUP_M=n sets both GEMMs' (GROUP_M), MOE_OPS_WS_GROUP_M_GEMM1=n GEMM1's
 # alone (0: GROUP_M's); powers of two (the expert groups' window is a register vector).
-GROUP_M = env_int("MOE_OPS_WS_GROUP_M", 8)
-GROUP_M_GEMM1 = env_int("MOE_OPS_WS_GROUP_M_GEMM1", 0)
-if GROUP_M < 1 or GROUP_M & (GROUP_M - 1):
-    raise ValueError(f"MOE_OPS_WS_GROUP_M must be a power of two, got {GROUP_M}")
-if GROUP_M_GEMM1 & (GROUP_M_GEMM1 - 1):
-    raise ValueError(f"MOE_OPS_WS_GROUP_M_GEMM1 must be a power of two, got {GROUP_M_GEMM1}")
+def _group_m_checked(name: str, value: int, zero_ok: bool = False) -> int:
+    """value, refused (naming `name`) unless a power of two (or, zero_ok, 0)."""
+    if value & (value - 1) or (value == 0 and not zero_ok):
+        raise ValueError(f"{name} must be a power of two, got {value}")
+    return value
+
+
+GROUP_M = _group_m_checked("MOE_OPS_WS_GROUP_M", env_int("MOE_OPS_WS_GROUP_M", 8))
+GROUP_M_GEMM1 = _group_m_checked("MOE_OPS_WS_GROUP_M_GEMM1",
+                                 env_int("MOE_OPS_WS_GROUP_M_GEMM1", 0), zero_ok=True)
 
 
 def group_size(gemm: int) -> int:
@@ -515,18 +519,15 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr, EXPERT_GROUPS: gl.co
         window_l: gl.constexpr = gl.BlockedLayout([CHUNK], [32], [gl.num_warps()], [0])
         block = tile // num_n
         expert = gl.load(block_expert_ptr + block * BM // ALIGN_M)
-        blocks = (block // GROUP_M) * GROUP_M + gl.arange(0, CHUNK, layout=window_l)
-        experts = gl.load(block_expert_ptr + blocks * BM // ALIGN_M, mask=blocks < num_m,
-                          other=-2)
-        first_m = gl.min(gl.where(experts == expert, blocks, num_m), axis=0)
-        end_m = gl.max(gl.where(experts == expert, blocks + 1, 0), axis=0)
-        for chunk in gl.static_range(1, GROUP_M // CHUNK):
-            more = blocks + chunk * CHUNK
-            experts = gl.load(block_expert_ptr + more * BM // ALIGN_M, mask=more < num_m,
-                              other=-2)
-            first_m = gl.minimum(first_m, gl.min(gl.where(experts == expert, more, num_m),
-                                                 axis=0))
-            end_m = gl.maximum(end_m, gl.max(gl.where(experts == expert, more + 1, 0), axis=0))
+        window = (block // GROUP_M) * GROUP_M + gl.arange(0, CHUNK, layout=window_l)
+        first_m = num_m
+        end_m = 0
+        for chunk in gl.static_range(GROUP_M // CHUNK):
+            blocks = window + chunk * CHUNK
+            same = gl.load(block_expert_ptr + blocks * BM // ALIGN_M, mask=blocks < num_m,
+                           other=-2) == expert
+            first_m = gl.minimum(first_m, gl.min(gl.where(same, blocks, num_m), axis=0))
+            end_m = gl.maximum(end_m, gl.max(gl.where(same, blocks + 1, 0), axis=0))
         size = end_m - first_m
         in_group = tile - first_m * num_n
     else:
@@ -1433,8 +1434,8 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     group_size)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
-    if group_m is not None and (group_m < 1 or group_m & (group_m - 1)):
-        raise ValueError(f"group_m must be a power of two, got {group_m}")
+    if group_m is not None:
+        _group_m_checked("group_m", group_m)
     if pairs and not pairs_fit(quant, tile, gemm):
         raise ValueError(f"pairs=True is for quant 'fp8' (fp8_block's scales change every K "
                          f"step) on the 'rows' / 'cols' tiles without a stagger, got "
