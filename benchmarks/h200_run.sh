@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|widedeep|groupm|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|widedeep|groupm|widemin|widemin128|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -273,6 +273,14 @@
 # 16384 with 8 and with 32 / 16 (the model: GEMM1 4.8 -> 2.1 GB), then Mixtral and Llama 4 fp8
 # and DeepSeek-V3 fp8_block at T = 4096 / 16384 with GROUP_M:GROUP_M_GEMM1 8:0 / 16:0 / 16:32 /
 # 32:0, two alternated passes; about 6 minutes.
+# widemin: the "wide" tiles (128 x 256) from 256 routed rows an expert instead of 512
+# (MOE_OPS_WS_WIDE_MIN_ROWS; widedeep had DeepSeek-V3 fp8_block at T = 8192, 256 rows, 8% faster
+# eager on "wide" than on the rule's "rows"): the 256-row points of Mixtral (T = 1024), Llama 4,
+# Qwen3 (T = 4096) fp8 and DeepSeek-V3 fp8_block (T = 8192) among their T = 1024 / 4096 / 8192,
+# 512 against 256, two alternated passes; about 3 minutes.
+# widemin128: the same threshold at 128 rows against 256: Mixtral T = 512, Llama 4 and Qwen3
+# T = 2048 fp8, DeepSeek-V3 fp8_block T = 4096 among T = 512 / 2048 / 4096, two alternated
+# passes; about 2 minutes.
 # tunepf: tuneq3's steps for each model:quant of $TUNE_PAIRS (default Llama 4 and Mixtral fp8,
 # DeepSeek-V3 fp8_block), the layer at T = 1024 / 4096 / 16384; about a minute a pair.
 # tuneq3: Qwen3-30B-A3B fp8's prefill buckets (1024-8192) re-tuned against the shipped entries
@@ -1194,6 +1202,14 @@ if [[ "$what" == groupm ]]; then
   done
   ab_env_passes groupm 60 6 "$arms" -- --models mixtral_8x7b llama4_scout deepseek_v3 \
     --quant fp8 fp8_block --tokens 4096 16384
+fi
+if [[ "$what" == widemin ]]; then
+  ab_passes widemin 70 12 MOE_OPS_WS_WIDE_MIN_ROWS "512 256" -- --models mixtral_8x7b \
+    llama4_scout qwen3_30b_a3b deepseek_v3 --quant fp8 fp8_block --tokens 1024 4096 8192
+fi
+if [[ "$what" == widemin128 ]]; then
+  ab_passes widemin128 60 12 MOE_OPS_WS_WIDE_MIN_ROWS "256 128" -- --models mixtral_8x7b \
+    llama4_scout qwen3_30b_a3b deepseek_v3 --quant fp8 fp8_block --tokens 512 2048 4096
 fi
 if [[ "$what" == tunepf ]]; then
   for pair in ${TUNE_PAIRS:-llama4_scout:fp8 mixtral_8x7b:fp8 deepseek_v3:fp8_block}; do

@@ -760,7 +760,7 @@ def test_short_k_rows_take_the_whole_ring(monkeypatch):
 
 def test_tile_rule(monkeypatch):
     """fp8_block calls with a dispatch take the 128-row tiles from 256 routed rows an expert on
-    and the 256-column ones below; fp8 per tensor likewise unless WS_FP8 is off (on by
+    (128 x 256 for the GEMMs ws_gemm.WIDE_BUILDS admits) and the 256-column ones below; fp8 per tensor likewise unless WS_FP8 is off (on by
     default); other modes, direct dispatch or the override "none" never take the kernel."""
     assert experts_mod.WS_FP8 is (os.environ.get("MOE_OPS_WS_FP8", "1") == "1")
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "auto")
@@ -768,9 +768,11 @@ def test_tile_rule(monkeypatch):
     monkeypatch.setattr(ws_gemm, "WIDE", "gemm2")
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False, "swiglu") == "rows"
     assert experts_mod.ws_tile("fp8_block", 4096 * 8, 256, False) == "cols"
-    # GEMM2 (activation "none") of fp8_block from 512 rows an expert: the 128 x 256 tiles
-    assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) == "wide"
-    assert experts_mod.ws_tile("fp8_block", 16383 * 8, 256, False) == "rows"
+    # GEMM2 (activation "none") of fp8_block from 256 rows an expert: the 128 x 256 tiles
+    assert experts_mod.WS_WIDE_MIN_ROWS == int(os.environ.get("MOE_OPS_WS_WIDE_MIN_ROWS", 256))
+    monkeypatch.setattr(experts_mod, "WS_WIDE_MIN_ROWS", 256)
+    assert experts_mod.ws_tile("fp8_block", 8192 * 8, 256, False) == "wide"
+    assert experts_mod.ws_tile("fp8_block", 8191 * 8, 256, False) == "cols"
     # N no whole number of 256-column tiles: the rule's form
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False, n=7168) == "wide"
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False, n=7296) == "rows"

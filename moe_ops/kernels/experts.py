@@ -113,6 +113,13 @@ FP8_SWAP_AB = False
 # 4691 (the points under 512 rows an expert, which it does not change, within 1% but Llama 4
 # T = 2048's graph replay: the run's spread); DeepSeek's GEMM1 shape alone 812 -> 875 TFLOP/s
 # (h200_ab_stagger_deepseek_v3.json). So all (MOE_OPS_WS_WIDE=gemm2: fp8_block's GEMM2 only).
+# The threshold, 512 rows then, is 256 since: measured on an H200
+# (results/h200_ab_widemin*_twentyninth.json, 2026-12-03, two alternated passes, graph replays)
+# at the points of 256 rows an expert, 512 -> 256: Mixtral fp8 T = 1024 913 / 905 -> 846 / 895
+# us, Llama 4 fp8 T = 4096 1302 / 1336 -> 1272 / 1280, Qwen3 fp8 T = 4096 592 / 561 -> 526 /
+# 524, DeepSeek-V3 fp8_block T = 8192 9036 / 9373 -> 8309 / 8759 (those 128 x 256 tiles are
+# still 1536-8192 a GEMM, enough for 132 SMs); at 128 rows (Mixtral T = 512, Llama 4 and Qwen3
+# T = 2048) 128 ran 1-6% slower than 256.
 # MOE_OPS_WS_FP8_BLOCK_TILE=rows|cols|wide|none overrides the
 # rule ("none": never this kernel; "wide" at any size for the launches it admits, the others on
 # the rule's form).
@@ -121,7 +128,10 @@ FP8_SWAP_AB = False
 WS_FP8_BLOCK_TILE: Optional[str] = env_choice(
     "MOE_OPS_WS_FP8_BLOCK_TILE", "auto", ("auto", "rows", "cols", "wide", "none"))
 WS_ROWS_TILE_MIN_ROWS = 256
-WS_WIDE_MIN_ROWS = 512
+# MOE_OPS_WS_WIDE_MIN_ROWS=n moves the "wide" threshold (routed rows an expert; for A/B).
+# Below it the GEMMs "wide" admits take "cols": "rows" remains for the others (fp8 per
+# tensor's GEMM2 without a bias, N no whole number of 256 columns).
+WS_WIDE_MIN_ROWS = env_int("MOE_OPS_WS_WIDE_MIN_ROWS", 256)
 # The kernel applies where the tuned config is persistent (the tables' prefill choice; not
 # decode's persistent row tiles).
 # MOE_OPS_WS_MIN_ROWS=n applies it also from n routed rows an expert whatever the config (unset:

@@ -121,8 +121,14 @@ MAX_STAGES = {"rows": 6, "cols": 5, "wide": 4}
 # 2.0x / 1.25x with 32 and the groups cut at the experts' boundaries (fixed windows of 32
 # re-read activations instead); Mixtral's GEMM2 (K
 # = 14336: 1.8 MB of activations a row block) reads fewest with 16 (results/
-# model_l2_order_*_twentyeighth.*). Not yet measured on the GPU (`bash benchmarks/h200_run.sh
-# groupm`). MOE_OPS_WS_GROUP_M=n sets both GEMMs' (GROUP_M), MOE_OPS_WS_GROUP_M_GEMM1=n GEMM1's
+# model_l2_order_*_twentyeighth.*). Measured on an H200 (`bash benchmarks/h200_run.sh groupm`,
+# results/h200_*groupm*_twentyninth.*, 2026-12-03): Nsight Compute on Mixtral fp8 T = 16384,
+# GEMM1 with 32 read 2.77 GB from DRAM against 4.87 with 8 (the model: 2.1 / 4.8) but ran 6.82
+# against 6.85 ms (its tensor pipe 78% busy, DRAM 11-18%: not what it waits on); GEMM2 with 16
+# 3.76 against 3.78 GB (the model's saving not there), 3.08 ms both; the layers (Mixtral,
+# Llama 4 fp8, DeepSeek-V3 fp8_block at T = 4096 / 16384; 8 / 16 / 16 with 32 for GEMM1 / 32)
+# all within the runs' spread (Mixtral T = 16384 10.8-11.1 ms every arm). So 8 stays.
+# MOE_OPS_WS_GROUP_M=n sets both GEMMs' (GROUP_M), MOE_OPS_WS_GROUP_M_GEMM1=n GEMM1's
 # alone (0: GROUP_M's); powers of two (the expert groups' window is a register vector).
 def _group_m_checked(name: str, value: int, zero_ok: bool = False) -> int:
     """value, refused (naming `name`) unless a power of two (or, zero_ok, 0)."""
