@@ -567,3 +567,25 @@ def test_l2_model_counts_rereads():
     assert small["experts"]["weight_reads_gb"] < small["windows"]["weight_reads_gb"]
     chunk = 256 * 128
     assert round(small["windows"]["weight_reads_gb"] * 1e9) % chunk == 0
+
+
+import dev_graph_order  # noqa: E402
+
+
+def test_graph_order_reads_nvidia_smi_samples(tmp_path):
+    """dev_graph_order's clock log: nvidia-smi's `timestamp, MHz, W` lines with fractional
+    seconds, in time order; lines it cannot read (a header, a blank) are skipped."""
+    log = tmp_path / "smi.csv"
+    log.write_text("timestamp, clocks.sm, power.draw\n"
+                   "2026/12/03 22:08:22.120, 1980, 512.25\n\n"
+                   "2026/12/03 22:08:22.140, 1500, 690.50\n")
+    rows = dev_graph_order.clock_samples(log)
+    assert [r[1:] for r in rows] == [(1980.0, 512.25), (1500.0, 690.5)]
+    assert rows[1][0] - rows[0][0] == pytest.approx(0.02, abs=1e-6)
+
+
+def test_graph_order_needs_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["dev_graph_order.py"])
+    with pytest.raises(SystemExit, match="CUDA"):
+        dev_graph_order.main()
