@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|widedeep|groupm|widemin|widemin128|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|widedeep|groupm|widemin|widemin128|ncugemm1|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -281,6 +281,12 @@
 # widemin128: the same threshold at 128 rows against 256: Mixtral T = 512, Llama 4 and Qwen3
 # T = 2048 fp8, DeepSeek-V3 fp8_block T = 4096 among T = 512 / 2048 / 4096, two alternated
 # passes; about 2 minutes.
+# ncugemm1: where Mixtral fp8's GEMM1 ("wide", its tensor pipe 78% busy at T = 16384 against
+# GEMM2's 89%) spends the rest: Nsight Compute's stall samples instruction by instruction
+# (SourceCounters, WarpStateStats, SpeedOfLight) on the first warp-specialized launch of one
+# eager layer call (profile_layer.py) at T = 4096 (NCU_TOKENS), summed by ncu_sass_stalls.py:
+# the samples at the epilogue's instructions (the activation, the casts, the stores) against
+# the K loop's waits; NCU_CASES="model:quant" picks other layers; about 2 minutes a case.
 # tunepf: tuneq3's steps for each model:quant of $TUNE_PAIRS (default Llama 4 and Mixtral fp8,
 # DeepSeek-V3 fp8_block), the layer at T = 1024 / 4096 / 16384; about a minute a pair.
 # tuneq3: Qwen3-30B-A3B fp8's prefill buckets (1024-8192) re-tuned against the shipped entries
@@ -1210,6 +1216,23 @@ fi
 if [[ "$what" == widemin128 ]]; then
   ab_passes widemin128 60 12 MOE_OPS_WS_WIDE_MIN_ROWS "256 128" -- --models mixtral_8x7b \
     llama4_scout qwen3_30b_a3b deepseek_v3 --quant fp8 fp8_block --tokens 512 2048 4096
+fi
+if [[ "$what" == ncugemm1 ]]; then
+  for case in ${NCU_CASES:-mixtral_8x7b:fp8}; do
+    IFS=: read -r m q <<< "$case"
+    rep="$out/ncu_gemm1_${m}_${q}_${NCU_TOKENS:-4096}"
+    timeout 200 ncu -k regex:_ws_fp8_block -c 1 --section SourceCounters \
+      --section WarpStateStats --section SpeedOfLight -f -o "$rep" python3 \
+      benchmarks/profile_layer.py --models "$m" --quant "$q" --tokens "${NCU_TOKENS:-4096}" \
+      --calls 1 > "$rep.log" 2>&1 || status=1
+    ncu -i "$rep.ncu-rep" --page details > "$rep.details.txt" 2>&1 || status=1
+    ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$rep.csv" \
+      2>> "$rep.log" || status=1
+    python3 benchmarks/ncu_sass_stalls.py "$rep.csv" --top 40 > "$rep.txt" 2>&1 || status=1
+    echo "$m $q T = ${NCU_TOKENS:-4096}"
+    grep -E "Duration|Throughput|Warp Cycles|Issued" "$rep.details.txt" | head -n 20
+    cut -c1-150 "$rep.txt" | head -n 60
+  done
 fi
 if [[ "$what" == tunepf ]]; then
   for pair in ${TUNE_PAIRS:-llama4_scout:fp8 mixtral_8x7b:fp8 deepseek_v3:fp8_block}; do

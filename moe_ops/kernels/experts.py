@@ -129,8 +129,9 @@ WS_FP8_BLOCK_TILE: Optional[str] = env_choice(
     "MOE_OPS_WS_FP8_BLOCK_TILE", "auto", ("auto", "rows", "cols", "wide", "none"))
 WS_ROWS_TILE_MIN_ROWS = 256
 # MOE_OPS_WS_WIDE_MIN_ROWS=n moves the "wide" threshold (routed rows an expert; for A/B).
-# Below it the GEMMs "wide" admits take "cols": "rows" remains for the others (fp8 per
-# tensor's GEMM2 without a bias, N no whole number of 256 columns).
+# With it at WS_ROWS_TILE_MIN_ROWS (both 256) the GEMMs "wide" admits take "cols" below it and
+# "wide" from it; "rows" remains for the others (fp8 per tensor's GEMM2 without a bias, an N
+# no whole number of 256 columns).
 WS_WIDE_MIN_ROWS = env_int("MOE_OPS_WS_WIDE_MIN_ROWS", 256)
 # The kernel applies where the tuned config is persistent (the tables' prefill choice; not
 # decode's persistent row tiles).
