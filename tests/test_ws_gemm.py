@@ -301,6 +301,53 @@ def test_wide_builds_do_not_spill_in_their_k_loop():
     assert int(rows[-1][4]) > 16, done.stdout
 
 
+FAST_SIGMOID_BUILDS = """
+import sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import loops, sass
+from moe_ops.kernels import ws_gemm
+assert not ws_gemm.FAST_SIGMOID    # (the default build below is tl.sigmoid's)
+for tile, quant, activation, bias in (("wide", "fp8", "swiglu", False),
+                                      ("wide", "fp8_block", "swiglu", False),
+                                      ("rows", "fp8", "swiglu_oai", True),
+                                      ("cols", "fp8_block", "geglu", False)):
+    for fast in (False, True):
+        kernel = ws_gemm.compile_sm90(tile=tile, gemm=1, activation=activation, has_bias=bias,
+                                      quant=quant, fast_sigmoid=fast)
+        code = sass(kernel)
+        mufu = {op: sum(("MUFU." + op) in i.split()[:2] for i in code)
+                for op in ("EX2", "RCP", "TANH")}
+        # each consumer's K loop: the two shortest loops holding wgmmas (the tile loops
+        # around them hold them and more)
+        k_loops = sorted((b for b in loops(kernel) if any("GMMA" in i for i in b)), key=len)[:2]
+        local = max(sum(i.split()[0].startswith(("LDL", "STL")) for i in b) for b in k_loops)
+        print(tile, quant, activation, int(fast), len(code), mufu["EX2"], mufu["RCP"],
+              mufu["TANH"], local)
+"""
+
+
+def test_fast_sigmoid_takes_one_mufu_op_a_sigmoid():
+    """FAST_SIGMOID (off by default): GEMM1's swiglu and swiglu_oai epilogues compute each
+    sigmoid with one tanh.approx (sm_90 SASS: MUFU.TANH) instead of tl.sigmoid's exp2 and
+    reciprocal, in fewer instructions, their K loops no more local memory accesses than the
+    default build's; geglu (no sigmoid) builds the same either way."""
+    rows, done = sm90_script_rows(FAST_SIGMOID_BUILDS)
+    assert len(rows) == 8, done.stdout
+    for default, fast in zip(rows[0::2], rows[1::2]):
+        tile, quant, activation = default[:3]
+        n, ex2, rcp, tanh, local = map(int, default[4:])
+        n_f, ex2_f, rcp_f, tanh_f, local_f = map(int, fast[4:])
+        assert local_f <= local, done.stdout
+        if activation == "geglu":
+            assert (n_f, ex2_f, rcp_f, tanh_f) == (n, ex2, rcp, tanh), done.stdout
+            continue
+        sigmoids = ex2
+        assert tanh == 0 and sigmoids >= 64 and rcp >= sigmoids, done.stdout
+        assert tanh_f == sigmoids and ex2_f == 0 and rcp_f <= rcp - sigmoids, done.stdout
+        assert n_f < 0.85 * n, done.stdout
+
+
+
 @needs_hopper
 @pytest.mark.parametrize("tile_rule", ["auto", "rows"])
 def test_only_gemm1_on_ws_gemm(tile_rule, monkeypatch, ws_gemm_calls, poisoned_empty):
@@ -801,6 +848,28 @@ def test_tile_rule(monkeypatch):
     assert experts_mod.ws_tile("fp8_block", 16384 * 8, 256, False) is None
 
 
+def counted_problem(quant, n, block_m, seed, counts=(130, 40, 200, 64, 1, 0, 128, 300), k=512):
+    """One GEMM's operands on the GPU for top-1 routing with these pairs an expert (the last
+    row blocks of some experts ending within their first 64 rows, one expert empty), shuffled:
+    the routing and dispatch (aligned to block_m), the dispatched rows quantized for `quant`,
+    random e4m3 weights [E, n, k] and their scales."""
+    torch.manual_seed(seed)
+    E, dev = len(counts), torch.device("cuda")
+    ids = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    topk_ids = ids[torch.randperm(ids.numel())].to(torch.int32).to(dev)[:, None]
+    T = topk_ids.shape[0]
+    dispatch = moe_align(topk_ids, E, block_m, 0)
+    routing = gg.Routing(topk_ids.reshape(-1), torch.rand(T, device=dev), 1, E, 0,
+                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, block_m,
+                         dispatch.num_padded)
+    rows = torch.randn(dispatch.sorted_pair_ids.numel(), k, device=dev, dtype=torch.bfloat16)
+    a, a_scale = act_quant(rows, quant)
+    w = (torch.randn(E, n, k, device=dev) * 0.5).to(torch.float8_e4m3fn)
+    w_scale = (torch.rand(E, n // 128, k // 128, device=dev) if quant == "fp8_block"
+               else torch.rand(E, n, device=dev)) * 0.01 + 1e-3
+    return routing, dispatch, a, a_scale, w, w_scale
+
+
 @needs_hopper
 @pytest.mark.parametrize("tile,quant", [("rows", "fp8_block"), ("rows", "fp8"),
                                         ("wide", "fp8_block")])
@@ -809,23 +878,9 @@ def test_padding_halves_skip_their_mmas(tile, quant, monkeypatch):
     leave the second warpgroup only padding: it skips its MMAs (on "wide" both of its column
     halves), and the output is bit for bit the one computed with the skip off, every pair's row
     written."""
-    torch.manual_seed(9)
-    counts = [130, 40, 200, 64, 1, 0, 128, 300]
-    E, N, K = len(counts), 256, 512
-    dev = torch.device("cuda")
-    ids = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
-    topk_ids = ids[torch.randperm(ids.numel())].to(torch.int32).to(dev)[:, None]
-    T = topk_ids.shape[0]
-    weights = torch.rand(T, 1, device=dev)
-    dispatch = moe_align(topk_ids, E, 128, 0)
-    routing = gg.Routing(topk_ids.reshape(-1), weights.reshape(-1), 1, E, 0,
-                         dispatch.sorted_pair_ids, dispatch.block_expert_ids, 128,
-                         dispatch.num_padded)
-    rows = torch.randn(dispatch.sorted_pair_ids.numel(), K, device=dev, dtype=torch.bfloat16)
-    a, a_scale = act_quant(rows, quant)
-    w = (torch.randn(E, N, K, device=dev) * 0.5).to(torch.float8_e4m3fn)
-    w_scale = (torch.rand(E, N // 128, K // 128, device=dev) if quant == "fp8_block"
-               else torch.rand(E, N, device=dev)) * 0.01 + 1e-3
+    N = 256
+    routing, dispatch, a, a_scale, w, w_scale = counted_problem(quant, N, 128, seed=9)
+    T, dev = routing.num_pairs, a.device
     outs = []
     for skip in (True, False):
         monkeypatch.setattr(ws_gemm, "SKIP_PADDING", "1" if skip else "0")
@@ -835,6 +890,48 @@ def test_padding_halves_skip_their_mmas(tile, quant, monkeypatch):
         outs.append(out)
     assert torch.isfinite(outs[0]).all(), "a pair's row was not written"
     assert torch.equal(outs[0], outs[1])
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile,quant,activation,bias", [
+    ("wide", "fp8", "swiglu", False), ("wide", "fp8_block", "swiglu", False),
+    ("rows", "fp8", "swiglu_oai", True), ("cols", "fp8_block", "swiglu", False)])
+def test_fast_sigmoid_experts_match_the_oracle(tile, quant, activation, bias, monkeypatch,
+                                               gemm_calls):
+    """FAST_SIGMOID: the experts call with GEMM1's sigmoid on tanh.approx, against the oracle
+    within the fp8 tolerance (skewed experts, expert-parallel ids)."""
+    on_ws_gemm(monkeypatch, tile, FAST_SIGMOID=True)
+    tiles = gemm_calls(ws_gemm, "gemm", record="tile")
+    check_skewed_experts(quant, activation, bias, seed=61)
+    assert len(tiles) == 2 and tiles[0] in (tile, experts_mod.ws_tile_rule(300 * 2, 4)), tiles
+
+
+@needs_hopper
+@pytest.mark.parametrize("tile,quant,activation", [
+    ("wide", "fp8", "swiglu"), ("rows", "fp8_block", "swiglu"), ("cols", "fp8", "swiglu_oai")])
+def test_fast_sigmoid_stays_near_the_exact_one(tile, quant, activation):
+    """GEMM1 with FAST_SIGMOID against the same launch with tl.sigmoid, every live slot
+    written: within the bf16 output's rounding plus the tanh's error (|sigmoid error| <
+    2.5e-4, times |gate * up|, bounded here by 1e-3 of the tile's largest value)."""
+    I = 256
+    routing, dispatch, a, a_scale, w, w_scale = counted_problem(quant, 2 * I,
+                                                                ws_gemm.TILES[tile][0], seed=11)
+    T, dev = routing.num_pairs, a.device
+    E = w.shape[0]
+    bias = torch.randn(E, 2 * I, device=dev) if activation == "swiglu_oai" else None
+    outs = []
+    for fast in (False, True):
+        out = torch.full((a.shape[0], I), float("nan"), device=dev, dtype=torch.bfloat16)
+        ws_gemm.gemm(a, a_scale, w, w_scale, bias, out, routing, gemm=1, activation=activation,
+                     alpha=1.702, limit=7.0, tile=tile, quant=quant, programs=7,
+                     fast_sigmoid=fast)
+        outs.append(out)
+    live = dispatch.sorted_pair_ids < T
+    exact, fast = outs[0][live].float(), outs[1][live].float()
+    assert torch.isfinite(exact).all() and torch.isfinite(fast).all(), "a live row not written"
+    assert not torch.equal(exact, fast), "the switch changed nothing"
+    bound = 2.0 ** -7 * exact.abs() + 1e-3 * exact.abs().max()
+    assert ((fast - exact).abs() <= bound).all(), (fast - exact).abs().max().item()
 
 
 

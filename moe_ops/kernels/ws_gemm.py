@@ -478,6 +478,18 @@ def overlaps(tile: str, gemm: int, k: int) -> bool:
 # fp8 and DeepSeek-V3 fp8_block T = 16384 within their passes' spread (8%). So on; ws_fp4's
 # epilogue takes the same switch. MOE_OPS_WS_NATIVE_CAST=0: round_to_dtype.
 NATIVE_CAST = env_choice("MOE_OPS_WS_NATIVE_CAST", "1", ("0", "1")) == "1"
+# GEMM1's gated activations (swiglu, swiglu_oai) with the sigmoid as (1 + tanh(x / 2)) / 2 on
+# the GPU's tanh.approx.f32: one MUFU op and three others a value instead of tl.sigmoid's
+# exp2 with its range checks and a division (two MUFU ops, ~12 instructions). Why: the sm_90
+# build of the wide fp8 GEMM1 spends ~1670 instructions a consumer thread in a tile's
+# epilogue against 184-188 a K step, 1544 of the build's 4560 in the sigmoid; both
+# warpgroups run it at once, the tensor cores idle meanwhile, and Mixtral fp8's GEMM1 keeps
+# its tensor pipe busy 78% of the time against GEMM2's 89% (no activation). With it: 3432. The error: tanh.approx's
+# (at most 2^-10.987 relative) gives the sigmoid an absolute error under 2.5e-4, below the
+# bf16 output's rounding wherever the sigmoid exceeds 0.12; the intermediate is then
+# quantized to fp8 (3 mantissa bits). Off until measured on the GPU (`bash
+# benchmarks/h200_run.sh fastsig`); MOE_OPS_WS_FAST_SIGMOID=1: on.
+FAST_SIGMOID = env_choice("MOE_OPS_WS_FAST_SIGMOID", "0", ("0", "1")) == "1"
 
 
 # MOE_OPS_WS_GEMM=0 turns the kernel off (every launch then runs grouped_gemm's kernels).
@@ -898,7 +910,8 @@ def _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
                       EARLY: gl.constexpr, PAIRS: gl.constexpr, ATOMIC_TOP_K: gl.constexpr,
                       GATHER_TOP_K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                       ROW0: gl.constexpr, COL0: gl.constexpr, ROWS: gl.constexpr,
-                      COLS: gl.constexpr, MMA: gl.constexpr, NATIVE_CAST: gl.constexpr):
+                      COLS: gl.constexpr, MMA: gl.constexpr, NATIVE_CAST: gl.constexpr,
+                      FAST_SIGMOID: gl.constexpr):
     """The consumer's tiles with OVERLAP: each tile's first step(s) are issued before the
     previous tile's epilogue, which then runs beside them (and beside the other warpgroup's
     MMAs) instead of leaving the tensor cores to the other warpgroup alone; the last tile's
@@ -943,7 +956,7 @@ def _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
         if tile != first_tile:
             _epilogue(acc_prev, slots_prev, col0_prev, expert_prev, a_scale_rows_prev, ptrs,
                       sizes, strides, ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES,
-                      terms_prev, EARLY, ATOMIC_TOP_K, NATIVE_CAST)
+                      terms_prev, EARLY, ATOMIC_TOP_K, NATIVE_CAST, FAST_SIGMOID)
         acc = _first_done(part, empty, first_index, second_index, s_a, s_b, GATED,
                           BLOCK_SCALES)
         acc, index, phase = _mma_steps(
@@ -967,7 +980,7 @@ def _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
     if first_tile < num_m * num_n:
         _epilogue(acc_prev, slots_prev, col0_prev, expert_prev, a_scale_rows_prev, ptrs, sizes,
                   strides, ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms_prev, EARLY,
-                  ATOMIC_TOP_K, NATIVE_CAST)
+                  ATOMIC_TOP_K, NATIVE_CAST, FAST_SIGMOID)
 
 
 @gluon.jit
@@ -978,7 +991,8 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr,
               SCALES_AFTER_MMA: gl.constexpr, STAGGER: gl.constexpr, EARLY: gl.constexpr,
               PAIRS: gl.constexpr, ATOMIC_TOP_K: gl.constexpr, GATHER_TOP_K: gl.constexpr,
-              HALF: gl.constexpr, OVERLAP: gl.constexpr, NATIVE_CAST: gl.constexpr):
+              HALF: gl.constexpr, OVERLAP: gl.constexpr, NATIVE_CAST: gl.constexpr,
+              FAST_SIGMOID: gl.constexpr):
     """A consumer warpgroup (HALF 0 or 1 of each tile): its tiles one after another, or with
     OVERLAP each tile's first steps issued before the previous one's epilogue."""
     a_desc, w_desc = descs
@@ -1000,13 +1014,13 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
         _overlapped_tiles(smem, ptrs, sizes, strides, grid, GROUP_M, EXPERT_GROUPS, ALIGN_M,
                           FORM, ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, SCALES_AFTER_MMA,
                           EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, BM, BN, ROW0, COL0, ROWS,
-                          COLS, MMA, NATIVE_CAST)
+                          COLS, MMA, NATIVE_CAST, FAST_SIGMOID)
     else:
         _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M, EXPERT_GROUPS, ALIGN_M, FORM,
                       ACTIVATION,
                       HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
                       STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, HALF, BM, BN, ROW0,
-                      COL0, ROWS, COLS, MMA, NATIVE_CAST)
+                      COL0, ROWS, COLS, MMA, NATIVE_CAST, FAST_SIGMOID)
 
 
 @gluon.jit
@@ -1019,7 +1033,8 @@ def _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
                   PAIRS: gl.constexpr, ATOMIC_TOP_K: gl.constexpr, GATHER_TOP_K: gl.constexpr,
                   HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, ROW0: gl.constexpr,
                   COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
-                  MMA: gl.constexpr, NATIVE_CAST: gl.constexpr):
+                  MMA: gl.constexpr, NATIVE_CAST: gl.constexpr,
+                  FAST_SIGMOID: gl.constexpr):
     """The consumer's tiles one after another: K loop, then epilogue."""
     a_bufs, w_bufs, ready, empty, go = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
@@ -1072,10 +1087,10 @@ def _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
                       ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY, ATOMIC_TOP_K,
-                      NATIVE_CAST)
+                      NATIVE_CAST, FAST_SIGMOID)
             _epilogue(acc_hi, slots, col0 + COLS, expert, a_scale_rows, ptrs, sizes, strides,
                       ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY, ATOMIC_TOP_K,
-                      NATIVE_CAST)
+                      NATIVE_CAST, FAST_SIGMOID)
         else:
             acc = gl.zeros([ROWS, COLS], gl.float32, MMA)
             if live:
@@ -1088,7 +1103,7 @@ def _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
                       ACTIVATION, HAS_BIAS, COALESCED, BLOCK_SCALES, terms, EARLY, ATOMIC_TOP_K,
-                      NATIVE_CAST)
+                      NATIVE_CAST, FAST_SIGMOID)
 
 
 @gluon.jit
@@ -1127,7 +1142,8 @@ def _epilogue_terms(slots, a_scale_rows, sorted_pair_ids_ptr, topk_weights_ptr, 
 def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, COALESCED: gl.constexpr,
               BLOCK_SCALES: gl.constexpr, terms, EARLY: gl.constexpr,
-              ATOMIC_TOP_K: gl.constexpr, NATIVE_CAST: gl.constexpr = False):
+              ATOMIC_TOP_K: gl.constexpr, NATIVE_CAST: gl.constexpr = False,
+              FAST_SIGMOID: gl.constexpr = False):
     """A warpgroup's finished [64, 128] share of a tile at output column col0: fp8 per tensor's
     row and column scales, the bias, then GEMM1's activation into intermediate[slot] or GEMM2's
     routing weight into out[pair]; padding slots (pair id >= num_pairs) are not written.
@@ -1165,7 +1181,7 @@ def _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
                     pair_ids.to(gl.int64), row_ok, col0, stride_om, COALESCED)
     else:
         write_rows(acc, slots, pair_ids, row_ok, col0, topk_weights_ptr, out_ptr, stride_om,
-                   alpha, limit, ACTIVATION, COALESCED, NATIVE_CAST)
+                   alpha, limit, ACTIVATION, COALESCED, NATIVE_CAST, FAST_SIGMOID)
 
 
 @gluon.jit
@@ -1227,14 +1243,22 @@ def to_out(values, out_ty: gl.constexpr, NATIVE_CAST: gl.constexpr):
 
 
 @gluon.jit
+def fast_sigmoid(x):
+    """sigmoid(x) as (1 + tanh(x / 2)) / 2 on tanh.approx.f32 (FAST_SIGMOID): one MUFU op."""
+    t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x * 0.5],
+                                  dtype=gl.float32, is_pure=True, pack=1)
+    return 0.5 + 0.5 * t
+
+
+@gluon.jit
 def write_rows(values, slots, pair_ids, row_ok, first_col, topk_weights_ptr, out_ptr, stride_om,
                alpha, limit, ACTIVATION: gl.constexpr, COALESCED: gl.constexpr,
-               NATIVE_CAST: gl.constexpr = False):
+               NATIVE_CAST: gl.constexpr = False, FAST_SIGMOID: gl.constexpr = False):
     """A finished tile [slots, C] (fp32, scales and bias applied; slots, pair_ids, row_ok along
     its rows) -> GEMM2 (ACTIVATION 0): times each pair's routing weight into out[pair]; GEMM1:
     act(gate, up) of the interleaved gate/up columns (or relu2 of all) into out[slot], from
     column first_col (halved when gated). Rows with row_ok False are not written. NATIVE_CAST:
-    see to_out."""
+    see to_out; FAST_SIGMOID: swiglu's and swiglu_oai's sigmoid on tanh.approx (FAST_SIGMOID)."""
     out_ty: gl.constexpr = out_ptr.dtype.element_ty
     if ACTIVATION == 0:
         values = values * gl.load(topk_weights_ptr + pair_ids, mask=row_ok, other=0.0)[:, None]
@@ -1245,11 +1269,20 @@ def write_rows(values, slots, pair_ids, row_ok, first_col, topk_weights_ptr, out
         if ACTIVATION >= 1 and ACTIVATION <= 3:
             gate, up = gl.split(gl.reshape(values, [values.type.shape[0], C // 2, 2]))
             if ACTIVATION == 1:
-                h = apply_activation(gate, up, alpha, limit, "swiglu")
+                if FAST_SIGMOID:
+                    h = gate * fast_sigmoid(gate) * up
+                else:
+                    h = apply_activation(gate, up, alpha, limit, "swiglu")
             elif ACTIVATION == 2:
                 h = apply_activation(gate, up, alpha, limit, "geglu")
             else:
-                h = apply_activation(gate, up, alpha, limit, "swiglu_oai")
+                if FAST_SIGMOID:
+                    # (common.apply_activation's swiglu_oai with this sigmoid)
+                    g = gl.minimum(gate, limit)
+                    u = gl.minimum(gl.maximum(up, -limit), limit)
+                    h = (u + 1.0) * g * fast_sigmoid(alpha * g)
+                else:
+                    h = apply_activation(gate, up, alpha, limit, "swiglu_oai")
         else:
             h = apply_activation(values, values, alpha, limit, "relu2")
         H_COLS: gl.constexpr = h.type.shape[1]
@@ -1295,7 +1328,7 @@ def _ws_fp8_block_kernel(
     BLOCK_SCALES: gl.constexpr, SKIP_PADDING: gl.constexpr, SCALES_AFTER_MMA: gl.constexpr,
     STAGGER: gl.constexpr, EARLY: gl.constexpr, PAIRS: gl.constexpr,
     ATOMIC_TOP_K: gl.constexpr = 0, GATHER_TOP_K: gl.constexpr = 0, GATHER_LAG: gl.constexpr = 2,
-    OVERLAP: gl.constexpr = 0, NATIVE_CAST: gl.constexpr = 0,
+    OVERLAP: gl.constexpr = 0, NATIVE_CAST: gl.constexpr = 0, FAST_SIGMOID: gl.constexpr = 0,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
@@ -1329,12 +1362,12 @@ def _ws_fp8_block_kernel(
                      ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
                      STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 0, OVERLAP,
-                     NATIVE_CAST)),
+                     NATIVE_CAST, FAST_SIGMOID)),
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, EXPERT_GROUPS, ALIGN_M, FORM,
                      ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
                      STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 1, OVERLAP,
-                     NATIVE_CAST)),
+                     NATIVE_CAST, FAST_SIGMOID)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, EXPERT_GROUPS, ALIGN_M, FORM,
                      ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, GATHER_TOP_K, GATHER_LAG)),
@@ -1387,7 +1420,8 @@ def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str
                early: Optional[bool], pairs: Optional[bool], atomic_top_k: int,
                gather_top_k: int, overlap: Optional[bool] = None,
                native_cast: Optional[bool] = None, pipe_pairs: Optional[bool] = None,
-               expert_groups: Optional[bool] = None, group_m: Optional[int] = None) -> dict:
+               expert_groups: Optional[bool] = None, group_m: Optional[int] = None,
+               fast_sigmoid: Optional[bool] = None) -> dict:
     """The kernel's constexprs for a launch (but ALIGN_M, the dispatch's): the module settings
     and rules above for this form, GEMM and K. GATHER_LAG 0 where no lag fits (gather_lag);
     the launcher refuses a gather then."""
@@ -1410,7 +1444,8 @@ def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str
                 ATOMIC_TOP_K=atomic_top_k, GATHER_TOP_K=gather_top_k,
                 GATHER_LAG=gather_lag(stages, pairs, stagger) if gather_top_k else 1,
                 OVERLAP=int(overlap),
-                NATIVE_CAST=int(NATIVE_CAST if native_cast is None else native_cast))
+                NATIVE_CAST=int(NATIVE_CAST if native_cast is None else native_cast),
+                FAST_SIGMOID=int(FAST_SIGMOID if fast_sigmoid is None else fast_sigmoid))
 
 
 def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: str,
@@ -1419,7 +1454,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
          pairs: Optional[bool] = None, atomic: bool = False, gather_top_k: int = 0,
          overlap: Optional[bool] = None, native_cast: Optional[bool] = None,
          pipe_pairs: Optional[bool] = None, expert_groups: Optional[bool] = None,
-         group_m: Optional[int] = None) -> None:
+         group_m: Optional[int] = None, fast_sigmoid: Optional[bool] = None) -> None:
     """One GEMM over the dispatch's live slots (see the module docstring).
 
     a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
@@ -1437,7 +1472,8 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     pipe_pairs: the pairs pipelined, where pairs apply (default: PIPE_PAIRS). expert_groups:
     the tile groups cut at the experts' boundaries (default: expert_groups_apply's rule).
     group_m: the row blocks a group of the tile order holds, a power of two (default:
-    group_size)."""
+    group_size). fast_sigmoid: GEMM1's swiglu / swiglu_oai sigmoid on tanh.approx (default:
+    FAST_SIGMOID)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if group_m is not None:
@@ -1478,7 +1514,8 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
                         routing.top_k if atomic else 0, gather_top_k, overlap, native_cast,
                         pipe_pairs, expert_groups_apply(tile, routing.num_pairs,
                                                         routing.num_experts, N, K,
-                                                        expert_groups, gemm), group_m)
+                                                        expert_groups, gemm), group_m,
+                        fast_sigmoid)
     if consts["GATHER_LAG"] < 1:
         raise ValueError(f"gather_top_k: no gather lag fits a ring of {consts['STAGES']} slots "
                          f"with pairs={bool(consts['PAIRS'])}, stagger {consts['STAGGER']} "
@@ -1500,14 +1537,14 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                  atomic_top_k: int = 0, gather_top_k: int = 0,
                  overlap: Optional[bool] = None, native_cast: Optional[bool] = None,
                  pipe_pairs: Optional[bool] = None, expert_groups: Optional[bool] = None,
-                 group_m: Optional[int] = None):
+                 group_m: Optional[int] = None, fast_sigmoid: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
     run, Gluon having no interpreter. k: the GEMM's K where the ring's slots depend on it
     (ring_stages); atomic_top_k: GEMM2's atomic form for that top_k (out_dtype "fp32");
     gather_top_k: GEMM1 gathering its rows for that top_k (GATHER); overlap: OVERLAP's form;
     native_cast: NATIVE_CAST's; pipe_pairs: PIPE_PAIRS'; expert_groups: EXPERT_GROUPS' (by
     default on only with MOE_OPS_WS_EXPERT_GROUPS=1: its rule needs the routing); group_m:
-    GROUP_M's (default: group_size).
+    GROUP_M's (default: group_size); fast_sigmoid: FAST_SIGMOID's.
     Returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1525,7 +1562,8 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
         "alpha": "fp32", "limit": "fp32"}
     consts = dict(ALIGN_M=bm, **_constants(tile, gemm, activation, has_bias, quant, k, early,
                                            pairs, atomic_top_k, gather_top_k, overlap,
-                                           native_cast, pipe_pairs, expert_groups, group_m))
+                                           native_cast, pipe_pairs, expert_groups, group_m,
+                                           fast_sigmoid))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_am")}
