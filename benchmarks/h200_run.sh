@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|widedeep|groupm|widemin|widemin128|ncugemm1|fastsig|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|widedeep|groupm|widemin|widemin128|ncugemm1|fastsig|fastsigab|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -287,13 +287,14 @@
 # eager layer call (profile_layer.py) at T = 4096 (NCU_TOKENS), summed by ncu_sass_stalls.py:
 # the samples at the epilogue's instructions (the activation, the casts, the stores) against
 # the K loop's waits; NCU_CASES="model:quant" picks other layers; about 2 minutes a case.
-# fastsig: GEMM1's sigmoid on tanh.approx (ws_gemm.FAST_SIGMOID: one MUFU op a value, the wide
-# fp8 build's epilogue 25% fewer instructions): its GPU tests (against the oracle, and near
-# tl.sigmoid's launch) and compute-sanitizer on one, gpu_check's fp8 / fp8_block cases with it
-# on, Nsight Compute's lines of Mixtral fp8's GEMMs at T = 4096 with it on (ncu4l; the
-# tensor pipe was 78% on GEMM1 without), then the fp8 layers and DeepSeek-V3 fp8_block at
-# T = 1024 / 4096 / 16384 with MOE_OPS_WS_FAST_SIGMOID 0 / 1, two alternated passes; about
-# 7 minutes.
+# fastsig: GEMM1's sigmoid on tanh.approx (ws_gemm.FAST_SIGMOID, both Gluon kernels: one MUFU
+# op a value, the wide fp8 build 25% fewer instructions): its GPU tests in both kernels
+# (against the oracle, and near tl.sigmoid's launch) and compute-sanitizer on one of each,
+# gpu_check's fp8 / fp8_block / 4-bit cases with it on, Nsight Compute's lines of Mixtral
+# fp8's GEMMs at T = 4096 with it on (ncu4l; the tensor pipe was 78% on GEMM1 without); about
+# 5 minutes.
+# fastsigab: the fp8 layers and DeepSeek-V3 fp8_block, then the 4-bit layers, at T = 1024 /
+# 4096 / 16384 with MOE_OPS_WS_FAST_SIGMOID 0 / 1, two alternated passes; about 8 minutes.
 # tunepf: tuneq3's steps for each model:quant of $TUNE_PAIRS (default Llama 4 and Mixtral fp8,
 # DeepSeek-V3 fp8_block), the layer at T = 1024 / 4096 / 16384; about a minute a pair.
 # tuneq3: Qwen3-30B-A3B fp8's prefill buckets (1024-8192) re-tuned against the shipped entries
@@ -1244,14 +1245,20 @@ fi
 if [[ "$what" == fastsig ]]; then
   tests_then_sanitize fastsig tests/test_ws_gemm.py "fast_sigmoid" \
     "fast_sigmoid_stays_near and wide" 150
-  MOE_OPS_WS_FAST_SIGMOID=1 timeout 150 python3 benchmarks/gpu_check.py --quant fp8 fp8_block \
-    --no-large --json "$out/gpu_check_fastsig.json" > "$out/gpu_check_fastsig.log" 2>&1 \
-    || status=1
+  tests_then_sanitize fastsig4 tests/test_ws_fp4.py "fast_sigmoid or FAST_SIGMOID" \
+    "fast_sigmoid_stays_near and mxfp4-128" 150
+  MOE_OPS_WS_FAST_SIGMOID=1 timeout 200 python3 benchmarks/gpu_check.py \
+    --quant fp8 fp8_block nvfp4 mxfp4 --no-large --json "$out/gpu_check_fastsig.json" \
+    > "$out/gpu_check_fastsig.log" 2>&1 || status=1
   tail -n 3 "$out/gpu_check_fastsig.log"
   MOE_OPS_WS_FAST_SIGMOID=1 NCU_TOKENS=4096 NCU_TAG=fastsig \
     NCU_CASES="mixtral_8x7b:fp8:_ws_fp8_block" bash benchmarks/h200_run.sh ncu4l || status=1
-  ab_passes fastsig 60 12 MOE_OPS_WS_FAST_SIGMOID "0 1" -- --models mixtral_8x7b \
+fi
+if [[ "$what" == fastsigab ]]; then
+  ab_passes fastsig 50 12 MOE_OPS_WS_FAST_SIGMOID "0 1" -- --models mixtral_8x7b \
     llama4_scout qwen3_30b_a3b deepseek_v3 --quant fp8 fp8_block --tokens 1024 4096 16384
+  ab_passes fastsig4 40 6 MOE_OPS_WS_FAST_SIGMOID "0 1" -- --models deepseek_v3 gpt_oss_120b \
+    --quant nvfp4 mxfp4 --tokens 1024 4096 16384
 fi
 if [[ "$what" == tunepf ]]; then
   for pair in ${TUNE_PAIRS:-llama4_scout:fp8 mixtral_8x7b:fp8 deepseek_v3:fp8_block}; do

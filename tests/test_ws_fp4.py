@@ -618,19 +618,71 @@ def test_native_cast_builds():
 
 
 @needs_hopper
+@pytest.mark.parametrize("quant,slots,early", [("nvfp4", 16, True), ("nvfp4", 64, True),
+                                               ("mxfp4", 64, False), ("mxfp4", 128, True)])
+def test_fast_sigmoid_stays_near_tl_sigmoid(quant, slots, early):
+    """fast_sigmoid (ws_gemm.FAST_SIGMOID: GEMM1's swiglu_oai sigmoid on tanh.approx) against
+    tl.sigmoid's launch: the same rows written, each value within the bf16 rounding plus the
+    tanh's error (bounded here by 1e-3 of the largest value), not all equal."""
+    T = 300 if slots > 16 else 24
+    _, runs = gemms_both_ways(quant, T, slots, 19, [dict(early=early, fast_sigmoid=False),
+                                                    dict(early=early, fast_sigmoid=True)],
+                              gemms=(1, ))
+    (_, (exact, fast)), = runs
+    assert torch.equal(exact.isnan(), fast.isnan()), "written rows differ"
+    assert not exact.isnan().all()
+    exact, fast = exact.nan_to_num(0.0).float(), fast.nan_to_num(0.0).float()
+    assert not torch.equal(exact, fast), "the switch changed nothing"
+    bound = 2.0 ** -7 * exact.abs() + 1e-3 * exact.abs().max()
+    assert ((fast - exact).abs() <= bound).all(), (fast - exact).abs().max().item()
+
+
+FAST_SIGMOID_BUILDS = """
+import sys
+sys.path.insert(0, "benchmarks")
+from aot_sm90 import sass
+from moe_ops.kernels import ws_fp4
+for slots, act, bias, quant in ((16, "swiglu", False, "nvfp4"), (64, "swiglu_oai", True, "mxfp4"),
+                                (128, "swiglu_oai", True, "mxfp4")):
+    row = []
+    for fast in (False, True):
+        code = sass(ws_fp4.compile_sm90(gemm=1, activation=act, has_bias=bias, quant=quant,
+                                        slots=slots, fast_sigmoid=fast))
+        row += [len(code), sum("MUFU.EX2" in i.split()[:2] for i in code),
+                sum("MUFU.TANH" in i.split()[:2] for i in code),
+                sum(i.split()[0].startswith(("LDL", "STL")) for i in code)]
+    print(slots, quant, *row)
+"""
+
+
+def test_fast_sigmoid_builds():
+    """fast_sigmoid's sm_90 builds of the 4-bit kernel's GEMM1: one MUFU.TANH a sigmoid where
+    the default build has tl.sigmoid's MUFU.EX2, fewer instructions, no more local memory
+    accesses."""
+    rows, done = sm90_script_rows(FAST_SIGMOID_BUILDS)
+    assert len(rows) == 3, done.stdout
+    for slots, quant, n, ex2, tanh, local, n_f, ex2_f, tanh_f, local_f in rows:
+        assert int(tanh) == 0 and int(ex2) > 0, done.stdout
+        assert int(tanh_f) == int(ex2) and int(ex2_f) == 0, done.stdout
+        assert int(n_f) < int(n) and int(local_f) <= int(local), done.stdout
+
+
+@needs_hopper
 @pytest.mark.parametrize("switch,quant,tokens,activation,bias", [
     ("EARLY_EPILOGUE", "nvfp4", 20, "swiglu_oai", True),
     ("EARLY_EPILOGUE", "nvfp4", 300, "swiglu", False),
     ("EARLY_EPILOGUE", "nvfp4", 700, "swiglu_oai", True),
     ("EARLY_EPILOGUE", "mxfp4", 700, "swiglu_oai", True),
     ("HALF_BLOCKS", "nvfp4", 800, "swiglu_oai", True),
-    ("HALF_BLOCKS", "mxfp4", 1000, "swiglu_oai", True)])
+    ("HALF_BLOCKS", "mxfp4", 1000, "swiglu_oai", True),
+    ("FAST_SIGMOID", "nvfp4", 300, "swiglu", False),
+    ("FAST_SIGMOID", "mxfp4", 700, "swiglu_oai", True)])
 def test_experts_with_switch(switch, quant, tokens, activation, bias, monkeypatch, gemm_calls,
                              poisoned_empty):
     """The experts call with the early epilogue on each form (16 slots at 2.5 routed rows an
-    expert, 64 at 75, 128 at 175; with and without biases) or with the 128-slot form's half
-    blocks (200 and 250 rows an expert, some experts' last blocks half empty, some fuller)
-    against the oracle."""
+    expert, 64 at 75, 128 at 175; with and without biases), with the 128-slot form's half
+    blocks (200 and 250 rows an expert, some experts' last blocks half empty, some fuller) or
+    with GEMM1's sigmoid on tanh.approx (ws_gemm.FAST_SIGMOID) against the oracle."""
     monkeypatch.setattr(ws_fp4, switch, True)
     monkeypatch.setattr(experts_mod, "WS_FP4", "1")
     monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))

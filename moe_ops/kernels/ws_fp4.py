@@ -70,7 +70,7 @@ from moe_ops.kernels.common import device_properties
 from moe_ops.kernels.fp4_decode import MXFP4_FAST_BIAS, _E2M1_BF16_ASM, _E4M3_TO_BF16_P117
 from moe_ops.kernels.grouped_gemm import _launcher
 from moe_ops.kernels.ws_gemm import (
-    ACTIVATIONS, NATIVE_CAST, release_steps, available, ring_barriers, ring_next, to_out,
+    ACTIVATIONS, FAST_SIGMOID, NATIVE_CAST, release_steps, available, ring_barriers, ring_next, to_out,
     write_rows)
 from moe_ops.kernels.env import env_choice
 
@@ -576,7 +576,8 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr,
               PIPELINE: gl.constexpr, FMT: gl.constexpr, PARTIAL_N: gl.constexpr,
               EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr, TILE_N: gl.constexpr,
-              SPLIT: gl.constexpr, TAIL: gl.constexpr, NATIVE_CAST: gl.constexpr):
+              SPLIT: gl.constexpr, TAIL: gl.constexpr, NATIVE_CAST: gl.constexpr,
+    FAST_SIGMOID: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
@@ -695,13 +696,13 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                                      num_padded_ptr, a_scale_ptr)
                         _epilogue_early(acc, scale, shift * (part == 0).to(gl.float32), terms0,
                                         terms1, n0, part_ptrs, strides, alpha, limit,
-                                        ACTIVATION, HAS_BIAS, FMT, NATIVE_CAST)
+                                        ACTIVATION, HAS_BIAS, FMT, NATIVE_CAST, FAST_SIGMOID)
                     elif EARLY:
                         _epilogue_early(acc, scale, shift, terms0, terms1, n0, ptrs, strides,
-                                        alpha, limit, ACTIVATION, HAS_BIAS, FMT, NATIVE_CAST)
+                                        alpha, limit, ACTIVATION, HAS_BIAS, FMT, NATIVE_CAST, FAST_SIGMOID)
                     else:
                         _epilogue_late(acc, expert, pid_m * BM, n0, ptrs, sizes, strides, mma,
-                                       ACTIVATION, HAS_BIAS, FMT, NATIVE_CAST)
+                                       ACTIVATION, HAS_BIAS, FMT, NATIVE_CAST, FAST_SIGMOID)
                 else:
                     if HALF_BLOCKS == 2:
                         # (see QUARTER_BLOCKS) slot 32 padding: a quarter block
@@ -719,11 +720,11 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                         if EARLY:
                             _epilogue_early(half_acc, scale, shift, terms0, terms1, n0, ptrs,
                                             strides, alpha, limit, ACTIVATION, HAS_BIAS, FMT,
-                                            NATIVE_CAST)
+                                            NATIVE_CAST, FAST_SIGMOID)
                         else:
                             _epilogue_late(half_acc, expert, pid_m * BM, n0, ptrs, sizes,
                                            strides, mma_half, ACTIVATION, HAS_BIAS, FMT,
-                                           NATIVE_CAST)
+                                           NATIVE_CAST, FAST_SIGMOID)
                     else:
                         quarter_acc = gl.zeros([64, 32], gl.float32, mma_quarter)
                         if EARLY:
@@ -738,17 +739,18 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                         if EARLY:
                             _epilogue_early(quarter_acc, scale, shift, quarter_terms,
                                             quarter_terms, n0, ptrs, strides, alpha, limit,
-                                            ACTIVATION, HAS_BIAS, FMT, NATIVE_CAST)
+                                            ACTIVATION, HAS_BIAS, FMT, NATIVE_CAST, FAST_SIGMOID)
                         else:
                             _epilogue_late(quarter_acc, expert, pid_m * BM, n0, ptrs, sizes,
                                            strides, mma_quarter, ACTIVATION, HAS_BIAS, FMT,
-                                           NATIVE_CAST)
+                                           NATIVE_CAST, FAST_SIGMOID)
 
 
 @gluon.jit
 def _epilogue_late(acc, expert, slot0, n0, ptrs, sizes, strides, mma: gl.constexpr,
                    ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, FMT: gl.constexpr,
-                   NATIVE_CAST: gl.constexpr):
+                   NATIVE_CAST: gl.constexpr,
+    FAST_SIGMOID: gl.constexpr):
     """The epilogue with its operands loaded after the K loop (EARLY_EPILOGUE off): acc
     [64 weight rows, slots slot0...] (128 slots: two pieces of 64)."""
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
@@ -766,12 +768,12 @@ def _epilogue_late(acc, expert, slot0, n0, ptrs, sizes, strides, mma: gl.constex
     if acc.shape[1] > 64:
         first, second = _slot_halves(acc)
         _store_slots(first, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
-                     num_pairs, stride_om, alpha, limit, ACTIVATION, NATIVE_CAST)
+                     num_pairs, stride_om, alpha, limit, ACTIVATION, NATIVE_CAST, FAST_SIGMOID)
         _store_slots(second, slot0 + 64, n0, sorted_pair_ids_ptr, topk_weights_ptr,
-                     out_ptr, num_pairs, stride_om, alpha, limit, ACTIVATION, NATIVE_CAST)
+                     out_ptr, num_pairs, stride_om, alpha, limit, ACTIVATION, NATIVE_CAST, FAST_SIGMOID)
     else:
         _store_slots(acc, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
-                     num_pairs, stride_om, alpha, limit, ACTIVATION, NATIVE_CAST)
+                     num_pairs, stride_om, alpha, limit, ACTIVATION, NATIVE_CAST, FAST_SIGMOID)
 
 
 @gluon.jit
@@ -784,7 +786,8 @@ def _slot_halves(acc):
 @gluon.jit
 def _epilogue_early(acc, scale, shift, terms0, terms1, n0, ptrs, strides, alpha, limit,
                     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, FMT: gl.constexpr,
-                    NATIVE_CAST: gl.constexpr):
+                    NATIVE_CAST: gl.constexpr,
+    FAST_SIGMOID: gl.constexpr):
     """The epilogue with its operands loaded before the K loop (EARLY_EPILOGUE): the rows'
     factor and bias (_row_terms) on acc [64 weight rows, 64 or 128 slots], then each 64-slot
     piece written with its slots' terms (_slot_terms; terms1 for a 128-slot tile's second)."""
@@ -798,12 +801,12 @@ def _epilogue_early(acc, scale, shift, terms0, terms1, n0, ptrs, strides, alpha,
     if acc.shape[1] > 64:
         first, second = _slot_halves(acc)
         _store_early(first, terms0, n0, topk_weights_ptr, out_ptr, stride_om, alpha, limit,
-                     ACTIVATION, NATIVE_CAST)
+                     ACTIVATION, NATIVE_CAST, FAST_SIGMOID)
         _store_early(second, terms1, n0, topk_weights_ptr, out_ptr, stride_om, alpha, limit,
-                     ACTIVATION, NATIVE_CAST)
+                     ACTIVATION, NATIVE_CAST, FAST_SIGMOID)
     else:
         _store_early(acc, terms0, n0, topk_weights_ptr, out_ptr, stride_om, alpha, limit,
-                     ACTIVATION, NATIVE_CAST)
+                     ACTIVATION, NATIVE_CAST, FAST_SIGMOID)
 
 
 @gluon.jit
@@ -840,7 +843,8 @@ def _slot_terms(slot0, BM: gl.constexpr, sorted_pair_ids_ptr, topk_weights_ptr, 
 
 @gluon.jit
 def _store_early(acc, terms, n0, topk_weights_ptr, out_ptr, stride_om, alpha, limit,
-                 ACTIVATION: gl.constexpr, NATIVE_CAST: gl.constexpr):
+                 ACTIVATION: gl.constexpr, NATIVE_CAST: gl.constexpr,
+    FAST_SIGMOID: gl.constexpr):
     """_store_slots with the slots' terms loaded before the K loop (_slot_terms): GEMM2's
     piece goes to its store layout in one exchange, times the routing weights, into
     out[pair]; GEMM1's through PAIRS_LAYOUT and its activation (write_rows)."""
@@ -853,12 +857,13 @@ def _store_early(acc, terms, n0, topk_weights_ptr, out_ptr, stride_om, alpha, li
     else:
         vals = gl.convert_layout(gl.permute(acc, [1, 0]), PAIRS_LAYOUT)
         write_rows(vals, slots, pair_ids, row_ok, n0, topk_weights_ptr, out_ptr, stride_om,
-                   alpha, limit, ACTIVATION, True, NATIVE_CAST)
+                   alpha, limit, ACTIVATION, True, NATIVE_CAST, FAST_SIGMOID)
 
 
 @gluon.jit
 def _store_slots(acc, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr, num_pairs,
-                 stride_om, alpha, limit, ACTIVATION: gl.constexpr, NATIVE_CAST: gl.constexpr):
+                 stride_om, alpha, limit, ACTIVATION: gl.constexpr, NATIVE_CAST: gl.constexpr,
+    FAST_SIGMOID: gl.constexpr):
     """A piece of the accumulator [64 weight rows, slots slot0...] written as its slots' rows
     (columns n0...), slots along the rows and two adjacent columns (gate/up) in one thread;
     padding slots not written."""
@@ -868,7 +873,7 @@ def _store_slots(acc, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
     pair_ids = gl.load(sorted_pair_ids_ptr + slots)
     row_ok = pair_ids < num_pairs
     write_rows(vals, slots, pair_ids, row_ok, n0, topk_weights_ptr, out_ptr, stride_om, alpha,
-               limit, ACTIVATION, True, NATIVE_CAST)
+               limit, ACTIVATION, True, NATIVE_CAST, FAST_SIGMOID)
 
 
 @gluon.jit
@@ -880,7 +885,8 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
                    PRODUCER_REGS: gl.constexpr, PIPELINE: gl.constexpr, FMT: gl.constexpr,
                    PARTIAL_N: gl.constexpr, EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr,
                    SPLIT: gl.constexpr = 1, TAIL: gl.constexpr = 16, X_BOXES: gl.constexpr = 1,
-                   NATIVE_CAST: gl.constexpr = 0):
+                   NATIVE_CAST: gl.constexpr = 0,
+                   FAST_SIGMOID: gl.constexpr = 0):
     # a ring slot holds the tile's TILE_N = CONSUMERS x 64 weight rows (in a buffer of the next
     # power of two: three consumers' 192 rows take 256), loaded in boxes of the descriptors'
     # rows (the whole tile's but for three consumers: a TMA box is a power of two)
@@ -912,10 +918,10 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
                            PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
-                           TAIL, NATIVE_CAST)),
+                           TAIL, NATIVE_CAST, FAST_SIGMOID)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
                            PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
-                           TAIL, NATIVE_CAST)),
+                           TAIL, NATIVE_CAST, FAST_SIGMOID)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
                          FMT, PARTIAL_N, TILE_N, SPLIT, HALF_BLOCKS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -923,13 +929,13 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
                            PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
-                           TAIL, NATIVE_CAST)),
+                           TAIL, NATIVE_CAST, FAST_SIGMOID)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
                            PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
-                           TAIL, NATIVE_CAST)),
+                           TAIL, NATIVE_CAST, FAST_SIGMOID)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
                            PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
-                           TAIL, NATIVE_CAST)),
+                           TAIL, NATIVE_CAST, FAST_SIGMOID)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
                          FMT, PARTIAL_N, TILE_N, SPLIT, HALF_BLOCKS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -937,16 +943,16 @@ def _ws_fp4_kernel(w_desc, s_desc, x_desc, gscale_ptr, bias_ptr, out_ptr, sorted
         gl.warp_specialize([
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 0,
                            PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
-                           TAIL, NATIVE_CAST)),
+                           TAIL, NATIVE_CAST, FAST_SIGMOID)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 1,
                            PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
-                           TAIL, NATIVE_CAST)),
+                           TAIL, NATIVE_CAST, FAST_SIGMOID)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 2,
                            PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
-                           TAIL, NATIVE_CAST)),
+                           TAIL, NATIVE_CAST, FAST_SIGMOID)),
             (_consumer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS, 3,
                            PIPELINE, FMT, PARTIAL_N, EARLY, HALF_BLOCKS, TILE_N, SPLIT,
-                           TAIL, NATIVE_CAST)),
+                           TAIL, NATIVE_CAST, FAST_SIGMOID)),
             (_producer, (descs, smem, ptrs, sizes, strides, ALIGN_M, ACTIVATION, HAS_BIAS,
                          FMT, PARTIAL_N, TILE_N, SPLIT, HALF_BLOCKS)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -1099,11 +1105,13 @@ def _constants(*, gemm: int, activation: str, has_bias: bool, consumers: int, qu
                slots: int, align_m: int, pipelined: bool, partial_n: bool,
                early: Optional[bool], half_blocks: Optional[bool], split: int,
                tail: int, quarter_blocks: bool, x_rows: Optional[int] = None,
-               native_cast: Optional[bool] = None) -> dict:
+               native_cast: Optional[bool] = None,
+               fast_sigmoid: Optional[bool] = None) -> dict:
     """The kernel's compile-time arguments of a launch (gemm() and compile_sm90 alike); x_rows:
     the activation TMA box's rows (x_box_rows; default the tile's slots); native_cast: the
     epilogue's rounding by the GPU's conversion (default ws_gemm.NATIVE_CAST, one switch for
-    both Gluon kernels; see ws_gemm.to_out)."""
+    both Gluon kernels; see ws_gemm.to_out); fast_sigmoid: GEMM1's swiglu / swiglu_oai sigmoid
+    on tanh.approx (default ws_gemm.FAST_SIGMOID, one switch for both)."""
     consumer_regs, producer_regs, _ = REGISTERS[consumers]
     return dict(ALIGN_M=align_m, STAGES=_stages(quant, slots, consumers),
                 ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
@@ -1113,7 +1121,8 @@ def _constants(*, gemm: int, activation: str, has_bias: bool, consumers: int, qu
                 EARLY=int(EARLY_EPILOGUE if early is None else early),
                 HALF_BLOCKS=_half_blocks_level(slots, half_blocks, quarter_blocks), SPLIT=split,
                 TAIL=tail, X_BOXES=slots // (x_rows or slots),
-                NATIVE_CAST=int(NATIVE_CAST if native_cast is None else native_cast))
+                NATIVE_CAST=int(NATIVE_CAST if native_cast is None else native_cast),
+                FAST_SIGMOID=int(FAST_SIGMOID if fast_sigmoid is None else fast_sigmoid))
 
 
 def narrow_blocks(setting: str, quant: str, num_pairs: int, num_experts: int) -> bool:
@@ -1169,7 +1178,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
          half_blocks: Optional[bool] = None, a_scale: Optional[torch.Tensor] = None,
          split: int = 1, tail: Optional[bool] = None,
          quarter_blocks: Optional[bool] = None, small_x_boxes: Optional[bool] = None,
-         native_cast: Optional[bool] = None) -> None:
+         native_cast: Optional[bool] = None, fast_sigmoid: Optional[bool] = None) -> None:
     """One nvfp4 / mxfp4 / fp8 GEMM over the dispatch's live blocks of `slots` rows (16:
     decode's form, PREFILL_SLOTS or WIDE_SLOTS: prefill's, two consumers, 4-bit only; see the
     module docstring). 4-bit: a bf16 rows; w_global_scale the layout's row scale [E, N]
@@ -1186,7 +1195,8 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     p * num_pairs (combine_pair_rows(..., splits=split) sums them). tail: the last K step's
     padding skipped where it can be (default: TAIL's rule; the 4-bit formats' plain consumers
     without a split only). native_cast: the epilogue's rounding by the GPU's conversion
-    (default: ws_gemm.NATIVE_CAST)."""
+    (default: ws_gemm.NATIVE_CAST). fast_sigmoid: GEMM1's swiglu / swiglu_oai sigmoid on
+    tanh.approx (default: ws_gemm.FAST_SIGMOID)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if slots not in SLOTS:
@@ -1301,7 +1311,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
                      align_m=routing.align_block_m, pipelined=pipelined,
                      partial_n=N % bn != 0, early=early, half_blocks=half_blocks,
                      quarter_blocks=quarter_blocks, x_rows=x_rows, split=split,
-                     tail=slices, native_cast=native_cast),
+                     tail=slices, native_cast=native_cast, fast_sigmoid=fast_sigmoid),
         num_warps=4, maxnreg=REGISTERS[consumers][2])
 
 
@@ -1310,7 +1320,7 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                  slots: int = BLOCK_M, partial_n: bool = False, early: Optional[bool] = None,
                  half_blocks: Optional[bool] = None, split: int = 1, tail: int = 16,
                  quarter_blocks: Optional[bool] = None, small_x_boxes: Optional[bool] = None,
-                 native_cast: Optional[bool] = None):
+                 native_cast: Optional[bool] = None, fast_sigmoid: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (the CPU tests; Gluon has no interpreter).
     tail: the last K step's slices (16, or 4 / 8: see TAIL). quarter_blocks / small_x_boxes
     default to QUARTER_BLOCKS / SMALL_X_BOXES forced on ("auto" decides per launch, and a
@@ -1346,7 +1356,7 @@ def compile_sm90(*, gemm: int = 1, activation: str = "swiglu", has_bias: bool = 
                                    else pipeline),
                         partial_n=partial_n, early=early, half_blocks=half_blocks,
                         quarter_blocks=quarter_blocks, x_rows=x_rows, split=split,
-                        tail=tail, native_cast=native_cast)
+                        tail=tail, native_cast=native_cast, fast_sigmoid=fast_sigmoid)
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "KP")}

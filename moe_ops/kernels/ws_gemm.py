@@ -487,8 +487,9 @@ NATIVE_CAST = env_choice("MOE_OPS_WS_NATIVE_CAST", "1", ("0", "1")) == "1"
 # its tensor pipe busy 78% of the time against GEMM2's 89% (no activation). With it: 3432. The error: tanh.approx's
 # (at most 2^-10.987 relative) gives the sigmoid an absolute error under 2.5e-4, below the
 # bf16 output's rounding wherever the sigmoid exceeds 0.12; the intermediate is then
-# quantized to fp8 (3 mantissa bits). Off until measured on the GPU (`bash
-# benchmarks/h200_run.sh fastsig`); MOE_OPS_WS_FAST_SIGMOID=1: on.
+# quantized to fp8 (3 mantissa bits). ws_fp4's GEMM1 takes the same switch (its 4-bit
+# epilogues share write_rows). Off until measured on the GPU (`bash benchmarks/h200_run.sh
+# fastsig`, then `fastsigab`); MOE_OPS_WS_FAST_SIGMOID=1: on.
 FAST_SIGMOID = env_choice("MOE_OPS_WS_FAST_SIGMOID", "0", ("0", "1")) == "1"
 
 
