@@ -74,8 +74,9 @@ def main() -> None:
     modes = {"eager": run, "graph": graph.replay}
     log_file = Path(tempfile.mkstemp(suffix=".csv")[1])
     smi = subprocess.Popen(
-        ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
-         "-lms", "20"], stdout=log_file.open("w"), stderr=subprocess.DEVNULL)
+        ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
+         "--format=csv,noheader,nounits", "-lms", "20"],
+        stdout=log_file.open("w"), stderr=subprocess.DEVNULL)
     phases = []
     try:
         for rnd in range(args.rounds):
@@ -94,7 +95,8 @@ def main() -> None:
     samples = clock_samples(log_file)
     print(f"{cfg.name} {args.quant} T={args.tokens}, {args.budget_ms:.0f} ms a phase after "
           f"{args.idle_s:.1f} s idle")
-    print(f"{'round':>5} {'pos':>3} {'mode':>6} {'median us':>10} {'min us':>9} {'MHz':>6} {'W':>5}")
+    print(f"{'round':>5} {'pos':>3} {'mode':>6} {'median us':>10} {'min us':>9} {'MHz':>6} "
+          f"{'W':>5}")
     for phase in phases:
         inside = [s for s in samples if phase["start"] <= s[0] <= phase["end"]]
         phase["mhz"] = statistics.mean(s[1] for s in inside) if inside else None

@@ -807,8 +807,9 @@ def test_short_k_rows_take_the_whole_ring(monkeypatch):
 
 def test_tile_rule(monkeypatch):
     """fp8_block calls with a dispatch take the 128-row tiles from 256 routed rows an expert on
-    (128 x 256 for the GEMMs ws_gemm.WIDE_BUILDS admits) and the 256-column ones below; fp8 per tensor likewise unless WS_FP8 is off (on by
-    default); other modes, direct dispatch or the override "none" never take the kernel."""
+    (128 x 256 for the GEMMs ws_gemm.WIDE_BUILDS admits) and the 256-column ones below; fp8
+    per tensor likewise unless WS_FP8 is off (on by default); other modes, direct dispatch or
+    the override "none" never take the kernel."""
     assert experts_mod.WS_FP8 is (os.environ.get("MOE_OPS_WS_FP8", "1") == "1")
     monkeypatch.setattr(experts_mod, "WS_FP8_BLOCK_TILE", "auto")
     monkeypatch.setattr(experts_mod, "WS_FP8", False)

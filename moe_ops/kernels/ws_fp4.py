@@ -70,8 +70,8 @@ from moe_ops.kernels.common import device_properties
 from moe_ops.kernels.fp4_decode import MXFP4_FAST_BIAS, _E2M1_BF16_ASM, _E4M3_TO_BF16_P117
 from moe_ops.kernels.grouped_gemm import _launcher
 from moe_ops.kernels.ws_gemm import (
-    ACTIVATIONS, FAST_SIGMOID, NATIVE_CAST, release_steps, available, ring_barriers, ring_next, to_out,
-    write_rows)
+    ACTIVATIONS, FAST_SIGMOID, NATIVE_CAST, release_steps, available, ring_barriers, ring_next,
+    to_out, write_rows)
 from moe_ops.kernels.env import env_choice
 
 QUANTS = ("nvfp4", "mxfp4", "fp8")
@@ -577,7 +577,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
               PIPELINE: gl.constexpr, FMT: gl.constexpr, PARTIAL_N: gl.constexpr,
               EARLY: gl.constexpr, HALF_BLOCKS: gl.constexpr, TILE_N: gl.constexpr,
               SPLIT: gl.constexpr, TAIL: gl.constexpr, NATIVE_CAST: gl.constexpr,
-    FAST_SIGMOID: gl.constexpr):
+              FAST_SIGMOID: gl.constexpr):
     w_desc, s_desc, x_desc = descs
     w_bufs, s_bufs, x_bufs, ready, empty = smem
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
@@ -699,7 +699,8 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
                                         ACTIVATION, HAS_BIAS, FMT, NATIVE_CAST, FAST_SIGMOID)
                     elif EARLY:
                         _epilogue_early(acc, scale, shift, terms0, terms1, n0, ptrs, strides,
-                                        alpha, limit, ACTIVATION, HAS_BIAS, FMT, NATIVE_CAST, FAST_SIGMOID)
+                                        alpha, limit, ACTIVATION, HAS_BIAS, FMT, NATIVE_CAST,
+                                        FAST_SIGMOID)
                     else:
                         _epilogue_late(acc, expert, pid_m * BM, n0, ptrs, sizes, strides, mma,
                                        ACTIVATION, HAS_BIAS, FMT, NATIVE_CAST, FAST_SIGMOID)
@@ -749,8 +750,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, ALIGN_M: gl.constexpr,
 @gluon.jit
 def _epilogue_late(acc, expert, slot0, n0, ptrs, sizes, strides, mma: gl.constexpr,
                    ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, FMT: gl.constexpr,
-                   NATIVE_CAST: gl.constexpr,
-    FAST_SIGMOID: gl.constexpr):
+                   NATIVE_CAST: gl.constexpr, FAST_SIGMOID: gl.constexpr):
     """The epilogue with its operands loaded after the K loop (EARLY_EPILOGUE off): acc
     [64 weight rows, slots slot0...] (128 slots: two pieces of 64)."""
     (gscale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, topk_weights_ptr, block_expert_ptr,
@@ -770,7 +770,8 @@ def _epilogue_late(acc, expert, slot0, n0, ptrs, sizes, strides, mma: gl.constex
         _store_slots(first, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
                      num_pairs, stride_om, alpha, limit, ACTIVATION, NATIVE_CAST, FAST_SIGMOID)
         _store_slots(second, slot0 + 64, n0, sorted_pair_ids_ptr, topk_weights_ptr,
-                     out_ptr, num_pairs, stride_om, alpha, limit, ACTIVATION, NATIVE_CAST, FAST_SIGMOID)
+                     out_ptr, num_pairs, stride_om, alpha, limit, ACTIVATION, NATIVE_CAST,
+                     FAST_SIGMOID)
     else:
         _store_slots(acc, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr,
                      num_pairs, stride_om, alpha, limit, ACTIVATION, NATIVE_CAST, FAST_SIGMOID)
@@ -786,8 +787,7 @@ def _slot_halves(acc):
 @gluon.jit
 def _epilogue_early(acc, scale, shift, terms0, terms1, n0, ptrs, strides, alpha, limit,
                     ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, FMT: gl.constexpr,
-                    NATIVE_CAST: gl.constexpr,
-    FAST_SIGMOID: gl.constexpr):
+                    NATIVE_CAST: gl.constexpr, FAST_SIGMOID: gl.constexpr):
     """The epilogue with its operands loaded before the K loop (EARLY_EPILOGUE): the rows'
     factor and bias (_row_terms) on acc [64 weight rows, 64 or 128 slots], then each 64-slot
     piece written with its slots' terms (_slot_terms; terms1 for a 128-slot tile's second)."""
@@ -844,7 +844,7 @@ def _slot_terms(slot0, BM: gl.constexpr, sorted_pair_ids_ptr, topk_weights_ptr, 
 @gluon.jit
 def _store_early(acc, terms, n0, topk_weights_ptr, out_ptr, stride_om, alpha, limit,
                  ACTIVATION: gl.constexpr, NATIVE_CAST: gl.constexpr,
-    FAST_SIGMOID: gl.constexpr):
+                 FAST_SIGMOID: gl.constexpr):
     """_store_slots with the slots' terms loaded before the K loop (_slot_terms): GEMM2's
     piece goes to its store layout in one exchange, times the routing weights, into
     out[pair]; GEMM1's through PAIRS_LAYOUT and its activation (write_rows)."""
@@ -863,7 +863,7 @@ def _store_early(acc, terms, n0, topk_weights_ptr, out_ptr, stride_om, alpha, li
 @gluon.jit
 def _store_slots(acc, slot0, n0, sorted_pair_ids_ptr, topk_weights_ptr, out_ptr, num_pairs,
                  stride_om, alpha, limit, ACTIVATION: gl.constexpr, NATIVE_CAST: gl.constexpr,
-    FAST_SIGMOID: gl.constexpr):
+                 FAST_SIGMOID: gl.constexpr):
     """A piece of the accumulator [64 weight rows, slots slot0...] written as its slots' rows
     (columns n0...), slots along the rows and two adjacent columns (gate/up) in one thread;
     padding slots not written."""

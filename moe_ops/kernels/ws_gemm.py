@@ -484,12 +484,12 @@ NATIVE_CAST = env_choice("MOE_OPS_WS_NATIVE_CAST", "1", ("0", "1")) == "1"
 # build of the wide fp8 GEMM1 spends ~1670 instructions a consumer thread in a tile's
 # epilogue against 184-188 a K step, 1544 of the build's 4560 in the sigmoid; both
 # warpgroups run it at once, the tensor cores idle meanwhile, and Mixtral fp8's GEMM1 keeps
-# its tensor pipe busy 78% of the time against GEMM2's 89% (no activation). With it: 3432. The error: tanh.approx's
-# (at most 2^-10.987 relative) gives the sigmoid an absolute error under 2.5e-4, below the
-# bf16 output's rounding wherever the sigmoid exceeds 0.12; the intermediate is then
-# quantized to fp8 (3 mantissa bits). ws_fp4's GEMM1 takes the same switch (its 4-bit
-# epilogues share write_rows). Off until measured on the GPU (`bash benchmarks/h200_run.sh
-# fastsig`, then `fastsigab`); MOE_OPS_WS_FAST_SIGMOID=1: on.
+# its tensor pipe busy 78% of the time against GEMM2's 89% (no activation). With it: 3432.
+# The error: tanh.approx's (at most 2^-10.987 relative) gives the sigmoid an absolute error
+# under 2.5e-4, below the bf16 output's rounding wherever the sigmoid exceeds 0.12; the
+# intermediate is then quantized to fp8 (3 mantissa bits). ws_fp4's GEMM1 takes the same
+# switch (its 4-bit epilogues share write_rows). Off until measured on the GPU (`bash
+# benchmarks/h200_run.sh fastsig`, then `fastsigab`); MOE_OPS_WS_FAST_SIGMOID=1: on.
 FAST_SIGMOID = env_choice("MOE_OPS_WS_FAST_SIGMOID", "0", ("0", "1")) == "1"
 
 
