@@ -288,13 +288,15 @@
 # the samples at the epilogue's instructions (the activation, the casts, the stores) against
 # the K loop's waits; NCU_CASES="model:quant" picks other layers; about 2 minutes a case.
 # fastsig: GEMM1's sigmoid on tanh.approx (ws_gemm.FAST_SIGMOID, both Gluon kernels: one MUFU
-# op a value, the wide fp8 build 25% fewer instructions): its GPU tests in both kernels
+# op a value, the wide fp8 build 25% fewer instructions; on since the thirtieth session):
+# its GPU tests in both kernels
 # (against the oracle, and near tl.sigmoid's launch) and compute-sanitizer on one of each,
 # gpu_check's fp8 / fp8_block / 4-bit cases with it on, Nsight Compute's lines of Mixtral
 # fp8's GEMMs at T = 4096 with it on (ncu4l; the tensor pipe was 78% on GEMM1 without); about
 # 5 minutes.
 # fastsigab: the fp8 layers and DeepSeek-V3 fp8_block, then the 4-bit layers, at T = 1024 /
-# 4096 / 16384 with MOE_OPS_WS_FAST_SIGMOID 0 / 1, two alternated passes; about 8 minutes.
+# 4096 / 16384 with MOE_OPS_WS_FAST_SIGMOID (MOE_OPS_WS_FP4_FAST_SIGMOID for the 4-bit ones; one
+# switch for both kernels when this was run) 0 / 1, two alternated passes; about 8 minutes.
 # tunepf: tuneq3's steps for each model:quant of $TUNE_PAIRS (default Llama 4 and Mixtral fp8,
 # DeepSeek-V3 fp8_block), the layer at T = 1024 / 4096 / 16384; about a minute a pair.
 # tuneq3: Qwen3-30B-A3B fp8's prefill buckets (1024-8192) re-tuned against the shipped entries
@@ -1243,11 +1245,12 @@ if [[ "$what" == ncugemm1 ]]; then
   done
 fi
 if [[ "$what" == fastsig ]]; then
-  tests_then_sanitize fastsig tests/test_ws_gemm.py "fast_sigmoid" \
+  tests_then_sanitize fastsig tests/test_ws_gemm.py "fast_sigmoid or sigmoid_either_way" \
     "fast_sigmoid_stays_near and wide" 150
   tests_then_sanitize fastsig4 tests/test_ws_fp4.py "fast_sigmoid or FAST_SIGMOID" \
     "fast_sigmoid_stays_near and mxfp4-128" 150
-  MOE_OPS_WS_FAST_SIGMOID=1 timeout 200 python3 benchmarks/gpu_check.py \
+  MOE_OPS_WS_FAST_SIGMOID=1 MOE_OPS_WS_FP4_FAST_SIGMOID=1 timeout 200 \
+    python3 benchmarks/gpu_check.py \
     --quant fp8 fp8_block nvfp4 mxfp4 --no-large --json "$out/gpu_check_fastsig.json" \
     > "$out/gpu_check_fastsig.log" 2>&1 || status=1
   tail -n 3 "$out/gpu_check_fastsig.log"
@@ -1257,7 +1260,7 @@ fi
 if [[ "$what" == fastsigab ]]; then
   ab_passes fastsig 50 12 MOE_OPS_WS_FAST_SIGMOID "0 1" -- --models mixtral_8x7b \
     llama4_scout qwen3_30b_a3b deepseek_v3 --quant fp8 fp8_block --tokens 1024 4096 16384
-  ab_passes fastsig4 40 6 MOE_OPS_WS_FAST_SIGMOID "0 1" -- --models deepseek_v3 gpt_oss_120b \
+  ab_passes fastsig4 40 6 MOE_OPS_WS_FP4_FAST_SIGMOID "0 1" -- --models deepseek_v3 gpt_oss_120b \
     --quant nvfp4 mxfp4 --tokens 1024 4096 16384
 fi
 if [[ "$what" == tunepf ]]; then

@@ -621,7 +621,7 @@ def test_native_cast_builds():
 @pytest.mark.parametrize("quant,slots,early", [("nvfp4", 16, True), ("nvfp4", 64, True),
                                                ("mxfp4", 64, False), ("mxfp4", 128, True)])
 def test_fast_sigmoid_stays_near_tl_sigmoid(quant, slots, early):
-    """fast_sigmoid (ws_gemm.FAST_SIGMOID: GEMM1's swiglu_oai sigmoid on tanh.approx) against
+    """fast_sigmoid (FAST_SIGMOID: GEMM1's swiglu_oai sigmoid on tanh.approx) against
     tl.sigmoid's launch (test_ws_gemm.assert_near_exact_sigmoid)."""
     T = 300 if slots > 16 else 24
     _, runs = gemms_both_ways(quant, T, slots, 19, [dict(early=early, fast_sigmoid=False),
@@ -676,7 +676,7 @@ def test_experts_with_switch(switch, quant, tokens, activation, bias, monkeypatc
     """The experts call with the early epilogue on each form (16 slots at 2.5 routed rows an
     expert, 64 at 75, 128 at 175; with and without biases), with the 128-slot form's half
     blocks (200 and 250 rows an expert, some experts' last blocks half empty, some fuller) or
-    with GEMM1's sigmoid on tanh.approx (ws_gemm.FAST_SIGMOID) against the oracle."""
+    with GEMM1's sigmoid on tanh.approx (FAST_SIGMOID) against the oracle."""
     monkeypatch.setattr(ws_fp4, switch, True)
     monkeypatch.setattr(experts_mod, "WS_FP4", "1")
     monkeypatch.setattr(experts_mod, "WS_FP4_QUANTS", ("nvfp4", "mxfp4"))

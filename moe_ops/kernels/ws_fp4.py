@@ -70,8 +70,8 @@ from moe_ops.kernels.common import device_properties
 from moe_ops.kernels.fp4_decode import MXFP4_FAST_BIAS, _E2M1_BF16_ASM, _E4M3_TO_BF16_P117
 from moe_ops.kernels.grouped_gemm import _launcher
 from moe_ops.kernels.ws_gemm import (
-    ACTIVATIONS, FAST_SIGMOID, NATIVE_CAST, release_steps, available, ring_barriers, ring_next,
-    to_out, write_rows)
+    ACTIVATIONS, NATIVE_CAST, release_steps, available, ring_barriers, ring_next, to_out,
+    write_rows)
 from moe_ops.kernels.env import env_choice
 
 QUANTS = ("nvfp4", "mxfp4", "fp8")
@@ -239,6 +239,14 @@ QUARTER_BLOCKS = env_choice("MOE_OPS_WS_FP4_QUARTER_BLOCKS", "auto", ("auto", "0
 SMALL_X_BOXES = env_choice("MOE_OPS_WS_FP4_SMALL_X_BOXES", "auto", ("auto", "0", "1"))
 NARROW_BLOCKS_MAX_ROWS = 128
 X_BOX_ROWS = 32
+# GEMM1's swiglu / swiglu_oai sigmoid on tanh.approx (ws_gemm.write_rows' FAST_SIGMOID, on by
+# default in ws_gemm). Off here: the 4-bit layers measured no faster with it (results/
+# h200_ab_fastsig4_*_thirtieth.json, DeepSeek-V3 nvfp4 and gpt-oss-120b mxfp4 at T = 1024-16384,
+# two alternated passes: 1.000 of the time in the geometric mean; their K loops' weight decode,
+# not the epilogue, is where these GEMMs spend their issue), and the 128-slot mxfp4 GEMM1's
+# quarter-block build spills in its K loop with it (25 local accesses; test_quarter_blocks_build).
+# MOE_OPS_WS_FP4_FAST_SIGMOID=1: on.
+FAST_SIGMOID = env_choice("MOE_OPS_WS_FP4_FAST_SIGMOID", "0", ("0", "1")) == "1"
 # [slots, 64 columns] layouts of the epilogue: gate/up pairs in one thread (GEMM1's
 # activation), and 8 consecutive columns a thread (16-byte stores of GEMM2's rows)
 PAIRS_LAYOUT = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
@@ -1111,7 +1119,7 @@ def _constants(*, gemm: int, activation: str, has_bias: bool, consumers: int, qu
     the activation TMA box's rows (x_box_rows; default the tile's slots); native_cast: the
     epilogue's rounding by the GPU's conversion (default ws_gemm.NATIVE_CAST, one switch for
     both Gluon kernels; see ws_gemm.to_out); fast_sigmoid: GEMM1's swiglu / swiglu_oai sigmoid
-    on tanh.approx (default ws_gemm.FAST_SIGMOID, one switch for both)."""
+    on tanh.approx (default FAST_SIGMOID, this module's)."""
     consumer_regs, producer_regs, _ = REGISTERS[consumers]
     return dict(ALIGN_M=align_m, STAGES=_stages(quant, slots, consumers),
                 ACTIVATION=ACTIVATIONS.index(activation) if gemm == 1 else 0,
@@ -1196,7 +1204,7 @@ def gemm(a, w, w_scale, w_global_scale, bias, out, routing, *, gemm: int, activa
     padding skipped where it can be (default: TAIL's rule; the 4-bit formats' plain consumers
     without a split only). native_cast: the epilogue's rounding by the GPU's conversion
     (default: ws_gemm.NATIVE_CAST). fast_sigmoid: GEMM1's swiglu / swiglu_oai sigmoid on
-    tanh.approx (default: ws_gemm.FAST_SIGMOID)."""
+    tanh.approx (default: FAST_SIGMOID, off)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if slots not in SLOTS:
