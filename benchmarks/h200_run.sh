@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|widedeep|groupm|widemin|widemin128|ncugemm1|fastsig|fastsigab|quarters|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|widedeep|groupm|widemin|widemin128|ncugemm1|fastsig|fastsigab|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -297,10 +297,6 @@
 # fastsigab: the fp8 layers and DeepSeek-V3 fp8_block, then the 4-bit layers, at T = 1024 /
 # 4096 / 16384 with MOE_OPS_WS_FAST_SIGMOID (MOE_OPS_WS_FP4_FAST_SIGMOID for the 4-bit ones; one
 # switch for both kernels when this was run) 0 / 1, two alternated passes; about 8 minutes.
-# quarters: fp8 per tensor's wide K loop in 64-column quarters (ws_gemm.WIDE_QUARTERS): its
-# GPU tests (bit for bit the halves' outputs; the experts call against the oracle) and
-# compute-sanitizer on one, then the fp8 layers at T = 4096 / 16384 (the wide tiles' sizes)
-# with MOE_OPS_WS_WIDE_QUARTERS 0 / 1, two alternated passes; about 5 minutes.
 # tunepf: tuneq3's steps for each model:quant of $TUNE_PAIRS (default Llama 4 and Mixtral fp8,
 # DeepSeek-V3 fp8_block), the layer at T = 1024 / 4096 / 16384; about a minute a pair.
 # tuneq3: Qwen3-30B-A3B fp8's prefill buckets (1024-8192) re-tuned against the shipped entries
@@ -1260,12 +1256,6 @@ if [[ "$what" == fastsig ]]; then
   tail -n 3 "$out/gpu_check_fastsig.log"
   MOE_OPS_WS_FAST_SIGMOID=1 NCU_TOKENS=4096 NCU_TAG=fastsig \
     NCU_CASES="mixtral_8x7b:fp8:_ws_fp8_block" bash benchmarks/h200_run.sh ncu4l || status=1
-fi
-if [[ "$what" == quarters ]]; then
-  tests_then_sanitize quarters tests/test_ws_gemm.py "wide_quarters" \
-    "wide_quarters_match_the_halves and swiglu_oai" 150
-  ab_passes quarters 40 6 MOE_OPS_WS_WIDE_QUARTERS "0 1" -- --models mixtral_8x7b \
-    llama4_scout qwen3_30b_a3b --quant fp8 --tokens 4096 16384
 fi
 if [[ "$what" == fastsigab ]]; then
   ab_passes fastsig 50 12 MOE_OPS_WS_FAST_SIGMOID "0 1" -- --models mixtral_8x7b \

@@ -347,46 +347,6 @@ def test_fast_sigmoid_takes_one_mufu_op_a_sigmoid():
         assert n_f < 0.85 * n, done.stdout
 
 
-QUARTER_BUILDS = """
-import sys
-sys.path.insert(0, "benchmarks")
-from aot_sm90 import loops, sass
-from moe_ops.kernels import ws_gemm
-assert not ws_gemm.WIDE_QUARTERS
-for quant, gemm, activation, bias in (("fp8", 1, "swiglu", False),
-                                      ("fp8", 1, "swiglu_oai", True), ("fp8", 2, "none", True),
-                                      ("fp8_block", 1, "swiglu", False)):
-    for quarters in (False, True):
-        kernel = ws_gemm.compile_sm90(tile="wide", gemm=gemm, activation=activation,
-                                      has_bias=bias, quant=quant, quarters=quarters)
-        code = sass(kernel)
-        k_loops = sorted((b for b in loops(kernel) if any("GMMA" in i for i in b)), key=len)[:2]
-        local = max(sum(i.split()[0].startswith(("LDL", "STL")) for i in b) for b in k_loops)
-        shared = sum(i.split()[0].startswith(("LDS", "STS")) for i in code)
-        wgmma = sorted({word.split(".")[1] for i in code for word in i.split()
-                        if word.startswith("QGMMA.")})
-        print(quant, gemm, activation, int(quarters), local, shared, kernel.metadata.shared,
-              "+".join(wgmma))
-"""
-
-
-def test_wide_quarters_build():
-    """The quartered wide K loop's sm_90 builds (WIDE_QUARTERS, off by default): fp8 per
-    tensor's take m64n64 wgmmas, at most 2 local accesses a K step, no more shared memory
-    accesses than the halves' (the quarters join into the halves' accumulators in
-    registers), the same shared memory; fp8_block's builds ignore it (quarters_apply)."""
-    rows, done = sm90_script_rows(QUARTER_BUILDS)
-    assert len(rows) == 8, done.stdout
-    for halves, quarters in zip(rows[0::2], rows[1::2]):
-        quant = halves[0]
-        if quant == "fp8_block":
-            assert halves[4:] == quarters[4:], done.stdout
-            continue
-        assert halves[7] == "64x128x32" and quarters[7] == "64x64x32", done.stdout
-        assert int(quarters[4]) <= 2 and int(quarters[5]) <= int(halves[5]), done.stdout
-        assert quarters[6] == halves[6], done.stdout
-
-
 def assert_near_exact_sigmoid(exact, fast):
     """A GEMM1 output with FAST_SIGMOID (`fast`) against tl.sigmoid's (`exact`), bf16, padding
     rows NaN in both: the same rows written, some, each value within the bf16 rounding plus the
@@ -943,49 +903,6 @@ def test_padding_halves_skip_their_mmas(tile, quant, monkeypatch):
         outs.append(out)
     assert torch.isfinite(outs[0]).all(), "a pair's row was not written"
     assert torch.equal(outs[0], outs[1])
-
-
-@needs_hopper
-@pytest.mark.parametrize("gemm,activation,bias,n", [(1, "swiglu", False, 512),
-                                                   (1, "swiglu_oai", True, 256),
-                                                   (2, "none", True, 768)])
-def test_wide_quarters_match_the_halves(gemm, activation, bias, n):
-    """WIDE_QUARTERS: fp8 per tensor's wide K loop in 64-column quarters writes the halves'
-    outputs bit for bit (each output's K sum is the same chain of k32 wgmmas, promoted at the
-    same steps): every live slot written, padding slots not (NaN-poisoned outputs); N of two
-    and three 256-column tiles."""
-    routing, dispatch, a, a_scale, w, w_scale = counted_problem("fp8", n, 128, seed=23)
-    T, dev = routing.num_pairs, a.device
-    E = w.shape[0]
-    b = torch.randn(E, n, device=dev) if bias else None
-    rows_out = a.shape[0] if gemm == 1 else T
-    cols_out = n // 2 if gemm == 1 else n
-    outs = []
-    for quarters in (False, True):
-        out = torch.full((rows_out, cols_out), float("nan"), device=dev, dtype=torch.bfloat16)
-        ws_gemm.gemm(a, a_scale, w, w_scale, b, out, routing, gemm=gemm, activation=activation,
-                     alpha=1.702, limit=7.0, tile="wide", quant="fp8", programs=7,
-                     quarters=quarters)
-        outs.append(out)
-    if gemm == 1:
-        live = dispatch.sorted_pair_ids < T
-        assert torch.isfinite(outs[1][live]).all(), "a live row not written"
-        assert torch.isnan(outs[1][~live]).all(), "a padding row written"
-        assert torch.equal(outs[0][live], outs[1][live])
-    else:
-        assert torch.isfinite(outs[1]).all(), "a pair's row was not written"
-        assert torch.equal(outs[0], outs[1])
-
-
-@needs_hopper
-@pytest.mark.parametrize("activation,bias", [("swiglu", False), ("swiglu_oai", True)])
-def test_wide_quarters_experts_match_the_oracle(activation, bias, monkeypatch, gemm_calls):
-    """The experts call with the quartered wide K loop (fp8 per tensor), against the oracle
-    within the fp8 tolerance (skewed experts, expert-parallel ids)."""
-    on_ws_gemm(monkeypatch, "wide", WIDE_QUARTERS=True)
-    tiles = gemm_calls(ws_gemm, "gemm", record="tile")
-    check_skewed_experts("fp8", activation, bias, seed=67)
-    assert len(tiles) == 2 and tiles[0] == "wide", tiles
 
 
 @needs_hopper

@@ -497,28 +497,6 @@ NATIVE_CAST = env_choice("MOE_OPS_WS_NATIVE_CAST", "1", ("0", "1")) == "1"
 # on free slots. ws_fp4's epilogues share write_rows and take their own switch (off there:
 # ws_fp4.FAST_SIGMOID). MOE_OPS_WS_FAST_SIGMOID=0: tl.sigmoid.
 FAST_SIGMOID = env_choice("MOE_OPS_WS_FAST_SIGMOID", "1", ("0", "1")) == "1"
-# The "wide" K loop in quarters (_mma_steps_wide_quarters): the slot's 256 weight rows as four
-# 64-row wgmmas into two [64, 64] partials, the next quarter issued before the last one is
-# promoted. Why: Nsight Compute's stall samples of Mixtral fp8's wide GEMM1 (results/
-# h200_ncu_gemm1_mixtral_8x7b_fp8_4096_thirtieth.txt) put 41% of its working warps' samples on
-# the consumers' wait for their own wgmmas, each 128-column half waited for before its
-# promotion and before the next half issues (a second [64, 128] partial does not fit the
-# registers; two [64, 64] ones take those of one). Against it: each wgmma re-reads the step's
-# 64 activation rows from shared memory, twice as often as with halves. Measured on an H200
-# (`bash benchmarks/h200_run.sh quarters`, 2026-12-03): its GPU tests passed (bit for bit the
-# halves' outputs), memcheck clean; the fp8 layers at T = 4096 / 16384 2.9% slower in the
-# geometric mean of two alternated passes (Mixtral T = 16384 10744 / 10748 -> 11206 / 11202
-# us). Off; MOE_OPS_WS_WIDE_QUARTERS=1: on.
-WIDE_QUARTERS = env_choice("MOE_OPS_WS_WIDE_QUARTERS", "0", ("0", "1")) == "1"
-
-
-def quarters_apply(tile: str, quant: str, quarters: Optional[bool] = None) -> bool:
-    """Whether a launch runs the quartered wide K loop (`quarters`, default WIDE_QUARTERS): the
-    "wide" form of fp8 per tensor only. fp8_block's quarters need their step scales in the
-    quarters' row layout beside the partials, and its sm_90 builds then spill (94 local
-    accesses a K step in the swiglu GEMM1's; fp8 per tensor's 0-2, tests/test_ws_gemm.py)."""
-    return (tile == "wide" and quant == "fp8"
-            and (WIDE_QUARTERS if quarters is None else bool(quarters)))
 
 
 # MOE_OPS_WS_GEMM=0 turns the kernel off (every launch then runs grouped_gemm's kernels).
@@ -1021,7 +999,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
               SCALES_AFTER_MMA: gl.constexpr, STAGGER: gl.constexpr, EARLY: gl.constexpr,
               PAIRS: gl.constexpr, ATOMIC_TOP_K: gl.constexpr, GATHER_TOP_K: gl.constexpr,
               HALF: gl.constexpr, OVERLAP: gl.constexpr, NATIVE_CAST: gl.constexpr,
-              FAST_SIGMOID: gl.constexpr, QUARTERS: gl.constexpr):
+              FAST_SIGMOID: gl.constexpr):
     """A consumer warpgroup (HALF 0 or 1 of each tile): its tiles one after another, or with
     OVERLAP each tile's first steps issued before the previous one's epilogue."""
     a_desc, w_desc = descs
@@ -1049,7 +1027,7 @@ def _consumer(descs, smem, ptrs, sizes, strides, GROUP_M: gl.constexpr,
                       ACTIVATION,
                       HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
                       STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, HALF, BM, BN, ROW0,
-                      COL0, ROWS, COLS, MMA, NATIVE_CAST, FAST_SIGMOID, QUARTERS)
+                      COL0, ROWS, COLS, MMA, NATIVE_CAST, FAST_SIGMOID)
 
 
 @gluon.jit
@@ -1063,7 +1041,7 @@ def _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
                   HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, ROW0: gl.constexpr,
                   COL0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
                   MMA: gl.constexpr, NATIVE_CAST: gl.constexpr,
-                  FAST_SIGMOID: gl.constexpr, QUARTERS: gl.constexpr = 0):
+                  FAST_SIGMOID: gl.constexpr):
     """The consumer's tiles one after another: K loop, then epilogue."""
     a_bufs, w_bufs, ready, empty, go = smem
     (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ptr,
@@ -1108,16 +1086,10 @@ def _serial_tiles(smem, ptrs, sizes, strides, grid, GROUP_M: gl.constexpr,
             acc = gl.zeros([ROWS, COLS], gl.float32, MMA)
             acc_hi = gl.zeros([ROWS, COLS], gl.float32, MMA)
             if live:
-                if QUARTERS:
-                    acc, acc_hi, index, phase = _mma_steps_wide_quarters(
-                        acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_steps,
-                        a_scale_rows, w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED,
-                        BLOCK_SCALES, ROW0, ROWS, COLS)
-                else:
-                    acc, acc_hi, index, phase = _mma_steps_wide(
-                        acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_steps,
-                        a_scale_rows, w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED,
-                        BLOCK_SCALES, ROW0, ROWS, COLS)
+                acc, acc_hi, index, phase = _mma_steps_wide(
+                    acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_steps,
+                    a_scale_rows, w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED,
+                    BLOCK_SCALES, ROW0, ROWS, COLS)
             else:
                 index, phase = release_steps(ready, empty, index, phase, k_steps)
             _epilogue(acc, slots, col0, expert, a_scale_rows, ptrs, sizes, strides,
@@ -1264,84 +1236,6 @@ def _mma_steps_wide(acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase, k_s
 
 
 @gluon.jit
-def _promote_quarter(acc, part, s, GATED: gl.constexpr, BLOCK_SCALES: gl.constexpr,
-                     SECOND: gl.constexpr):
-    """A quarter's partial into its accumulator (_promote's rule; fp8 per tensor: a plain add;
-    s: the step's scales, (s_a, s_b), in the quarters' row layout)."""
-    if BLOCK_SCALES:
-        return _promote(acc, part, s[0], s[1], GATED, SECOND)
-    else:
-        return acc + part
-
-
-@gluon.jit
-def _quarter_scales(a_scale_rows, kb, w_scale_a, w_scale_b, row_q: gl.constexpr,
-                    BLOCK_SCALES: gl.constexpr):
-    """K step kb's (s_a, s_b) for the quarters (fp8_block; along row_q), else placeholders."""
-    if BLOCK_SCALES:
-        s_a, s_b = _step_scales(a_scale_rows, kb, w_scale_a, w_scale_b, True)
-        return gl.convert_layout(s_a, row_q), gl.convert_layout(s_b, row_q)
-    else:
-        return 0.0, 0.0
-
-
-@gluon.jit
-def _join_quarters(lo, hi, layout: gl.constexpr):
-    """Two [64, 64] quarter accumulators side by side -> the [64, 128] half in `layout`."""
-    ROWS: gl.constexpr = lo.type.shape[0]
-    Q: gl.constexpr = lo.type.shape[1]
-    both = gl.permute(gl.join(lo, hi), [0, 2, 1])          # [rows, 2, Q]
-    return gl.convert_layout(gl.reshape(both, [ROWS, 2 * Q]), layout)
-
-
-@gluon.jit
-def _mma_steps_wide_quarters(acc, acc_hi, a_bufs, w_bufs, ready, empty, index, phase,
-                             k_steps, a_scale_rows, w_scale_ptr, expert, col0, stride_wse,
-                             stride_wsn, GATED: gl.constexpr, BLOCK_SCALES: gl.constexpr,
-                             ROW0: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
-    """_mma_steps_wide with the slot's 256 weight rows in four 64-row quarters, each into one
-    of two [64, 64] partials (the registers of _mma_steps_wide's one [64, 128] partial), the
-    next quarter's wgmmas issued before the last one's promotion: this warpgroup's tensor-core
-    work stays queued while it adds (WIDE_QUARTERS). The accumulators are four [64, 64]
-    quarters during the loop, joined into acc / acc_hi ([64, 128]) after it."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    Q: gl.constexpr = COLS // 2
-    MMA_Q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, Q, 32])
-    row_q: gl.constexpr = gl.SliceLayout(1, MMA_Q)
-    w_scale_a, w_scale_b = _scale_rows(w_scale_ptr, expert, col0, stride_wse, stride_wsn, GATED)
-    q0 = gl.zeros([ROWS, Q], gl.float32, MMA_Q)
-    q1 = gl.zeros([ROWS, Q], gl.float32, MMA_Q)
-    q2 = gl.zeros([ROWS, Q], gl.float32, MMA_Q)
-    q3 = gl.zeros([ROWS, Q], gl.float32, MMA_Q)
-    for kb in range(k_steps):
-        mbarrier.wait(ready.index(index), phase)
-        a_tile = a_bufs.index(index).slice(ROW0, ROWS, dim=0)
-        w_tile = w_bufs.index(index)
-        s = _quarter_scales(a_scale_rows, kb, w_scale_a, w_scale_b, row_q, BLOCK_SCALES)
-        pa = warpgroup_mma(a_tile, w_tile.slice(0, Q, dim=0).permute((1, 0)), q0,
-                           use_acc=False, is_async=True)
-        pb = warpgroup_mma(a_tile, w_tile.slice(Q, Q, dim=0).permute((1, 0)), q1,
-                           use_acc=False, is_async=True)
-        pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa, ))
-        q0 = _promote_quarter(q0, pa, s, GATED, BLOCK_SCALES, False)
-        pa = warpgroup_mma(a_tile, w_tile.slice(2 * Q, Q, dim=0).permute((1, 0)), q2,
-                           use_acc=False, is_async=True)
-        pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb, ))
-        q1 = _promote_quarter(q1, pb, s, GATED, BLOCK_SCALES, False)
-        pb = warpgroup_mma(a_tile, w_tile.slice(3 * Q, Q, dim=0).permute((1, 0)), q3,
-                           use_acc=False, is_async=True)
-        pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa, ))
-        q2 = _promote_quarter(q2, pa, s, GATED, BLOCK_SCALES, True)
-        pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb, ))
-        mbarrier.arrive(empty.index(index), count=1)
-        q3 = _promote_quarter(q3, pb, s, GATED, BLOCK_SCALES, True)
-        index, phase = ring_next(index, phase, STAGES)
-    layout: gl.constexpr = acc.type.layout
-    return _join_quarters(q0, q1, layout), _join_quarters(q2, q3, layout), index, phase
-
-
-@gluon.jit
 def to_out(values, out_ty: gl.constexpr, NATIVE_CAST: gl.constexpr):
     """float32 -> the output dtype, rounding to nearest even: NATIVE_CAST, the GPU's own
     conversion (cvt.rn: one instruction for two values); otherwise common.round_to_dtype,
@@ -1442,7 +1336,6 @@ def _ws_fp8_block_kernel(
     STAGGER: gl.constexpr, EARLY: gl.constexpr, PAIRS: gl.constexpr,
     ATOMIC_TOP_K: gl.constexpr = 0, GATHER_TOP_K: gl.constexpr = 0, GATHER_LAG: gl.constexpr = 2,
     OVERLAP: gl.constexpr = 0, NATIVE_CAST: gl.constexpr = 0, FAST_SIGMOID: gl.constexpr = 0,
-    QUARTERS: gl.constexpr = 0,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
@@ -1452,7 +1345,6 @@ def _ws_fp8_block_kernel(
     # (a skipped half would never arrive on `go`, and the wide K loop has no arrive: the host
     # never builds those with a stagger, see stagger_steps)
     gl.static_assert(STAGGER == 0 or (SKIP_PADDING == 0 and FORM != 2))
-    gl.static_assert(QUARTERS == 0 or FORM == 2)
     # (see gather_lag)
     gl.static_assert(GATHER_TOP_K == 0 or (GATHER_LAG >= 1 and GATHER_LAG + PAIRS < STAGES
                                            and GATHER_LAG + STAGGER <= STAGES))
@@ -1477,12 +1369,12 @@ def _ws_fp8_block_kernel(
                      ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
                      STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 0, OVERLAP,
-                     NATIVE_CAST, FAST_SIGMOID, QUARTERS)),
+                     NATIVE_CAST, FAST_SIGMOID)),
         (_consumer, (descs, smem, ptrs, sizes, strides, GROUP_M, EXPERT_GROUPS, ALIGN_M, FORM,
                      ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, SCALES_AFTER_MMA,
                      STAGGER, EARLY, PAIRS, ATOMIC_TOP_K, GATHER_TOP_K, 1, OVERLAP,
-                     NATIVE_CAST, FAST_SIGMOID, QUARTERS)),
+                     NATIVE_CAST, FAST_SIGMOID)),
         (_producer, (descs, smem, ptrs, sizes, strides, GROUP_M, EXPERT_GROUPS, ALIGN_M, FORM,
                      ACTIVATION,
                      HAS_BIAS, COALESCED, BLOCK_SCALES, SKIP_PADDING, GATHER_TOP_K, GATHER_LAG)),
@@ -1536,7 +1428,7 @@ def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str
                gather_top_k: int, overlap: Optional[bool] = None,
                native_cast: Optional[bool] = None, pipe_pairs: Optional[bool] = None,
                expert_groups: Optional[bool] = None, group_m: Optional[int] = None,
-               fast_sigmoid: Optional[bool] = None, quarters: Optional[bool] = None) -> dict:
+               fast_sigmoid: Optional[bool] = None) -> dict:
     """The kernel's constexprs for a launch (but ALIGN_M, the dispatch's): the module settings
     and rules above for this form, GEMM and K. GATHER_LAG 0 where no lag fits (gather_lag);
     the launcher refuses a gather then."""
@@ -1560,8 +1452,7 @@ def _constants(tile: str, gemm: int, activation: str, has_bias: bool, quant: str
                 GATHER_LAG=gather_lag(stages, pairs, stagger) if gather_top_k else 1,
                 OVERLAP=int(overlap),
                 NATIVE_CAST=int(NATIVE_CAST if native_cast is None else native_cast),
-                FAST_SIGMOID=int(FAST_SIGMOID if fast_sigmoid is None else fast_sigmoid),
-                QUARTERS=int(quarters_apply(tile, quant, quarters)))
+                FAST_SIGMOID=int(FAST_SIGMOID if fast_sigmoid is None else fast_sigmoid))
 
 
 def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: str,
@@ -1570,8 +1461,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
          pairs: Optional[bool] = None, atomic: bool = False, gather_top_k: int = 0,
          overlap: Optional[bool] = None, native_cast: Optional[bool] = None,
          pipe_pairs: Optional[bool] = None, expert_groups: Optional[bool] = None,
-         group_m: Optional[int] = None, fast_sigmoid: Optional[bool] = None,
-         quarters: Optional[bool] = None) -> None:
+         group_m: Optional[int] = None, fast_sigmoid: Optional[bool] = None) -> None:
     """One GEMM over the dispatch's live slots (see the module docstring).
 
     a [slots, K] e4m3 in dispatch order; fp8_block: a_scale [slots, K/128] fp32, w_scale
@@ -1590,8 +1480,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
     the tile groups cut at the experts' boundaries (default: expert_groups_apply's rule).
     group_m: the row blocks a group of the tile order holds, a power of two (default:
     group_size). fast_sigmoid: GEMM1's swiglu / swiglu_oai sigmoid on tanh.approx (default:
-    FAST_SIGMOID). quarters: the "wide" K loop in 64-column quarters (default: WIDE_QUARTERS;
-    other forms ignore it)."""
+    FAST_SIGMOID)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if group_m is not None:
@@ -1633,7 +1522,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, routing, *, gemm: int, activation: s
                         pipe_pairs, expert_groups_apply(tile, routing.num_pairs,
                                                         routing.num_experts, N, K,
                                                         expert_groups, gemm), group_m,
-                        fast_sigmoid, quarters)
+                        fast_sigmoid)
     if consts["GATHER_LAG"] < 1:
         raise ValueError(f"gather_top_k: no gather lag fits a ring of {consts['STAGES']} slots "
                          f"with pairs={bool(consts['PAIRS'])}, stagger {consts['STAGGER']} "
@@ -1655,15 +1544,14 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
                  atomic_top_k: int = 0, gather_top_k: int = 0,
                  overlap: Optional[bool] = None, native_cast: Optional[bool] = None,
                  pipe_pairs: Optional[bool] = None, expert_groups: Optional[bool] = None,
-                 group_m: Optional[int] = None, fast_sigmoid: Optional[bool] = None,
-                 quarters: Optional[bool] = None):
+                 group_m: Optional[int] = None, fast_sigmoid: Optional[bool] = None):
     """Build the kernel for sm_90 without a GPU (ptxas from the Triton wheel): what the CPU tests
     run, Gluon having no interpreter. k: the GEMM's K where the ring's slots depend on it
     (ring_stages); atomic_top_k: GEMM2's atomic form for that top_k (out_dtype "fp32");
     gather_top_k: GEMM1 gathering its rows for that top_k (GATHER); overlap: OVERLAP's form;
     native_cast: NATIVE_CAST's; pipe_pairs: PIPE_PAIRS'; expert_groups: EXPERT_GROUPS' (by
     default on only with MOE_OPS_WS_EXPERT_GROUPS=1: its rule needs the routing); group_m:
-    GROUP_M's (default: group_size); fast_sigmoid: FAST_SIGMOID's; quarters: WIDE_QUARTERS'.
+    GROUP_M's (default: group_size); fast_sigmoid: FAST_SIGMOID's.
     Returns triton's CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1682,7 +1570,7 @@ def compile_sm90(*, tile: str = "cols", gemm: int = 1, activation: str = "swiglu
     consts = dict(ALIGN_M=bm, **_constants(tile, gemm, activation, has_bias, quant, k, early,
                                            pairs, atomic_top_k, gather_top_k, overlap,
                                            native_cast, pipe_pairs, expert_groups, group_m,
-                                           fast_sigmoid, quarters))
+                                           fast_sigmoid))
     signature.update({name: "constexpr" for name in consts})
     attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if name.endswith("_ptr") or name in ("N", "K", "stride_om", "stride_am")}
