@@ -581,11 +581,17 @@ def baseline_tolerance(quant: str, tolerance: float) -> Optional[float]:
     return None
 
 
+def default_input_sets(tokens: int) -> int:
+    """Rotating input sets a point times by default (--input-sets unset): 8 up to 1024 tokens,
+    4 above (their activations stay within a few hundred MB)."""
+    return 8 if tokens <= 1024 else 4
+
+
 def bench_point(state: RunState, cfg: ModelConfig, quant: str, tokens: int,
                 layer: moe_ops.FusedMoE, baseline: Optional[TorchBaseline],
                 peers: tuple = (), bf16_layer: Optional[moe_ops.FusedMoE] = None) -> dict[str, Any]:
     args, device = state.args, state.device
-    sets = args.input_sets or (8 if tokens <= 1024 else 4)
+    sets = args.input_sets or default_input_sets(tokens)
     inputs = make_inputs(cfg, tokens, sets, device, layer.dtype, args.seed + tokens)
     distinct = [count_local_experts_hit(route_ids(layer, logits), 0, cfg.num_experts)
                 for _, logits in inputs]

@@ -61,7 +61,7 @@ def main() -> None:
     cfg = shapes.models[args.model]
     layer, _ = bench.build_layer(cfg, args.quant, backend="triton", device=device,
                                  with_baseline=False)
-    sets = 8 if args.tokens <= 1024 else 4
+    sets = bench.default_input_sets(args.tokens)
     inputs = bench.make_inputs(cfg, args.tokens, sets, device, layer.dtype, 0)
 
     def run() -> torch.Tensor:

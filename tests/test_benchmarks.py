@@ -15,6 +15,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import baseline  # noqa: E402
 import bench  # noqa: E402
+import dev_graph_order  # noqa: E402
 import dev_l2_order  # noqa: E402
 import gpu_check  # noqa: E402
 
@@ -567,9 +568,6 @@ def test_l2_model_counts_rereads():
     assert small["experts"]["weight_reads_gb"] < small["windows"]["weight_reads_gb"]
     chunk = 256 * 128
     assert round(small["windows"]["weight_reads_gb"] * 1e9) % chunk == 0
-
-
-import dev_graph_order  # noqa: E402
 
 
 def test_graph_order_reads_nvidia_smi_samples(tmp_path):

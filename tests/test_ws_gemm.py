@@ -946,7 +946,6 @@ def test_fast_sigmoid_stays_near_the_exact_one(tile, quant, activation):
     assert_near_exact_sigmoid(*outs)
 
 
-
 GATHER_BUILDS = """
 import re, sys
 sys.path.insert(0, "benchmarks")
