@@ -40,13 +40,13 @@ def _optional_int(value: int):
 
 
 def route_impl(router_logits, routing_method, top_k, routing_bias, n_group, topk_group,
-               routed_scaling_factor, backend):
+               routed_scaling_factor, backend, quantize=None, out=None):
     n_group, topk_group = _optional_int(n_group), _optional_int(topk_group)
     routing.validate_route_call(router_logits, routing_method, top_k, routing_bias, n_group,
                                 topk_group)
     backend = experts.resolve_backend(backend, router_logits.device)
     return routing.route(router_logits, routing_method, top_k, routing_bias, n_group, topk_group,
-                         routed_scaling_factor, backend)
+                         routed_scaling_factor, backend, quantize=quantize, out=out)
 
 
 def align_tokens_impl(topk_ids, num_local_experts, local_expert_offset, block_m, backend):
@@ -58,10 +58,11 @@ def align_tokens_impl(topk_ids, num_local_experts, local_expert_offset, block_m,
 
 def fused_experts_impl(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
                        w13_global_scale, w2_global_scale, b13, b2, activation, quant, alpha,
-                       limit, local_expert_offset, backend):
+                       limit, local_expert_offset, backend, quantized_x=None):
     return experts.fused_experts(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale,
                                  w2_scale, w13_global_scale, w2_global_scale, b13, b2, activation,
-                                 quant, alpha, limit, local_expert_offset, backend)
+                                 quant, alpha, limit, local_expert_offset, backend,
+                                 quantized_x=quantized_x)
 
 
 def fused_moe_impl(hidden_states, router_logits, w13, w2, w13_scale, w2_scale, w13_global_scale,
@@ -69,11 +70,27 @@ def fused_moe_impl(hidden_states, router_logits, w13, w2, w13_scale, w2_scale, w
                    topk_group, routed_scaling_factor, activation, quant, alpha, limit,
                    local_expert_offset, backend):
     routing.validate_logits_match(router_logits, hidden_states)
+    weights = (w13, w2, w13_scale, w2_scale, w13_global_scale, w2_global_scale, b13, b2)
+    expert_args = (activation, quant, alpha, limit, local_expert_offset, backend)
+    if experts.quantize_in_routing(hidden_states, quant,
+                                   experts.resolve_backend(backend, hidden_states.device, quant)):
+        # The routing launch quantizes x too (experts.quantize_in_routing): the experts'
+        # arguments are checked first, with the ids and weights the routing will write
+        # (allocated, not yet written: no launch), as that launch reads x (SPEC §3).
+        tokens, device = hidden_states.shape[0], hidden_states.device
+        routed = (torch.empty((tokens, top_k), dtype=torch.int32, device=device),
+                  torch.empty((tokens, top_k), dtype=torch.float32, device=device))
+        experts.check_experts_call(hidden_states, *routed, w13, w2, w13_scale, w2_scale,
+                                   w13_global_scale, w2_global_scale, b13, b2, activation, quant)
+        x = hidden_states.contiguous()
+        topk_ids, topk_weights, q, scales = route_impl(
+            router_logits, routing_method, top_k, routing_bias, n_group, topk_group,
+            routed_scaling_factor, backend, quantize=(x, quant), out=routed)
+        return fused_experts_impl(x, topk_ids, topk_weights, *weights, *expert_args,
+                                  quantized_x=(q, scales))
     topk_ids, topk_weights = route_impl(router_logits, routing_method, top_k, routing_bias,
                                         n_group, topk_group, routed_scaling_factor, backend)
-    return fused_experts_impl(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
-                              w13_global_scale, w2_global_scale, b13, b2, activation, quant,
-                              alpha, limit, local_expert_offset, backend)
+    return fused_experts_impl(hidden_states, topk_ids, topk_weights, *weights, *expert_args)
 
 
 IMPLEMENTATIONS = {

@@ -15,6 +15,7 @@ own e4m3 cast, for bf16 / fp16 rows, by one reciprocal a row and an fma correcti
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -141,12 +142,12 @@ def _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def _quant_short_rows(x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr, num_pairs, M, K,
+def _quant_short_rows(program, x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr, num_pairs, M, K,
                       stride_xm, stride_qm, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                       SKIP_PAD_ROWS: tl.constexpr, FAST_DIV: tl.constexpr):
     """fp8: rows [ROWS * program, + ROWS), each read whole (K <= BLOCK_K), loaded together and
     before their pair ids are known (padding rows are read for nothing, written not)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = program * ROWS + tl.arange(0, ROWS)
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :],
@@ -165,21 +166,18 @@ def _quant_short_rows(x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr, num_pairs, M
 
 
 @triton.jit
-def _act_quant_kernel(
-    x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr,
-    num_pairs, M, K,
+def quantize_rows_program(
+    program, part, x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr, num_pairs, M, K,
     stride_xm, stride_qm, stride_sm,
-    GROUP_K: tl.constexpr,      # 0: one scale per row; 128: one per 128 columns
-    BLOCK_K: tl.constexpr,      # columns per step; a multiple of GROUP_K when grouped
-    SPLIT_K: tl.constexpr,      # the columns spread over the grid's 2nd axis, one step each
-    SKIP_PAD_ROWS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    LOAD_FIRST: tl.constexpr = False,
-    SLICE_K: tl.constexpr = 0,  # fp8 SPLIT_K: > 0, program (row, s) quantizes columns of slice s
-    FAST_DIV: tl.constexpr = False,  # fp8_quantize_short where the amax admits it
-    ROWS: tl.constexpr = 1,  # fp8 LOAD_FIRST: > 1, rows a program (grid (cdiv(M, ROWS),))
+    GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    SKIP_PAD_ROWS: tl.constexpr, LOAD_FIRST: tl.constexpr, SLICE_K: tl.constexpr,
+    FAST_DIV: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """One row a program (grid (M,)), stepping over its columns; with SPLIT_K (few rows: the
+    """One program of act_quant's grid, (program, part) its ids on the grid's two axes (a
+    function of its own so that another launch can run these programs beside its own: the
+    routing kernel quantizes x so at decode, kernels/routing.py).
+
+    One row a program (grid (M,)), stepping over its columns; with SPLIT_K (few rows: the
     steps' load latencies add up, 1 us or so each) one step a program (grid (M, K / BLOCK_K)):
     fp8_block's groups are independent, and fp8's row takes BLOCK_K >= K (the whole row read
     once, its amax from registers). LOAD_FIRST (fp8's whole rows, SHORT_ROW_K): the row's load
@@ -189,12 +187,11 @@ def _act_quant_kernel(
     row spread over SMs; the same codes). ROWS (fp8's short rows, LOAD_FIRST): ROWS rows a
     program, loaded together (_quant_short_rows). FAST_DIV: bf16 / fp16 values on a GPU that
     converts to e4m3 itself, whose rows (groups) in range take fp8_quantize_short."""
-    pdl_prologue(USE_PDL)
     if ROWS > 1:
-        _quant_short_rows(x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr, num_pairs, M, K,
-                          stride_xm, stride_qm, ROWS, BLOCK_K, SKIP_PAD_ROWS, FAST_DIV)
+        _quant_short_rows(program, x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr, num_pairs, M,
+                          K, stride_xm, stride_qm, ROWS, BLOCK_K, SKIP_PAD_ROWS, FAST_DIV)
         return
-    row = tl.program_id(0)
+    row = program
     if SKIP_PAD_ROWS and not LOAD_FIRST:
         # A sentinel (pair id == num_pairs) marks a padding row of the sorted layout.
         if tl.load(sorted_pair_ids_ptr + row) >= num_pairs:
@@ -213,7 +210,7 @@ def _act_quant_kernel(
                     return
             row_amax = tl.max(tl.abs(x), axis=0)
             if SLICE_K > 0:
-                cols = tl.program_id(1) * SLICE_K + tl.arange(0, SLICE_K)
+                cols = part * SLICE_K + tl.arange(0, SLICE_K)
                 x_slice = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
                 store_codes(q_row + cols, cols < K, x_slice, row_amax, row_amax, row_amax,
                             FAST_DIV)
@@ -245,15 +242,38 @@ def _act_quant_kernel(
                     q, scale = fp8_quantize(x * _TINY_SCALE, row_amax * _TINY_SCALE)
                     tl.store(q_row + k0 + offs, q, mask=mask)
         # correctly rounded, as quant.py divides (Triton's `/` is approximate on the GPU)
-        if SLICE_K == 0 or tl.program_id(1) == 0:
+        if SLICE_K == 0 or part == 0:
             tl.store(s_row, tl.div_rn(row_amax, 448.0))
     else:
         if SPLIT_K:
-            _quant_groups(x_row, q_row, s_row, tl.program_id(1) * BLOCK_K, K, GROUP_K, BLOCK_K,
+            _quant_groups(x_row, q_row, s_row, part * BLOCK_K, K, GROUP_K, BLOCK_K,
                           FAST_DIV)
         else:
             for k0 in range(0, K, BLOCK_K):
                 _quant_groups(x_row, q_row, s_row, k0, K, GROUP_K, BLOCK_K, FAST_DIV)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, q_ptr, scale_ptr, sorted_pair_ids_ptr,
+    num_pairs, M, K,
+    stride_xm, stride_qm, stride_sm,
+    GROUP_K: tl.constexpr,      # 0: one scale per row; 128: one per 128 columns
+    BLOCK_K: tl.constexpr,      # columns per step; a multiple of GROUP_K when grouped
+    SPLIT_K: tl.constexpr,      # the columns spread over the grid's 2nd axis, one step each
+    SKIP_PAD_ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    LOAD_FIRST: tl.constexpr = False,
+    SLICE_K: tl.constexpr = 0,  # fp8 SPLIT_K: > 0, program (row, s) quantizes columns of slice s
+    FAST_DIV: tl.constexpr = False,  # fp8_quantize_short where the amax admits it
+    ROWS: tl.constexpr = 1,  # fp8 LOAD_FIRST: > 1, rows a program (grid (cdiv(M, ROWS),))
+):
+    """The launch of act_quant's grid: quantize_rows_program at this program's ids."""
+    pdl_prologue(USE_PDL)
+    quantize_rows_program(tl.program_id(0), tl.program_id(1), x_ptr, q_ptr, scale_ptr,
+                          sorted_pair_ids_ptr, num_pairs, M, K, stride_xm, stride_qm, stride_sm,
+                          GROUP_K, BLOCK_K, SPLIT_K, SKIP_PAD_ROWS, LOAD_FIRST, SLICE_K,
+                          FAST_DIV, ROWS)
 
 
 # Rows at or below which the columns are spread over programs (SPLIT_K), per quant mode: the
@@ -349,24 +369,30 @@ def _block(quant: str, k: int, split_k: bool) -> Tuple[int, int]:
     return FP8_BLOCK, FP8_BLOCK * min(next_power_of_2(cdiv(k, FP8_BLOCK)), 8)
 
 
-def act_quant(
+@dataclasses.dataclass(frozen=True)
+class QuantLaunch:
+    """act_quant's kernel launch for one input: its grid, warps and constexprs (the same codes
+    whichever kernel runs the programs: _act_quant_kernel, or the routing kernel beside its
+    own programs)."""
+    grid: tuple
+    num_warps: int
+    stride_sm: int
+    constexprs: dict
+
+    @property
+    def programs(self) -> int:
+        return self.grid[0] * (self.grid[1] if len(self.grid) > 1 else 1)
+
+
+def plan(
     x: torch.Tensor,
     quant: str,
     sorted_pair_ids: Optional[torch.Tensor] = None,
     num_pairs: int = 0,
     split_k: Optional[bool] = None,
     out_dtype: torch.dtype = torch.float8_e4m3fn,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the rows of x [M, K] to (q float8_e4m3fn [M, K], scales float32).
-
-    scales: [M] for quant="fp8", [M, ceil(K/128)] for "fp8_block". With sorted_pair_ids given,
-    rows whose pair id is the sentinel (>= num_pairs) are skipped and left unwritten. split_k:
-    the kernel's form (None: SPLIT_K for at most SPLIT_K_MAX_ROWS[quant] live rows: num_pairs
-    with sorted_pair_ids, whose padded buffer is mostly sentinels at decode sizes, else M; and
-    fp8 rows of at most SHORT_ROW_K columns); the same bytes either way. out_dtype float16: q
-    holds the same e4m3 values as f16 (exact; the fp8 decode kernel multiplies them as f16,
-    ws_fp4's fp8 form).
-    """
+) -> Tuple[torch.Tensor, torch.Tensor, QuantLaunch]:
+    """act_quant's outputs (allocated, not yet written) and the launch that writes them."""
     if out_dtype not in (torch.float8_e4m3fn, torch.float16):
         raise ValueError(f"out_dtype: float8_e4m3fn or float16, got {out_dtype}")
     M, K = x.shape
@@ -405,19 +431,42 @@ def act_quant(
         stride_sm = scales.stride(0)
         num_warps = 4 if block_k >= 512 else 1
         slice_k = 0
-    if M == 0:
-        return q, scales
-    skip = sorted_pair_ids is not None
     rows = SHORT_ROWS if load_first and short_forms else 1
     grid = ((cdiv(M, rows),) if rows > 1 else (M, cdiv(K, slice_k or block_k)) if split_k
             else (M,))
-    _act_quant_kernel[grid](
-        x, q, scales, sorted_pair_ids if skip else x,
+    constexprs = dict(GROUP_K=group_k, BLOCK_K=block_k, SPLIT_K=split_k,
+                      SKIP_PAD_ROWS=sorted_pair_ids is not None, LOAD_FIRST=load_first,
+                      SLICE_K=slice_k, FAST_DIV=fast_div, ROWS=rows)
+    return q, scales, QuantLaunch(grid, num_warps, stride_sm, constexprs)
+
+
+def act_quant(
+    x: torch.Tensor,
+    quant: str,
+    sorted_pair_ids: Optional[torch.Tensor] = None,
+    num_pairs: int = 0,
+    split_k: Optional[bool] = None,
+    out_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the rows of x [M, K] to (q float8_e4m3fn [M, K], scales float32).
+
+    scales: [M] for quant="fp8", [M, ceil(K/128)] for "fp8_block". With sorted_pair_ids given,
+    rows whose pair id is the sentinel (>= num_pairs) are skipped and left unwritten. split_k:
+    the kernel's form (None: SPLIT_K for at most SPLIT_K_MAX_ROWS[quant] live rows: num_pairs
+    with sorted_pair_ids, whose padded buffer is mostly sentinels at decode sizes, else M; and
+    fp8 rows of at most SHORT_ROW_K columns); the same bytes either way. out_dtype float16: q
+    holds the same e4m3 values as f16 (exact; the fp8 decode kernel multiplies them as f16,
+    ws_fp4's fp8 form).
+    """
+    q, scales, launch = plan(x, quant, sorted_pair_ids, num_pairs, split_k, out_dtype)
+    M, K = x.shape
+    if M == 0:
+        return q, scales
+    _act_quant_kernel[launch.grid](
+        x, q, scales, sorted_pair_ids if sorted_pair_ids is not None else x,
         num_pairs, M, K,
-        x.stride(0), q.stride(0), stride_sm,
-        GROUP_K=group_k, BLOCK_K=block_k, SPLIT_K=split_k, SKIP_PAD_ROWS=skip,
-        num_warps=num_warps, LOAD_FIRST=load_first, SLICE_K=slice_k,
-        FAST_DIV=fast_div, ROWS=rows,
+        x.stride(0), q.stride(0), launch.stride_sm,
+        **launch.constexprs, num_warps=launch.num_warps,
         USE_PDL=use_pdl(x.device), **pdl_launch_options(x.device),
     )
     return q, scales

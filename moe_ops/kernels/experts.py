@@ -2,7 +2,9 @@
 -> combine, for x [T, H] already routed to (topk_ids, topk_weights).
 
 Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
-  [fp8 modes] act_quant(x)                       per token (per 128-group for fp8_block)
+  [fp8 modes] act_quant(x)                       per token (per 128-group for fp8_block); in a
+              layer call of at most moe_ops.experts.QUANTIZE_IN_ROUTING_MAX_TOKENS tokens the
+              routing's launch made it already (x_quantized)
               (nvfp4/mxfp4 are W4A16: no activation quantization, the GEMMs dequantize the
               packed weights in registers)
   dispatch    moe_align (or nothing in direct mode, for tiny batches)
@@ -311,8 +313,12 @@ def triton_experts(
     gemm2_config: Optional[GemmConfig] = None,
     w13_global_scale: Optional[torch.Tensor] = None,
     w2_global_scale: Optional[torch.Tensor] = None,
+    x_quantized: Optional[tuple] = None,
 ) -> torch.Tensor:
     """out [T, H] (x.dtype) = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t).
+
+    x_quantized: (q, scales) = act_quant(x, quant), made by the routing launch (fp8 modes:
+    kernels/routing.py, triton_route's quantize); the call then launches no act_quant of x.
 
     Weights in kernel layout: w13 [E, N13, H] (gate/up rows interleaved when gated), w2
     [E, H, I] (4-bit: packed bytes in quant.py's kernel order, [E, N13, Hp/2], [E, H, Ip/2]
@@ -339,7 +345,8 @@ def triton_experts(
                 x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, b13, b2,
                 activation=activation, quant=quant, alpha=alpha, limit=limit,
                 local_expert_offset=local_expert_offset, gemm1_config=c1, gemm2_config=c2,
-                w13_global_scale=w13_global_scale, w2_global_scale=w2_global_scale))
+                w13_global_scale=w13_global_scale, w2_global_scale=w2_global_scale,
+                x_quantized=x_quantized))
         config1, config2 = config1 or tuned1, config2 or tuned2
     for name, config in (("gemm1_config", gemm1_config), ("gemm2_config", gemm2_config)):
         # Explicit configs skip config_problems (tuned and default ones pass it). The rules whose
@@ -438,6 +445,8 @@ def triton_experts(
     upcast = upcast_dots(x.dtype) and (quant == "none" or fp4)
     if quant == "none" or fp4 or fp8_ws:
         a1, a1_scale = x, None
+    elif x_quantized is not None:
+        a1, a1_scale = x_quantized
     else:
         a1, a1_scale = act_quant(x, quant)
     intermediate = torch.empty((routing.num_slots, I), dtype=x.dtype, device=x.device)

@@ -20,6 +20,11 @@ through its -inf stand-in while the weights carry the true NaN, as the reference
 
 `moe_ops.routing.route_reference` is the oracle; every floating-point step here mirrors its
 order of operations so that ids match exactly and weights to float32 rounding.
+
+In a layer call of the fp8 modes (at decode sizes: moe_ops.experts.quantize_in_routing) the
+same launch also runs act_quant's programs over x (act_quant.quantize_rows_program, in grid
+slots after the routing's): the experts' first quantization needs nothing of the routing, so
+it runs beside it instead of in a launch of its own after it.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import triton
 import triton.language as tl
 
 from moe_ops.routing import DEEPSEEK_DENOMINATOR_EPS
+from moe_ops.kernels.act_quant import plan as act_quant_plan, quantize_rows_program
 from moe_ops.kernels.common import pdl_launch_options, pdl_prologue, use_pdl
 
 # Below the key of any real score (the lowest is -inf's), so a taken or padding expert never wins.
@@ -75,6 +81,9 @@ def _route_kernel(
     stride_token,
     stride_expert,
     routed_scaling_factor,
+    # act_quant's programs run beside the routing's (QUANTIZE; see triton_route's quantize)
+    route_programs, quant_parts, x_ptr, q_ptr, scale_ptr, x_rows, x_cols,
+    stride_xm, stride_qm, stride_sm,
     METHOD: tl.constexpr,
     TOP_K: tl.constexpr,
     N_GROUP: tl.constexpr,
@@ -86,9 +95,55 @@ def _route_kernel(
     GS_PAD: tl.constexpr,
     K_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
+    QUANTIZE: tl.constexpr = False,
+    GROUP_K: tl.constexpr = 0, Q_BLOCK_K: tl.constexpr = 16, Q_SPLIT_K: tl.constexpr = False,
+    LOAD_FIRST: tl.constexpr = False, SLICE_K: tl.constexpr = 0,
+    FAST_DIV: tl.constexpr = False, ROWS: tl.constexpr = 1,
 ):
+    """Programs [0, route_programs) route BLOCK_T tokens each; with QUANTIZE the rest are
+    act_quant's programs over x (program q: act_quant's grid ids (q // quant_parts,
+    q % quant_parts)), which do not depend on the routing and so run beside it."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
+    quantizer = False
+    if QUANTIZE:
+        quantizer = pid >= route_programs
+    if quantizer:
+        program = pid - route_programs
+        quantize_rows_program(program // quant_parts, program % quant_parts, x_ptr, q_ptr,
+                              scale_ptr, x_ptr, 0, x_rows, x_cols, stride_xm, stride_qm,
+                              stride_sm, GROUP_K, Q_BLOCK_K, Q_SPLIT_K, False, LOAD_FIRST,
+                              SLICE_K, FAST_DIV, ROWS)
+    else:
+        _route_tokens(pid, logits_ptr, routing_bias_ptr, topk_ids_ptr, topk_weights_ptr,
+                      num_tokens, stride_token, stride_expert, routed_scaling_factor, METHOD,
+                      TOP_K, N_GROUP, GROUP_SIZE, TOPK_GROUP, HAS_BIAS, BLOCK_T, G_PAD,
+                      GS_PAD, K_PAD)
+
+
+@triton.jit
+def _route_tokens(
+    pid,
+    logits_ptr,
+    routing_bias_ptr,
+    topk_ids_ptr,
+    topk_weights_ptr,
+    num_tokens,
+    stride_token,
+    stride_expert,
+    routed_scaling_factor,
+    METHOD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    G_PAD: tl.constexpr,
+    GS_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+):
+    """Route tokens [pid * BLOCK_T, + BLOCK_T)."""
     # int64 from the start: token * stride overflows int32 for large batches.
     tokens = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_mask = tokens < num_tokens
@@ -210,12 +265,19 @@ def triton_route(
     routed_scaling_factor: float = 1.0,
     *,
     out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    quantize: Optional[tuple[torch.Tensor, str]] = None,
+) -> tuple:
     """Route on the GPU in one launch. Returns (topk_ids int32 [T, k], topk_weights float32 [T, k]).
 
     Arguments are assumed already checked by moe_ops.routing.validate_route_call.
     `out`, if given, is a pair of contiguous (topk_ids int32, topk_weights float32) [T, k]
     tensors on the logits' device to write into (every element is overwritten).
+    `quantize` = (x, quant), x a contiguous [M, K] tensor and quant "fp8" or "fp8_block": the
+    same launch also quantizes x's rows as act_quant(x, quant) does (its programs, the same
+    codes and scales), in programs of its grid beside the routing's; returns (topk_ids,
+    topk_weights, q, scales) then. Why: the fp8 modes' experts call starts with act_quant(x),
+    which needs nothing of the routing, and at decode each launch costs more in latency than in
+    work (see QUANTIZE_MAX_TOKENS).
     """
     num_tokens, num_experts = router_logits.shape
     if out is None:
@@ -224,8 +286,13 @@ def triton_route(
                                    device=router_logits.device)
     else:
         topk_ids, topk_weights = out
+    q = scales = None
+    if quantize is not None:
+        x, quant = quantize
+        q, scales, quant_launch = act_quant_plan(x, quant)
     if num_tokens == 0:
-        return topk_ids, topk_weights
+        return (topk_ids, topk_weights) if quantize is None else (topk_ids, topk_weights, q,
+                                                                   scales)
 
     if method == "deepseek_v3":
         groups, groups_kept = n_group, topk_group
@@ -245,7 +312,22 @@ def triton_route(
     has_bias = method == "deepseek_v3" and routing_bias is not None
     bias = routing_bias.contiguous() if has_bias else router_logits  # dummy pointer if unused
 
-    grid = (triton.cdiv(num_tokens, block_t),)
+    route_programs = triton.cdiv(num_tokens, block_t)
+    if quantize is None:
+        quant_args = (0, 1, router_logits, router_logits, router_logits, 0, 0, 0, 0, 0)
+        quant_programs, quant_constexprs = 0, {}
+    else:
+        quant_args = (route_programs, quant_launch.grid[1] if len(quant_launch.grid) > 1 else 1,
+                      x, q, scales, x.shape[0], x.shape[1], x.stride(0), q.stride(0),
+                      quant_launch.stride_sm)
+        quant_programs = quant_launch.programs
+        c = quant_launch.constexprs
+        quant_constexprs = dict(QUANTIZE=True, GROUP_K=c["GROUP_K"], Q_BLOCK_K=c["BLOCK_K"],
+                                Q_SPLIT_K=c["SPLIT_K"], LOAD_FIRST=c["LOAD_FIRST"],
+                                SLICE_K=c["SLICE_K"], FAST_DIV=c["FAST_DIV"], ROWS=c["ROWS"])
+        # (the launch's warps serve both: act_quant's rule for its rows, at least the routing's)
+        num_warps = max(num_warps, quant_launch.num_warps)
+    grid = (route_programs + quant_programs,)
     _route_kernel[grid](
         router_logits,
         bias,
@@ -255,6 +337,7 @@ def triton_route(
         router_logits.stride(0),
         router_logits.stride(1),
         float(routed_scaling_factor),
+        *quant_args,
         METHOD=method,
         TOP_K=top_k,
         N_GROUP=groups,
@@ -267,6 +350,7 @@ def triton_route(
         K_PAD=triton.next_power_of_2(top_k),
         USE_PDL=use_pdl(router_logits.device),
         num_warps=num_warps,
+        **quant_constexprs,
         **pdl_launch_options(router_logits.device),
     )
-    return topk_ids, topk_weights
+    return (topk_ids, topk_weights) if quantize is None else (topk_ids, topk_weights, q, scales)
