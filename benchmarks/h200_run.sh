@@ -2,7 +2,7 @@
 # The GPU session in one script: correctness on the GPU (gpu_check, the kernel tests, one
 # compute-sanitizer memcheck run per quant mode), then the benchmark sweep. Results land in
 # ${MOE_OPS_RESULTS_DIR:-benchmarks/results}. Usage on an H200 from the repository root:
-#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|widedeep|groupm|widemin|widemin128|ncugemm1|fastsig|fastsigab|routequant|all]
+#     bash benchmarks/h200_run.sh [check|checkp|bench|tune|dram|sweepw|persd|resprog|aqslice|aqslice2|fp4|prep|ws|ws4|ab|ab8|ab4w|ab4e|ab4h|ncu4|ncu4s|prof4|ab4d|layout4|layout4p|tune4|tune16|ws4rest|fold4|fold4p|fold4c|c4ab|ncu4l|c4x|fp8d|splitk|tail4|tailc|clocks|wgmma|quartert|quartera|aqshort|tune8|wspair|prefill|shortk|aqwarps|wsatomic|gatherrows|wsgather|aqdiv|aqwide|overlap|ncugemm2|native|native4|record|tuneq3|tunepf|gridround|pipepairs|scalecols|expertgroups|expertrule|widedeep|groupm|widemin|widemin128|ncugemm1|fastsig|fastsigab|routequant|routealign|all]
 # checkp: the test suite on the GPU (all of tests/ but the wheel build, which needs no GPU;
 # or $CHECK_FILES), its tests dealt out over $CHECK_PROCS (8) pytest processes side by side
 # (the kernel tests are mostly compile time, which the host's cores share out), each at most
@@ -302,6 +302,11 @@
 # and the routing / layer tests, gpu_check's fp8 / fp8_block cases at T = 1, 7, 64, then the
 # fp8 / fp8_block layers at T = 1-1024 with MOE_OPS_ROUTE_QUANTIZE_MAX_TOKENS 0 / 1024, two
 # alternated passes; about 7 minutes.
+# routealign: the routing's single program writing the dispatch (MOE_OPS_ROUTE_ALIGN=1,
+# kernels/experts.py ROUTE_ALIGN): its GPU tests (the same dispatch bytes as moe_align, the layer
+# as the separate launches give it) with the routing, dispatch and layer tests, compute-sanitizer
+# on its dispatch tests, gpu_check's bf16 / fp8 / fp8_block cases at T = 1, 7, 64 with it on,
+# then the decode layers at T = 2-64 with it 0 / 1, two alternated passes; about 7 minutes.
 # tunepf: tuneq3's steps for each model:quant of $TUNE_PAIRS (default Llama 4 and Mixtral fp8,
 # DeepSeek-V3 fp8_block), the layer at T = 1024 / 4096 / 16384; about a minute a pair.
 # tuneq3: Qwen3-30B-A3B fp8's prefill buckets (1024-8192) re-tuned against the shipped entries
@@ -1279,6 +1284,23 @@ if [[ "$what" == routequant ]]; then
   ab_passes routequant 50 24 MOE_OPS_ROUTE_QUANTIZE_MAX_TOKENS "0 1024" -- \
     --models qwen3_30b_a3b mixtral_8x7b deepseek_v3 llama4_scout --quant fp8 fp8_block \
     --listed-only --tokens 1 4 16 64 256 1024
+fi
+if [[ "$what" == routealign ]]; then
+  export MOE_OPS_ROUTE_ALIGN=1
+  tests_then_sanitize routealign tests/test_route_quantize.py \
+    "test or dispatch or routing or layer" "same_dispatch" 200
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_layer.py \
+    tests/test_kernels_routing.py tests/test_dispatch.py tests/test_ops.py \
+    > "$out/pytest_routealign_layer.log" 2>&1 || status=1
+  tail -n 2 "$out/pytest_routealign_layer.log"
+  timeout 150 python3 benchmarks/gpu_check.py --quant none fp8 fp8_block --tokens 1 7 64 \
+    --no-large --json "$out/gpu_check_routealign.json" > "$out/gpu_check_routealign.log" 2>&1 \
+    || status=1
+  tail -n 3 "$out/gpu_check_routealign.log"
+  unset MOE_OPS_ROUTE_ALIGN
+  ab_passes routealign 50 24 MOE_OPS_ROUTE_ALIGN "0 1" -- --models qwen3_30b_a3b \
+    mixtral_8x7b deepseek_v3 llama4_scout --quant none fp8 fp8_block --listed-only \
+    --tokens 2 4 8 16 64
 fi
 if [[ "$what" == tunepf ]]; then
   for pair in ${TUNE_PAIRS:-llama4_scout:fp8 mixtral_8x7b:fp8 deepseek_v3:fp8_block}; do

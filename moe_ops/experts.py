@@ -13,7 +13,6 @@ import torch
 from moe_ops import kernels
 from moe_ops import quant as q
 from moe_ops.errors import check
-from moe_ops.kernels.env import env_int
 from moe_ops.layout import ACTIVATIONS, FLOAT_DTYPES, is_gated, plan_layout
 
 BACKENDS = ("auto", "reference", "triton", "cpu")
@@ -143,26 +142,6 @@ def check_experts_call(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale
         _VALIDATED_SIGNATURES.add(signature)
 
 
-# The layer's routing launch also quantizes x for the fp8 modes up to this many tokens
-# (kernels/routing.py, triton_route's quantize): act_quant(x) needs nothing of the routing, so
-# its programs run beside the routing's instead of in a launch after it (the same codes).
-# Measured on an H200 (results/h200_ab_routequant_*_thirtyfirst.json, 2026-12-04, graph
-# replays, two alternated passes, 0 -> 1024): about 1 us off every fp8 / fp8_block layer call
-# at T = 1-256 (Qwen3 fp8 T = 1 / 4 21.9 / 52.1 -> 21.1 / 49.5 us, Llama 4 fp8 T = 1 42.1 ->
-# 41.2, Mixtral fp8 T = 1 96.3 -> 95.2, DeepSeek-V3 fp8_block T = 4 333.4 -> 330.4; all 20
-# points faster), mixed at T = 1024 (Llama 4 579 -> 586, Qwen3 equal). So up to 256;
-# MOE_OPS_ROUTE_QUANTIZE_MAX_TOKENS=0: off.
-QUANTIZE_IN_ROUTING_MAX_TOKENS = env_int("MOE_OPS_ROUTE_QUANTIZE_MAX_TOKENS", 256)
-
-
-def quantize_in_routing(hidden_states: torch.Tensor, quant: str, backend: str) -> bool:
-    """Whether a layer call (routing, then the experts on `backend`, resolved) has its routing
-    launch quantize x as the experts' act_quant(x) would (fp8 modes on the Triton kernels, at
-    most QUANTIZE_IN_ROUTING_MAX_TOKENS tokens; the experts' arguments already checked)."""
-    return (backend == "triton" and quant in ("fp8", "fp8_block")
-            and 0 < hidden_states.shape[0] <= QUANTIZE_IN_ROUTING_MAX_TOKENS)
-
-
 def fused_experts(
     hidden_states: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -181,16 +160,20 @@ def fused_experts(
     limit: float,
     local_expert_offset: int,
     backend: str,
-    quantized_x: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    route=None,
 ) -> torch.Tensor:
     """Validated experts computation on the resolved backend. Returns [T, H] in x.dtype.
 
-    quantized_x: (q, scales) of hidden_states as act_quant quantizes them for `quant` (fp8
-    modes, Triton backend), already made by the caller's routing launch
-    (quantize_in_routing); the experts call then does not quantize x itself."""
+    route: a layer call's routing (kernels.experts.RouteCall; Triton backend, at least one
+    token), launched by the experts call itself into topk_ids / topk_weights (allocated,
+    unwritten): after every argument is checked, and in one launch with x's quantization and
+    the dispatch where those apply (kernels/experts.py)."""
     check_experts_call(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
                        w13_global_scale, w2_global_scale, b13, b2, activation, quant)
     backend = resolve_backend(backend, hidden_states.device, quant)
+    if route is not None and (backend != "triton" or hidden_states.shape[0] == 0):
+        raise ValueError("fused_experts: route needs the 'triton' backend and at least one "
+                         "token")
     if hidden_states.shape[0] == 0:
         return hidden_states.new_empty((0, hidden_states.shape[1]))
     topk_weights = topk_weights.float()
@@ -201,7 +184,7 @@ def fused_experts(
                               b13, b2, activation=activation, quant=quant, alpha=alpha,
                               limit=limit, local_expert_offset=local_expert_offset,
                               w13_global_scale=w13_global_scale, w2_global_scale=w2_global_scale,
-                              x_quantized=quantized_x)
+                              route=route)
     from moe_ops.reference import fused_experts_reference
 
     return fused_experts_reference(

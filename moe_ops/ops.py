@@ -40,13 +40,13 @@ def _optional_int(value: int):
 
 
 def route_impl(router_logits, routing_method, top_k, routing_bias, n_group, topk_group,
-               routed_scaling_factor, backend, quantize=None, out=None):
+               routed_scaling_factor, backend):
     n_group, topk_group = _optional_int(n_group), _optional_int(topk_group)
     routing.validate_route_call(router_logits, routing_method, top_k, routing_bias, n_group,
                                 topk_group)
     backend = experts.resolve_backend(backend, router_logits.device)
     return routing.route(router_logits, routing_method, top_k, routing_bias, n_group, topk_group,
-                         routed_scaling_factor, backend, quantize=quantize, out=out)
+                         routed_scaling_factor, backend)
 
 
 def align_tokens_impl(topk_ids, num_local_experts, local_expert_offset, block_m, backend):
@@ -58,11 +58,10 @@ def align_tokens_impl(topk_ids, num_local_experts, local_expert_offset, block_m,
 
 def fused_experts_impl(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
                        w13_global_scale, w2_global_scale, b13, b2, activation, quant, alpha,
-                       limit, local_expert_offset, backend, quantized_x=None):
+                       limit, local_expert_offset, backend):
     return experts.fused_experts(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale,
                                  w2_scale, w13_global_scale, w2_global_scale, b13, b2, activation,
-                                 quant, alpha, limit, local_expert_offset, backend,
-                                 quantized_x=quantized_x)
+                                 quant, alpha, limit, local_expert_offset, backend)
 
 
 def fused_moe_impl(hidden_states, router_logits, w13, w2, w13_scale, w2_scale, w13_global_scale,
@@ -70,27 +69,31 @@ def fused_moe_impl(hidden_states, router_logits, w13, w2, w13_scale, w2_scale, w
                    topk_group, routed_scaling_factor, activation, quant, alpha, limit,
                    local_expert_offset, backend):
     routing.validate_logits_match(router_logits, hidden_states)
-    weights = (w13, w2, w13_scale, w2_scale, w13_global_scale, w2_global_scale, b13, b2)
-    expert_args = (activation, quant, alpha, limit, local_expert_offset, backend)
-    if experts.quantize_in_routing(hidden_states, quant,
-                                   experts.resolve_backend(backend, hidden_states.device, quant)):
-        # The routing launch quantizes x too (experts.quantize_in_routing): the experts'
-        # arguments are checked first, with the ids and weights the routing will write
-        # (allocated, not yet written: no launch), as that launch reads x (SPEC §3).
-        tokens, device = hidden_states.shape[0], hidden_states.device
-        routed = (torch.empty((tokens, top_k), dtype=torch.int32, device=device),
-                  torch.empty((tokens, top_k), dtype=torch.float32, device=device))
-        experts.check_experts_call(hidden_states, *routed, w13, w2, w13_scale, w2_scale,
-                                   w13_global_scale, w2_global_scale, b13, b2, activation, quant)
-        x = hidden_states.contiguous()
-        topk_ids, topk_weights, q, scales = route_impl(
-            router_logits, routing_method, top_k, routing_bias, n_group, topk_group,
-            routed_scaling_factor, backend, quantize=(x, quant), out=routed)
-        return fused_experts_impl(x, topk_ids, topk_weights, *weights, *expert_args,
-                                  quantized_x=(q, scales))
+    tokens, device = hidden_states.shape[0], hidden_states.device
+    if tokens > 0 and experts.resolve_backend(backend, device, quant) == "triton":
+        # The Triton experts call launches the routing itself (kernels/experts.py, RouteCall),
+        # where its dispatch needs the ids, so that one launch can also quantize x and write
+        # the dispatch; every argument is checked before (SPEC §3), the routing's here, the
+        # experts' with the ids and weights the routing will write (allocated, not written).
+        n_group, topk_group = _optional_int(n_group), _optional_int(topk_group)
+        routing.validate_route_call(router_logits, routing_method, top_k, routing_bias, n_group,
+                                    topk_group)
+        experts.resolve_backend(backend, router_logits.device)
+        from moe_ops.kernels.experts import RouteCall
+
+        route = RouteCall(router_logits, routing_method,
+                          routing_bias if routing_method == "deepseek_v3" else None, n_group,
+                          topk_group, routed_scaling_factor)
+        return experts.fused_experts(
+            hidden_states, torch.empty((tokens, top_k), dtype=torch.int32, device=device),
+            torch.empty((tokens, top_k), dtype=torch.float32, device=device), w13, w2,
+            w13_scale, w2_scale, w13_global_scale, w2_global_scale, b13, b2, activation, quant,
+            alpha, limit, local_expert_offset, backend, route=route)
     topk_ids, topk_weights = route_impl(router_logits, routing_method, top_k, routing_bias,
                                         n_group, topk_group, routed_scaling_factor, backend)
-    return fused_experts_impl(hidden_states, topk_ids, topk_weights, *weights, *expert_args)
+    return fused_experts_impl(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
+                              w13_global_scale, w2_global_scale, b13, b2, activation, quant,
+                              alpha, limit, local_expert_offset, backend)
 
 
 IMPLEMENTATIONS = {

@@ -178,21 +178,12 @@ def route(
     topk_group: Optional[int] = None,
     routed_scaling_factor: float = 1.0,
     backend: str = "reference",
-    quantize: Optional[tuple[torch.Tensor, str]] = None,
-    out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-) -> tuple:
-    """Route with the implementation of `backend` (already resolved: reference, triton or cpu).
-    quantize = (x, quant): the Triton launch also quantizes x's rows as the experts' act_quant
-    does, and (topk_ids, topk_weights, q, scales) come back; out: the (topk_ids int32,
-    topk_weights float32) tensors the Triton launch writes (kernels/routing.py)."""
-    if (quantize is not None or out is not None) and (
-            backend != "triton" or router_logits.shape[0] == 0):
-        raise ValueError("route: quantize and out need the 'triton' backend and at least one "
-                         "token")
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route with the implementation of `backend` (already resolved: reference, triton or cpu)."""
     if backend == "triton" and router_logits.shape[0] > 0:
         from moe_ops.kernels.routing import triton_route
 
         return triton_route(router_logits, method, top_k, routing_bias, n_group, topk_group,
-                            routed_scaling_factor, quantize=quantize, out=out)
+                            routed_scaling_factor)
     return route_reference(router_logits, method, top_k, routing_bias, n_group, topk_group,
                            routed_scaling_factor)

@@ -1,20 +1,21 @@
-"""The routing launch that also quantizes x for the fp8 modes (kernels/routing.py, triton_route's
-`quantize`; experts.quantize_in_routing): the same ids and weights as the routing alone, the
-same codes and scales as act_quant, bit for bit, in every act_quant form; the layer's output
-the two-launch path's (bit for bit where the routing weights are); the experts' arguments
-checked before that launch.
+"""The routing launch that also quantizes x for the fp8 modes and writes the dispatch
+(kernels/routing.py, triton_route's `quantize` and `align`; launched by the experts call,
+kernels/experts.py RouteCall): the same ids and weights as the routing alone, the same codes
+and scales as act_quant in every act_quant form, the same dispatch as moe_align, bit for bit;
+the layer's output the separate launches' (bit for bit where the routing weights are); every
+argument checked before the first launch.
 
 Runs in the Triton interpreter on CPU (tests/conftest.py) and on the GPU alike."""
 import pytest
 import torch
 
 import moe_ops
-from moe_ops import experts as experts_api
 from moe_ops.kernels import act_quant as aq
 from moe_ops.kernels import experts as experts_mod
 from moe_ops.kernels import routing as routing_mod
 from moe_ops.kernels.act_quant import act_quant
-from moe_ops.kernels.routing import triton_route
+from moe_ops.kernels.align import moe_align
+from moe_ops.kernels.routing import routes_in_one_program, triton_route
 
 from test_triton_layer import _layers
 
@@ -58,50 +59,82 @@ def test_same_ids_weights_codes_and_scales(quant, T, H, form, method, E, k, monk
     assert expected(launch.constexprs), launch
 
 
-@pytest.mark.parametrize("quant,routing", [("fp8", "renormalize"), ("fp8_block", "deepseek_v3"),
-                                           ("fp8", "llama4")])
-def test_layer_bit_for_bit_the_two_launch_path(quant, routing, monkeypatch):
-    """The layer with x quantized in the routing launch gives the two-launch path's output bit
-    for bit, and its experts call launches no act_quant of x (one act_quant: the
-    intermediate's)."""
+@pytest.mark.parametrize("T,E,k,block_m,offset,local,quantize", [
+    (1, 8, 2, 16, 0, 8, None), (16, 64, 4, 16, 8, 32, "fp8"), (7, 16, 1, 64, 0, 16, "fp8_block"),
+    (64, 8, 2, 32, 2, 4, None)])
+def test_same_dispatch_as_moe_align(T, E, k, block_m, offset, local, quantize):
+    """The routing's single program writing the dispatch (align): the bytes of moe_align's
+    single-program path on the same ids, with an expert-parallel shard (ids outside it get no
+    slot), beside act_quant's programs or not."""
+    g = torch.Generator().manual_seed(T * E + k)
+    logits = torch.randn(T, E, generator=g).to(DEVICE)
+    x = torch.randn(T, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    assert routes_in_one_program(T, k, E, "renormalize", None)
+    out = triton_route(logits, "renormalize", k, quantize=(x, quantize) if quantize else None,
+                       align=(local, block_m, offset))
+    ids, weights, aligned = out[0], out[1], out[-1]
+    ids_ref, weights_ref = triton_route(logits, "renormalize", k)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(weights, weights_ref, rtol=1e-6, atol=1e-7)
+    expected = moe_align(ids, local, block_m, offset)
+    live = int(expected.num_padded[0])
+    assert torch.equal(aligned.num_padded, expected.num_padded)
+    assert torch.equal(aligned.sorted_pair_ids, expected.sorted_pair_ids)
+    assert torch.equal(aligned.block_expert_ids, expected.block_expert_ids)
+    assert live > 0 and (aligned.sorted_pair_ids[live:] == T * k).all()
+    if quantize:
+        q_ref, s_ref = act_quant(x, quantize)
+        assert torch.equal(out[2].view(torch.uint8), q_ref.view(torch.uint8))
+        assert torch.equal(out[3], s_ref)
+
+
+def test_align_needs_one_routing_program():
+    assert routes_in_one_program(16, 8, 128, "renormalize", None)     # 2048 / 128 = 16 tokens
+    assert not routes_in_one_program(17, 8, 128, "renormalize", None)
+    assert routes_in_one_program(64, 2, 8, "renormalize", None)       # at most 64 tokens
+    assert not routes_in_one_program(65, 2, 8, "renormalize", None)
+    assert not routes_in_one_program(0, 2, 8, "renormalize", None)
+    logits = torch.randn(17, 128).to(DEVICE)
+    with pytest.raises(ValueError, match="one program"):
+        triton_route(logits, "renormalize", 8, align=(128, 16, 0))
+
+
+@pytest.mark.parametrize("quant,routing,align", [
+    ("fp8", "renormalize", True), ("fp8_block", "deepseek_v3", False),
+    ("fp8", "llama4", True), ("none", "renormalize", True)])
+def test_layer_matches_the_separate_launches(quant, routing, align, monkeypatch):
+    """The layer with x quantized in the routing launch (fp8 modes) and, with ROUTE_ALIGN, the
+    dispatch written there too, gives the separate launches' output (bit for bit in the
+    interpreter), and its experts call launches no act_quant of x and no moe_align."""
     _, layer, gen = _layers(routing, quant, "swiglu", seed=3)
-    calls = []
-    real = experts_mod.act_quant
+    quant_calls, align_calls = [], []
+    real_quant, real_align = experts_mod.act_quant, experts_mod.moe_align
     monkeypatch.setattr(experts_mod, "act_quant",
-                        lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    limit = experts_api.QUANTIZE_IN_ROUTING_MAX_TOKENS
+                        lambda *a, **kw: quant_calls.append(1) or real_quant(*a, **kw))
+    monkeypatch.setattr(experts_mod, "moe_align",
+                        lambda *a, **kw: align_calls.append(1) or real_align(*a, **kw))
+    monkeypatch.setattr(experts_mod, "DIRECT_MAX_PAIRS", 0)    # a dispatch at every T
+    limit = experts_mod.ROUTE_QUANTIZE_MAX_TOKENS
+    fp8 = quant != "none"
     for T in (1, 5):
         x = torch.randn(T, layer.hidden_size, generator=gen).to(DEVICE, torch.bfloat16)
         logits = torch.randn(T, layer.num_experts, generator=gen).to(DEVICE)
-        calls.clear()
+        monkeypatch.setattr(experts_mod, "ROUTE_ALIGN", align)
+        quant_calls.clear(), align_calls.clear()
         fused = layer(x, logits)
-        assert len(calls) == 1, calls
-        monkeypatch.setattr(experts_api, "QUANTIZE_IN_ROUTING_MAX_TOKENS", 0)
-        calls.clear()
+        assert (len(quant_calls), len(align_calls)) == (int(fp8), 0 if align else 1)
+        monkeypatch.setattr(experts_mod, "ROUTE_QUANTIZE_MAX_TOKENS", 0)
+        monkeypatch.setattr(experts_mod, "ROUTE_ALIGN", False)
+        quant_calls.clear(), align_calls.clear()
         separate = layer(x, logits)
-        assert len(calls) == 2, calls
-        monkeypatch.setattr(experts_api, "QUANTIZE_IN_ROUTING_MAX_TOKENS", limit)
+        assert (len(quant_calls), len(align_calls)) == (2 * int(fp8), 1)
+        monkeypatch.setattr(experts_mod, "ROUTE_QUANTIZE_MAX_TOKENS", limit)
         assert torch.isfinite(fused).all()
         if DEVICE == "cpu":
             assert torch.equal(fused, separate)
         else:   # (a routing weight's last bit, see above)
             err = ((fused.float() - separate.float()).norm() / separate.float().norm()).item()
             assert err < 1e-3, err
-
-
-def test_only_where_it_applies():
-    x = torch.zeros(4, 8)
-    assert experts_api.quantize_in_routing(x, "fp8", "triton")
-    assert experts_api.quantize_in_routing(x, "fp8_block", "triton")
-    assert not experts_api.quantize_in_routing(x, "none", "triton")
-    assert not experts_api.quantize_in_routing(x, "nvfp4", "triton")
-    assert not experts_api.quantize_in_routing(x, "fp8", "reference")
-    assert not experts_api.quantize_in_routing(x[:0], "fp8", "triton")
-    big = torch.zeros(experts_api.QUANTIZE_IN_ROUTING_MAX_TOKENS + 1, 8)
-    assert not experts_api.quantize_in_routing(big, "fp8", "triton")
-    with pytest.raises(ValueError, match="quantize"):
-        moe_ops.routing.route(torch.zeros(2, 4), "renormalize", 2, backend="reference",
-                              quantize=(torch.zeros(2, 8), "fp8"))
 
 
 def test_bad_expert_arguments_raise_before_the_routing_launch(monkeypatch):

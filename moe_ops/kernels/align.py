@@ -83,7 +83,24 @@ def _align_single_program_kernel(
     USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
-    first = tl.program_id(0) == 0
+    align_pairs(tl.program_id(0), topk_ids_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
+                num_padded_ptr, num_pairs, num_experts, local_expert_offset, max_padded,
+                max_blocks, x_ptr, rows_ptr, top_k, H, stride_x, stride_rows, BLOCK_M, PAIRS,
+                EXPERTS, FILL, GATHER_H)
+
+
+@triton.jit
+def align_pairs(
+    program, topk_ids_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
+    num_pairs, num_experts, local_expert_offset, max_padded, max_blocks,
+    x_ptr, rows_ptr, top_k, H, stride_x, stride_rows,
+    BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr,
+    GATHER_H: tl.constexpr,
+):
+    """The small path's work for one program of its grid (program 0 writes the dispatch; with
+    GATHER_H > 0 each also copies its columns of the rows): a function of its own so that the
+    routing kernel's single program can run it after routing (kernels/routing.py)."""
+    first = program == 0
     if first:
         # Sentinels first; the barrier orders them before this program's own stores below
         # (bar.sync makes a CTA's global writes visible to all its threads).
@@ -119,7 +136,7 @@ def _align_single_program_kernel(
         # rows[slot] = x[pair // top_k], this program's columns; padding slots are not written
         # (each slot is its own row of the GEMMs that read them, its results dropped)
         token = ((key % PAIRS) // top_k).to(tl.int64)
-        cols = tl.program_id(0) * GATHER_H + tl.arange(0, GATHER_H)
+        cols = program * GATHER_H + tl.arange(0, GATHER_H)
         mask = valid_s[:, None] & (cols < H)[None, :]
         values = tl.load(x_ptr + token[:, None] * stride_x + cols[None, :], mask=mask)
         tl.store(rows_ptr + dest.to(tl.int64)[:, None] * stride_rows + cols[None, :], values,
@@ -243,6 +260,21 @@ def moe_align_gather(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     return aligned, rows
 
 
+def small_path_plan(num_pairs: int, num_experts: int, block_m: int, device: torch.device):
+    """The dispatch's outputs (allocated, unwritten) and the single-program path's constexprs and
+    warps for num_pairs pairs (at most SMALL_PATH_MAX_PAIRS), without the gather: what
+    _align_single_program_kernel, or the routing kernel running align_pairs, takes."""
+    max_padded = max_padded_pairs(num_pairs, num_experts, block_m)
+    aligned = AlignedPairs(torch.empty((max_padded,), dtype=torch.int32, device=device),
+                           torch.empty((max_padded // block_m,), dtype=torch.int32,
+                                       device=device),
+                           torch.empty((1,), dtype=torch.int32, device=device))
+    pairs_p2 = next_power_of_2(max(num_pairs, 1))
+    experts_p2 = next_power_of_2(num_experts)
+    constexprs = dict(BLOCK_M=block_m, PAIRS=pairs_p2, EXPERTS=experts_p2, FILL=1024)
+    return aligned, constexprs, 4 if pairs_p2 * experts_p2 <= 1 << 16 else 8
+
+
 def _align(topk_ids, num_experts, block_m, local_expert_offset, small_path_max_pairs,
            chunk_pairs, gather):
     if small_path_max_pairs is None:
@@ -251,36 +283,40 @@ def _align(topk_ids, num_experts, block_m, local_expert_offset, small_path_max_p
         chunk_pairs = CHUNK_PAIRS
     device = topk_ids.device
     num_pairs = topk_ids.numel()
+    ids = topk_ids.reshape(-1)
+    pdl, launch = use_pdl(device), pdl_launch_options(device)
+    if num_pairs <= small_path_max_pairs and gather is None:
+        aligned, constexprs, num_warps = small_path_plan(num_pairs, num_experts, block_m, device)
+        sorted_pair_ids = aligned.sorted_pair_ids
+        _align_single_program_kernel[(1,)](
+            ids, sorted_pair_ids, aligned.block_expert_ids, aligned.num_padded,
+            num_pairs, num_experts, local_expert_offset, sorted_pair_ids.numel(),
+            aligned.block_expert_ids.numel(), ids, sorted_pair_ids, 1, 0, 0,
+            sorted_pair_ids.stride(0), **constexprs, GATHER_H=0, num_warps=num_warps,
+            USE_PDL=pdl, **launch)
+        return aligned, None
     max_padded = max_padded_pairs(num_pairs, num_experts, block_m)
     max_blocks = max_padded // block_m
     sorted_pair_ids = torch.empty((max_padded,), dtype=torch.int32, device=device)
     block_expert_ids = torch.empty((max_blocks,), dtype=torch.int32, device=device)
     num_padded = torch.empty((1,), dtype=torch.int32, device=device)
     experts_p2 = next_power_of_2(num_experts)
-    ids = topk_ids.reshape(-1)
-    pdl, launch = use_pdl(device), pdl_launch_options(device)
     if num_pairs <= small_path_max_pairs:
+        # the small path with the gather: grid over x's columns
         pairs_p2 = next_power_of_2(max(num_pairs, 1))
-        if gather is None:
-            rows, gather_h, programs, h, top_k = sorted_pair_ids, 0, 1, 0, 1
-        else:
-            h = gather.shape[1]
-            top_k = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
-            rows = torch.empty((max_padded, h), dtype=gather.dtype, device=device)
-            gather_h = max(16, min(GATHER_TILE // pairs_p2, next_power_of_2(max(h, 1)), 256))
-            programs = max(1, cdiv(h, gather_h))
-        _align_single_program_kernel[(programs,)](
+        h = gather.shape[1]
+        top_k = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
+        rows = torch.empty((max_padded, h), dtype=gather.dtype, device=device)
+        gather_h = max(16, min(GATHER_TILE // pairs_p2, next_power_of_2(max(h, 1)), 256))
+        _align_single_program_kernel[(max(1, cdiv(h, gather_h)),)](
             ids, sorted_pair_ids, block_expert_ids, num_padded,
             num_pairs, num_experts, local_expert_offset, max_padded, max_blocks,
-            gather if gather is not None else ids, rows, top_k, h,
-            gather.stride(0) if gather is not None else 0, rows.stride(0),
+            gather, rows, top_k, h, gather.stride(0), rows.stride(0),
             BLOCK_M=block_m, PAIRS=pairs_p2, EXPERTS=experts_p2, FILL=1024, GATHER_H=gather_h,
-            # (the gather at 4 warps: at 8 the build is held to 64 registers and spills)
-            num_warps=4 if gather is not None or pairs_p2 * experts_p2 <= 1 << 16 else 8,
-            USE_PDL=pdl, **launch,
+            # (at 4 warps: at 8 the build is held to 64 registers and spills)
+            num_warps=4, USE_PDL=pdl, **launch,
         )
-        return (AlignedPairs(sorted_pair_ids, block_expert_ids, num_padded),
-                rows if gather is not None else None)
+        return AlignedPairs(sorted_pair_ids, block_expert_ids, num_padded), rows
 
     num_chunks = cdiv(num_pairs, chunk_pairs)
     chunk_counts = torch.empty((num_chunks, experts_p2), dtype=torch.int32, device=device)

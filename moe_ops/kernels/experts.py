@@ -2,9 +2,10 @@
 -> combine, for x [T, H] already routed to (topk_ids, topk_weights).
 
 Launch sequence (no host sync, every buffer sized from shapes: CUDA-graph safe):
-  [fp8 modes] act_quant(x)                       per token (per 128-group for fp8_block); in a
-              layer call of at most moe_ops.experts.QUANTIZE_IN_ROUTING_MAX_TOKENS tokens the
-              routing's launch made it already (x_quantized)
+  [layer call] route                            the routing (a RouteCall), launched here:
+              with the fp8 modes' act_quant(x) up to ROUTE_QUANTIZE_MAX_TOKENS tokens, and
+              with ROUTE_ALIGN the small dispatch where the routing is one program
+  [fp8 modes] act_quant(x)                       per token (per 128-group for fp8_block)
               (nvfp4/mxfp4 are W4A16: no activation quantization, the GEMMs dequantize the
               packed weights in registers)
   dispatch    moe_align (or nothing in direct mode, for tiny batches)
@@ -32,6 +33,7 @@ from typing import Optional
 import torch
 
 from moe_ops.kernels.act_quant import act_quant
+from moe_ops.kernels.routing import routes_in_one_program, triton_route
 from moe_ops.kernels.align import SMALL_PATH_MAX_PAIRS, gather_rows, moe_align, moe_align_gather
 from moe_ops.kernels import ws_fp4, ws_gemm
 from moe_ops.kernels.combine import combine_pair_rows
@@ -49,6 +51,35 @@ from moe_ops.tuning import experts_configs
 # dispatch launch is saved. With T = 1 the routing gives k distinct experts by construction.
 DIRECT_MAX_PAIRS = 64
 DIRECT_MAX_PAIRS_PER_EXPERT = 0.125
+# A layer call's routing (fused_moe with router logits on this backend) is launched by the
+# experts call (RouteCall), so that one launch can do more than route: act_quant(x) of the fp8
+# modes needs nothing of the routing, and its programs run beside the routing's (the same
+# codes) up to ROUTE_QUANTIZE_MAX_TOKENS tokens. Measured on an H200 (results/
+# h200_ab_routequant_*_thirtyfirst.json, 2026-12-04, graph replays, two alternated passes, 0 ->
+# 1024): about 1 us off every fp8 / fp8_block layer call at T = 1-256 (Qwen3 fp8 T = 1 / 4 21.9
+# / 52.1 -> 21.1 / 49.5 us, Llama 4 fp8 T = 1 42.1 -> 41.2, Mixtral fp8 T = 1 96.3 -> 95.2,
+# DeepSeek-V3 fp8_block T = 4 333.4 -> 330.4; all 20 points faster), mixed at T = 1024 (Llama 4
+# 579 -> 586, Qwen3 equal). So up to 256; MOE_OPS_ROUTE_QUANTIZE_MAX_TOKENS=0: off.
+ROUTE_QUANTIZE_MAX_TOKENS = env_int("MOE_OPS_ROUTE_QUANTIZE_MAX_TOKENS", 256)
+# MOE_OPS_ROUTE_ALIGN=1: where the routing is one program (routing.routes_in_one_program: up to
+# 2048 / experts tokens, at most 64) and the dispatch takes its single-program path without the
+# row gather, that program writes the dispatch after routing (align.align_pairs), in place of
+# moe_align's launch. Written in the thirty-first session, after its device time: off until
+# measured (`bash benchmarks/h200_run.sh routealign`).
+ROUTE_ALIGN = env_choice("MOE_OPS_ROUTE_ALIGN", "0", ("0", "1")) == "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteCall:
+    """A layer call's routing (SPEC §1's methods, validated), for triton_experts to launch."""
+    router_logits: torch.Tensor
+    method: str
+    routing_bias: Optional[torch.Tensor]
+    n_group: Optional[int]
+    topk_group: Optional[int]
+    routed_scaling_factor: float
+
+
 # "rows": GEMM2 writes one row per pair, a second pass sums them (deterministic).
 # "atomic": GEMM2 adds into an fp32 [T, H] buffer (then cast unless x is fp32).
 # "auto": rows when GEMM2 runs the persistent kernel (it has no atomic epilogue: see
@@ -313,12 +344,14 @@ def triton_experts(
     gemm2_config: Optional[GemmConfig] = None,
     w13_global_scale: Optional[torch.Tensor] = None,
     w2_global_scale: Optional[torch.Tensor] = None,
-    x_quantized: Optional[tuple] = None,
+    route: Optional["RouteCall"] = None,
 ) -> torch.Tensor:
     """out [T, H] (x.dtype) = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t).
 
-    x_quantized: (q, scales) = act_quant(x, quant), made by the routing launch (fp8 modes:
-    kernels/routing.py, triton_route's quantize); the call then launches no act_quant of x.
+    route: the layer call's routing (a RouteCall), launched by this call where its dispatch
+    needs the ids, into topk_ids / topk_weights (then allocated and unwritten): the same launch
+    quantizes x for the fp8 modes (up to ROUTE_QUANTIZE_MAX_TOKENS) and, with ROUTE_ALIGN,
+    writes the dispatch where the routing is one program.
 
     Weights in kernel layout: w13 [E, N13, H] (gate/up rows interleaved when gated), w2
     [E, H, I] (4-bit: packed bytes in quant.py's kernel order, [E, N13, Hp/2], [E, H, Ip/2]
@@ -346,7 +379,7 @@ def triton_experts(
                 activation=activation, quant=quant, alpha=alpha, limit=limit,
                 local_expert_offset=local_expert_offset, gemm1_config=c1, gemm2_config=c2,
                 w13_global_scale=w13_global_scale, w2_global_scale=w2_global_scale,
-                x_quantized=x_quantized))
+                route=route))
         config1, config2 = config1 or tuned1, config2 or tuned2
     for name, config in (("gemm1_config", gemm1_config), ("gemm2_config", gemm2_config)):
         # Explicit configs skip config_problems (tuned and default ones pass it). The rules whose
@@ -430,11 +463,29 @@ def triton_experts(
         align_block_m = ws_fp4.BLOCK_M if fp8_ws else max(
             ws_gemm.block_m(tile1) if ws1 else fp4_slots if ws_fp4_1 else config1.block_m,
             ws_gemm.block_m(tile2) if ws2 else fp4_slots if ws_fp4_2 else config2.block_m)
-        if (ws_fp4_1 or fp8_ws) and T * top_k <= ALIGN_GATHER_MAX_PAIRS:
-            # GEMM1's token rows gathered in the dispatch's own launch (align.moe_align_gather)
+    # GEMM1's token rows gathered in the dispatch's own launch (align.moe_align_gather)
+    align_gathers = not direct and (ws_fp4_1 or fp8_ws) and T * top_k <= ALIGN_GATHER_MAX_PAIRS
+    aligned = x_quantized = None
+    if route is not None:
+        # The layer call's routing, launched here (RouteCall): with x's quantization for the
+        # fp8 modes and, where its routing is one program, the dispatch of its ids
+        quantize = (quant in ("fp8", "fp8_block") and not fp8_ws
+                    and T <= ROUTE_QUANTIZE_MAX_TOKENS)
+        align = (ROUTE_ALIGN and not direct and not align_gathers
+                 and routes_in_one_program(T, top_k, route.router_logits.shape[1],
+                                           route.method, route.n_group))
+        routed = triton_route(route.router_logits, route.method, top_k, route.routing_bias,
+                              route.n_group, route.topk_group, route.routed_scaling_factor,
+                              out=(topk_ids, topk_weights),
+                              quantize=(x, quant) if quantize else None,
+                              align=(E, align_block_m, local_expert_offset) if align else None)
+        x_quantized = tuple(routed[2:4]) if quantize else None
+        aligned = routed[-1] if align else None
+    if not direct:
+        if aligned is None and align_gathers:
             aligned, gathered = moe_align_gather(topk_ids, E, align_block_m,
                                                  local_expert_offset, x)
-        else:
+        elif aligned is None:
             aligned = moe_align(topk_ids, E, align_block_m, local_expert_offset)
         routing.sorted_pair_ids = aligned.sorted_pair_ids
         routing.block_expert_ids = aligned.block_expert_ids

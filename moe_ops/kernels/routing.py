@@ -21,10 +21,12 @@ through its -inf stand-in while the weights carry the true NaN, as the reference
 `moe_ops.routing.route_reference` is the oracle; every floating-point step here mirrors its
 order of operations so that ids match exactly and weights to float32 rounding.
 
-In a layer call of the fp8 modes (at decode sizes: moe_ops.experts.quantize_in_routing) the
-same launch also runs act_quant's programs over x (act_quant.quantize_rows_program, in grid
+In a layer call of the fp8 modes (at decode sizes: kernels/experts.py ROUTE_QUANTIZE_MAX_TOKENS)
+the same launch also runs act_quant's programs over x (act_quant.quantize_rows_program, in grid
 slots after the routing's): the experts' first quantization needs nothing of the routing, so
-it runs beside it instead of in a launch of its own after it.
+it runs beside it instead of in a launch of its own after it. Where the routing is one program,
+that program can also write the dispatch of the ids it routed (ALIGN: align.align_pairs, the
+small path's code) in place of the dispatch's launch (kernels/experts.py ROUTE_ALIGN).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import triton.language as tl
 
 from moe_ops.routing import DEEPSEEK_DENOMINATOR_EPS
 from moe_ops.kernels.act_quant import plan as act_quant_plan, quantize_rows_program
+from moe_ops.kernels.align import SMALL_PATH_MAX_PAIRS, align_pairs, small_path_plan
 from moe_ops.kernels.common import pdl_launch_options, pdl_prologue, use_pdl
 
 # Below the key of any real score (the lowest is -inf's), so a taken or padding expert never wins.
@@ -84,6 +87,9 @@ def _route_kernel(
     # act_quant's programs run beside the routing's (QUANTIZE; see triton_route's quantize)
     route_programs, quant_parts, x_ptr, q_ptr, scale_ptr, x_rows, x_cols,
     stride_xm, stride_qm, stride_sm,
+    # the dispatch's outputs, written by the routing's single program after it routes (ALIGN)
+    sorted_pair_ids_ptr, block_expert_ids_ptr, num_padded_ptr, num_local_experts,
+    local_expert_offset, max_padded, max_blocks,
     METHOD: tl.constexpr,
     TOP_K: tl.constexpr,
     N_GROUP: tl.constexpr,
@@ -99,10 +105,14 @@ def _route_kernel(
     GROUP_K: tl.constexpr = 0, Q_BLOCK_K: tl.constexpr = 16, Q_SPLIT_K: tl.constexpr = False,
     LOAD_FIRST: tl.constexpr = False, SLICE_K: tl.constexpr = 0,
     FAST_DIV: tl.constexpr = False, ROWS: tl.constexpr = 1,
+    ALIGN: tl.constexpr = False, A_BLOCK_M: tl.constexpr = 16, PAIRS: tl.constexpr = 1,
+    EXPERTS: tl.constexpr = 1, FILL: tl.constexpr = 1024,
 ):
     """Programs [0, route_programs) route BLOCK_T tokens each; with QUANTIZE the rest are
     act_quant's programs over x (program q: act_quant's grid ids (q // quant_parts,
-    q % quant_parts)), which do not depend on the routing and so run beside it."""
+    q % quant_parts)), which do not depend on the routing and so run beside it. With ALIGN
+    the routing is one program, which then writes the dispatch of its ids (align_pairs, the
+    small path's work) in place of moe_align's launch."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     quantizer = False
@@ -119,6 +129,15 @@ def _route_kernel(
                       num_tokens, stride_token, stride_expert, routed_scaling_factor, METHOD,
                       TOP_K, N_GROUP, GROUP_SIZE, TOPK_GROUP, HAS_BIAS, BLOCK_T, G_PAD,
                       GS_PAD, K_PAD)
+        if ALIGN:
+            # Every id was written by this program's threads: the barrier orders those global
+            # stores before the dispatch's loads by other threads (as _route_tokens' own read
+            # back of its ids).
+            tl.debug_barrier()
+            align_pairs(0, topk_ids_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
+                        num_padded_ptr, num_tokens * TOP_K, num_local_experts,
+                        local_expert_offset, max_padded, max_blocks, topk_ids_ptr,
+                        sorted_pair_ids_ptr, 1, 0, 0, 1, A_BLOCK_M, PAIRS, EXPERTS, FILL, 0)
 
 
 @triton.jit
@@ -255,6 +274,29 @@ _TILE_ELEMENTS = 2048
 _MAX_BLOCK_T = 64
 
 
+def _route_tile(num_tokens: int, num_experts: int, method: str, n_group: Optional[int]):
+    """(groups, group_size, G_PAD, GS_PAD, BLOCK_T, warps) of a launch routing num_tokens."""
+    # Every method but DeepSeek-V3's is the one-group case of the same tile.
+    groups = n_group if method == "deepseek_v3" else 1
+    group_size = num_experts // groups
+    g_pad = triton.next_power_of_2(groups)
+    gs_pad = triton.next_power_of_2(group_size)
+    expert_tile = g_pad * gs_pad
+    block_t = max(1, min(_TILE_ELEMENTS // expert_tile, _MAX_BLOCK_T,
+                         triton.next_power_of_2(num_tokens)))
+    # About 16 key elements per thread; fewer warps for small tiles so threads are not idle.
+    num_warps = max(1, min(4, block_t * expert_tile // 512))
+    return groups, group_size, g_pad, gs_pad, block_t, num_warps
+
+
+def routes_in_one_program(num_tokens: int, top_k: int, num_experts: int, method: str,
+                          n_group: Optional[int]) -> bool:
+    """Whether triton_route's routing of num_tokens is one program, so that the same launch can
+    write the dispatch of its ids (`align`; within the single-program path's pair bound)."""
+    block_t = _route_tile(num_tokens, num_experts, method, n_group)[4]
+    return 0 < num_tokens <= block_t and num_tokens * top_k <= SMALL_PATH_MAX_PAIRS
+
+
 def triton_route(
     router_logits: torch.Tensor,
     method: str,
@@ -266,6 +308,7 @@ def triton_route(
     *,
     out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     quantize: Optional[tuple[torch.Tensor, str]] = None,
+    align: Optional[tuple[int, int, int]] = None,
 ) -> tuple:
     """Route on the GPU in one launch. Returns (topk_ids int32 [T, k], topk_weights float32 [T, k]).
 
@@ -274,61 +317,70 @@ def triton_route(
     tensors on the logits' device to write into (every element is overwritten).
     `quantize` = (x, quant), x a contiguous [M, K] tensor and quant "fp8" or "fp8_block": the
     same launch also quantizes x's rows as act_quant(x, quant) does (its programs, the same
-    codes and scales), in programs of its grid beside the routing's; returns (topk_ids,
-    topk_weights, q, scales) then. Why: the fp8 modes' experts call starts with act_quant(x),
+    codes and scales), in programs of its grid beside the routing's; (q, scales) follow the ids
+    and weights in the result then. Why: the fp8 modes' experts call starts with act_quant(x),
     which needs nothing of the routing, and at decode each launch costs more in latency than in
-    work (see QUANTIZE_MAX_TOKENS).
+    work (kernels/experts.py ROUTE_QUANTIZE_MAX_TOKENS).
+    `align` = (num_local_experts, block_m, local_expert_offset), where routes_in_one_program:
+    the routing's program then also writes moe_align's dispatch of the ids (the same bytes as
+    its single-program path), returned last (an AlignedPairs): the dispatch's launch saved.
     """
     num_tokens, num_experts = router_logits.shape
+    device = router_logits.device
     if out is None:
-        topk_ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=router_logits.device)
-        topk_weights = torch.empty((num_tokens, top_k), dtype=torch.float32,
-                                   device=router_logits.device)
+        topk_ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
+        topk_weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
     else:
         topk_ids, topk_weights = out
-    q = scales = None
+    result = [topk_ids, topk_weights]
     if quantize is not None:
         x, quant = quantize
         q, scales, quant_launch = act_quant_plan(x, quant)
+        result += [q, scales]
+    if align is not None:
+        if not routes_in_one_program(num_tokens, top_k, num_experts, method, n_group):
+            raise ValueError(f"triton_route: align needs the routing in one program, not "
+                             f"{num_tokens} tokens of {num_experts} experts ({method})")
+        num_local_experts, block_m, local_expert_offset = align
+        aligned, align_constexprs, align_warps = small_path_plan(
+            num_tokens * top_k, num_local_experts, block_m, device)
+        result.append(aligned)
     if num_tokens == 0:
-        return (topk_ids, topk_weights) if quantize is None else (topk_ids, topk_weights, q,
-                                                                   scales)
+        return tuple(result)
 
-    if method == "deepseek_v3":
-        groups, groups_kept = n_group, topk_group
-    else:
-        # Every other method is the one-group case of the same tile.
-        groups, groups_kept = 1, 1
-    group_size = num_experts // groups
-    g_pad = triton.next_power_of_2(groups)
-    gs_pad = triton.next_power_of_2(group_size)
-    expert_tile = g_pad * gs_pad
-
-    block_t = max(1, min(_TILE_ELEMENTS // expert_tile, _MAX_BLOCK_T,
-                         triton.next_power_of_2(num_tokens)))
-    # About 16 key elements per thread; fewer warps for small tiles so threads are not idle.
-    num_warps = max(1, min(4, block_t * expert_tile // 512))
-
+    groups, group_size, g_pad, gs_pad, block_t, num_warps = _route_tile(
+        num_tokens, num_experts, method, n_group)
+    groups_kept = topk_group if method == "deepseek_v3" else 1
     has_bias = method == "deepseek_v3" and routing_bias is not None
     bias = routing_bias.contiguous() if has_bias else router_logits  # dummy pointer if unused
 
     route_programs = triton.cdiv(num_tokens, block_t)
+    constexprs = {}
     if quantize is None:
         quant_args = (0, 1, router_logits, router_logits, router_logits, 0, 0, 0, 0, 0)
-        quant_programs, quant_constexprs = 0, {}
+        quant_programs = 0
     else:
         quant_args = (route_programs, quant_launch.grid[1] if len(quant_launch.grid) > 1 else 1,
                       x, q, scales, x.shape[0], x.shape[1], x.stride(0), q.stride(0),
                       quant_launch.stride_sm)
         quant_programs = quant_launch.programs
         c = quant_launch.constexprs
-        quant_constexprs = dict(QUANTIZE=True, GROUP_K=c["GROUP_K"], Q_BLOCK_K=c["BLOCK_K"],
-                                Q_SPLIT_K=c["SPLIT_K"], LOAD_FIRST=c["LOAD_FIRST"],
-                                SLICE_K=c["SLICE_K"], FAST_DIV=c["FAST_DIV"], ROWS=c["ROWS"])
+        constexprs.update(QUANTIZE=True, GROUP_K=c["GROUP_K"], Q_BLOCK_K=c["BLOCK_K"],
+                          Q_SPLIT_K=c["SPLIT_K"], LOAD_FIRST=c["LOAD_FIRST"],
+                          SLICE_K=c["SLICE_K"], FAST_DIV=c["FAST_DIV"], ROWS=c["ROWS"])
         # (the launch's warps serve both: act_quant's rule for its rows, at least the routing's)
         num_warps = max(num_warps, quant_launch.num_warps)
-    grid = (route_programs + quant_programs,)
-    _route_kernel[grid](
+    if align is None:
+        align_args = (topk_ids, topk_ids, topk_ids, 0, 0, 0, 0)
+    else:
+        align_args = (aligned.sorted_pair_ids, aligned.block_expert_ids, aligned.num_padded,
+                      num_local_experts, local_expert_offset, aligned.sorted_pair_ids.numel(),
+                      aligned.block_expert_ids.numel())
+        constexprs.update(ALIGN=True, A_BLOCK_M=align_constexprs["BLOCK_M"],
+                          PAIRS=align_constexprs["PAIRS"], EXPERTS=align_constexprs["EXPERTS"],
+                          FILL=align_constexprs["FILL"])
+        num_warps = max(num_warps, align_warps)
+    _route_kernel[(route_programs + quant_programs,)](
         router_logits,
         bias,
         topk_ids,
@@ -338,6 +390,7 @@ def triton_route(
         router_logits.stride(1),
         float(routed_scaling_factor),
         *quant_args,
+        *align_args,
         METHOD=method,
         TOP_K=top_k,
         N_GROUP=groups,
@@ -348,9 +401,9 @@ def triton_route(
         G_PAD=g_pad,
         GS_PAD=gs_pad,
         K_PAD=triton.next_power_of_2(top_k),
-        USE_PDL=use_pdl(router_logits.device),
+        USE_PDL=use_pdl(device),
         num_warps=num_warps,
-        **quant_constexprs,
-        **pdl_launch_options(router_logits.device),
+        **constexprs,
+        **pdl_launch_options(device),
     )
-    return (topk_ids, topk_weights) if quantize is None else (topk_ids, topk_weights, q, scales)
+    return tuple(result)
