@@ -304,7 +304,8 @@
 # alternated passes; about 7 minutes.
 # routealign: the routing's single program writing the dispatch (MOE_OPS_ROUTE_ALIGN=1,
 # kernels/experts.py ROUTE_ALIGN): its GPU tests (the same dispatch bytes as moe_align, the layer
-# as the separate launches give it) with the routing, dispatch and layer tests, compute-sanitizer
+# as the separate launches give it, bit for bit: routing.FIXED_WARPS) with the routing,
+# dispatch and layer tests (test_layer's layer call against the pre-routed one), compute-sanitizer
 # on its dispatch tests, gpu_check's bf16 / fp8 / fp8_block cases at T = 1, 7, 64 with it on,
 # then the decode layers at T = 2-64 with it 0 / 1, two alternated passes; about 7 minutes.
 # tunepf: tuneq3's steps for each model:quant of $TUNE_PAIRS (default Llama 4 and Mixtral fp8,
@@ -1289,8 +1290,8 @@ if [[ "$what" == routealign ]]; then
   export MOE_OPS_ROUTE_ALIGN=1
   tests_then_sanitize routealign tests/test_route_quantize.py \
     "test or dispatch or routing or layer" "same_dispatch" 200
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_layer.py \
-    tests/test_kernels_routing.py tests/test_dispatch.py tests/test_ops.py \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_layer.py \
+    tests/test_kernels_routing.py tests/test_dispatch.py tests/test_ops.py tests/test_layer.py \
     > "$out/pytest_routealign_layer.log" 2>&1 || status=1
   tail -n 2 "$out/pytest_routealign_layer.log"
   timeout 150 python3 benchmarks/gpu_check.py --quant none fp8 fp8_block --tokens 1 7 64 \

@@ -171,9 +171,15 @@ def fused_experts(
     check_experts_call(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
                        w13_global_scale, w2_global_scale, b13, b2, activation, quant)
     backend = resolve_backend(backend, hidden_states.device, quant)
-    if route is not None and (backend != "triton" or hidden_states.shape[0] == 0):
-        raise ValueError("fused_experts: route needs the 'triton' backend and at least one "
-                         "token")
+    if route is not None:
+        # (the routing launch writes its ids and weights by offset, as int32 and float32)
+        check(backend == "triton" and hidden_states.shape[0] > 0, "backend",
+              "'triton' and at least one token with route", f"{backend!r}, "
+              f"{hidden_states.shape[0]} tokens")
+        check(topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
+              and topk_weights.dtype == torch.float32 and topk_weights.is_contiguous(),
+              "topk_ids", "contiguous int32 ids and float32 weights with route",
+              f"{topk_ids.dtype} / {topk_weights.dtype}")
     if hidden_states.shape[0] == 0:
         return hidden_states.new_empty((0, hidden_states.shape[1]))
     topk_weights = topk_weights.float()

@@ -69,26 +69,31 @@ def fused_moe_impl(hidden_states, router_logits, w13, w2, w13_scale, w2_scale, w
                    topk_group, routed_scaling_factor, activation, quant, alpha, limit,
                    local_expert_offset, backend):
     routing.validate_logits_match(router_logits, hidden_states)
+    # Every argument is checked before any launch (SPEC §3), in the order of the fake and of the
+    # separate ops: the routing's (route_impl's checks), then the experts', with the ids and
+    # weights the routing will write (allocated, not written).
+    group_args = _optional_int(n_group), _optional_int(topk_group)
+    routing.validate_route_call(router_logits, routing_method, top_k, routing_bias, *group_args)
+    experts.resolve_backend(backend, router_logits.device)
     tokens, device = hidden_states.shape[0], hidden_states.device
-    if tokens > 0 and experts.resolve_backend(backend, device, quant) == "triton":
-        # The Triton experts call launches the routing itself (kernels/experts.py, RouteCall),
-        # where its dispatch needs the ids, so that one launch can also quantize x and write
-        # the dispatch; every argument is checked before (SPEC §3), the routing's here, the
-        # experts' with the ids and weights the routing will write (allocated, not written).
-        n_group, topk_group = _optional_int(n_group), _optional_int(topk_group)
-        routing.validate_route_call(router_logits, routing_method, top_k, routing_bias, n_group,
-                                    topk_group)
-        experts.resolve_backend(backend, router_logits.device)
-        from moe_ops.kernels.experts import RouteCall
+    if tokens > 0:
+        routed = (torch.empty((tokens, top_k), dtype=torch.int32, device=device),
+                  torch.empty((tokens, top_k), dtype=torch.float32, device=device))
+        experts.check_experts_call(hidden_states, *routed, w13, w2, w13_scale, w2_scale,
+                                   w13_global_scale, w2_global_scale, b13, b2, activation, quant)
+        if experts.resolve_backend(backend, device, quant) == "triton":
+            # The Triton experts call launches the routing itself (kernels/experts.py,
+            # RouteCall), where its dispatch needs the ids, so that one launch can also
+            # quantize x and write the dispatch.
+            from moe_ops.kernels.experts import RouteCall
 
-        route = RouteCall(router_logits, routing_method,
-                          routing_bias if routing_method == "deepseek_v3" else None, n_group,
-                          topk_group, routed_scaling_factor)
-        return experts.fused_experts(
-            hidden_states, torch.empty((tokens, top_k), dtype=torch.int32, device=device),
-            torch.empty((tokens, top_k), dtype=torch.float32, device=device), w13, w2,
-            w13_scale, w2_scale, w13_global_scale, w2_global_scale, b13, b2, activation, quant,
-            alpha, limit, local_expert_offset, backend, route=route)
+            route = RouteCall(router_logits, routing_method,
+                              routing_bias if routing_method == "deepseek_v3" else None,
+                              *group_args, routed_scaling_factor)
+            return experts.fused_experts(
+                hidden_states, *routed, w13, w2, w13_scale, w2_scale, w13_global_scale,
+                w2_global_scale, b13, b2, activation, quant, alpha, limit, local_expert_offset,
+                backend, route=route)
     topk_ids, topk_weights = route_impl(router_logits, routing_method, top_k, routing_bias,
                                         n_group, topk_group, routed_scaling_factor, backend)
     return fused_experts_impl(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,

@@ -272,7 +272,12 @@ def small_path_plan(num_pairs: int, num_experts: int, block_m: int, device: torc
     pairs_p2 = next_power_of_2(max(num_pairs, 1))
     experts_p2 = next_power_of_2(num_experts)
     constexprs = dict(BLOCK_M=block_m, PAIRS=pairs_p2, EXPERTS=experts_p2, FILL=1024)
-    return aligned, constexprs, 4 if pairs_p2 * experts_p2 <= 1 << 16 else 8
+    return aligned, constexprs, small_path_warps(num_pairs, num_experts)
+
+
+def small_path_warps(num_pairs: int, num_experts: int) -> int:
+    """Warps of the single-program path (without the gather): 8 for its largest tiles."""
+    return 4 if next_power_of_2(max(num_pairs, 1)) * next_power_of_2(num_experts) <= 1 << 16 else 8
 
 
 def _align(topk_ids, num_experts, block_m, local_expert_offset, small_path_max_pairs,

@@ -33,7 +33,9 @@ from typing import Optional
 import torch
 
 from moe_ops.kernels.act_quant import act_quant
-from moe_ops.kernels.routing import routes_in_one_program, triton_route
+from moe_ops.kernels.routing import (
+    FIXED_WARPS_MAX_TOKENS, routes_in_one_program, triton_route,
+)
 from moe_ops.kernels.align import SMALL_PATH_MAX_PAIRS, gather_rows, moe_align, moe_align_gather
 from moe_ops.kernels import ws_fp4, ws_gemm
 from moe_ops.kernels.combine import combine_pair_rows
@@ -470,10 +472,10 @@ def triton_experts(
         # The layer call's routing, launched here (RouteCall): with x's quantization for the
         # fp8 modes and, where its routing is one program, the dispatch of its ids
         quantize = (quant in ("fp8", "fp8_block") and not fp8_ws
-                    and T <= ROUTE_QUANTIZE_MAX_TOKENS)
+                    and T <= min(ROUTE_QUANTIZE_MAX_TOKENS, FIXED_WARPS_MAX_TOKENS))
         align = (ROUTE_ALIGN and not direct and not align_gathers
                  and routes_in_one_program(T, top_k, route.router_logits.shape[1],
-                                           route.method, route.n_group))
+                                           route.method, route.n_group, E))
         routed = triton_route(route.router_logits, route.method, top_k, route.routing_bias,
                               route.n_group, route.topk_group, route.routed_scaling_factor,
                               out=(topk_ids, topk_weights),

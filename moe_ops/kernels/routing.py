@@ -38,7 +38,9 @@ import triton.language as tl
 
 from moe_ops.routing import DEEPSEEK_DENOMINATOR_EPS
 from moe_ops.kernels.act_quant import plan as act_quant_plan, quantize_rows_program
-from moe_ops.kernels.align import SMALL_PATH_MAX_PAIRS, align_pairs, small_path_plan
+from moe_ops.kernels.align import (
+    SMALL_PATH_MAX_PAIRS, align_pairs, small_path_plan, small_path_warps,
+)
 from moe_ops.kernels.common import pdl_launch_options, pdl_prologue, use_pdl
 
 # Below the key of any real score (the lowest is -inf's), so a taken or padding expert never wins.
@@ -274,6 +276,15 @@ _TILE_ELEMENTS = 2048
 _MAX_BLOCK_T = 64
 
 
+# Up to FIXED_WARPS_MAX_TOKENS tokens the routing launch runs at FIXED_WARPS warps whatever its
+# tile, alone or with act_quant's programs or the dispatch beside it (those run at its warps
+# then; their results are the same at any count): a launch's warps shape its reductions'
+# order, so the weights would otherwise round their last bit differently in a layer call than
+# in the routing op (seen on an H200 with the merged launch at act_quant's warp count).
+FIXED_WARPS_MAX_TOKENS = 256
+FIXED_WARPS = 4
+
+
 def _route_tile(num_tokens: int, num_experts: int, method: str, n_group: Optional[int]):
     """(groups, group_size, G_PAD, GS_PAD, BLOCK_T, warps) of a launch routing num_tokens."""
     # Every method but DeepSeek-V3's is the one-group case of the same tile.
@@ -284,17 +295,23 @@ def _route_tile(num_tokens: int, num_experts: int, method: str, n_group: Optiona
     expert_tile = g_pad * gs_pad
     block_t = max(1, min(_TILE_ELEMENTS // expert_tile, _MAX_BLOCK_T,
                          triton.next_power_of_2(num_tokens)))
-    # About 16 key elements per thread; fewer warps for small tiles so threads are not idle.
-    num_warps = max(1, min(4, block_t * expert_tile // 512))
+    # About 16 key elements per thread; fewer warps for small tiles so threads are not idle
+    # (but see FIXED_WARPS).
+    num_warps = (FIXED_WARPS if num_tokens <= FIXED_WARPS_MAX_TOKENS
+                 else max(1, min(4, block_t * expert_tile // 512)))
     return groups, group_size, g_pad, gs_pad, block_t, num_warps
 
 
 def routes_in_one_program(num_tokens: int, top_k: int, num_experts: int, method: str,
-                          n_group: Optional[int]) -> bool:
+                          n_group: Optional[int], num_local_experts: int) -> bool:
     """Whether triton_route's routing of num_tokens is one program, so that the same launch can
-    write the dispatch of its ids (`align`; within the single-program path's pair bound)."""
+    write the dispatch of its ids over num_local_experts (`align`: within the single-program
+    path's pair bound, at its warps)."""
     block_t = _route_tile(num_tokens, num_experts, method, n_group)[4]
-    return 0 < num_tokens <= block_t and num_tokens * top_k <= SMALL_PATH_MAX_PAIRS
+    pairs = num_tokens * top_k
+    return (0 < num_tokens <= min(block_t, FIXED_WARPS_MAX_TOKENS)
+            and pairs <= SMALL_PATH_MAX_PAIRS
+            and small_path_warps(pairs, num_local_experts) <= FIXED_WARPS)
 
 
 def triton_route(
@@ -333,16 +350,20 @@ def triton_route(
     else:
         topk_ids, topk_weights = out
     result = [topk_ids, topk_weights]
+    if (quantize is not None or align is not None) and num_tokens > FIXED_WARPS_MAX_TOKENS:
+        raise ValueError(f"triton_route: quantize and align need at most "
+                         f"{FIXED_WARPS_MAX_TOKENS} tokens, got {num_tokens}")
     if quantize is not None:
         x, quant = quantize
         q, scales, quant_launch = act_quant_plan(x, quant)
         result += [q, scales]
     if align is not None:
-        if not routes_in_one_program(num_tokens, top_k, num_experts, method, n_group):
+        num_local_experts, block_m, local_expert_offset = align
+        if not routes_in_one_program(num_tokens, top_k, num_experts, method, n_group,
+                                     num_local_experts):
             raise ValueError(f"triton_route: align needs the routing in one program, not "
                              f"{num_tokens} tokens of {num_experts} experts ({method})")
-        num_local_experts, block_m, local_expert_offset = align
-        aligned, align_constexprs, align_warps = small_path_plan(
+        aligned, align_constexprs, _ = small_path_plan(
             num_tokens * top_k, num_local_experts, block_m, device)
         result.append(aligned)
     if num_tokens == 0:
@@ -368,8 +389,7 @@ def triton_route(
         constexprs.update(QUANTIZE=True, GROUP_K=c["GROUP_K"], Q_BLOCK_K=c["BLOCK_K"],
                           Q_SPLIT_K=c["SPLIT_K"], LOAD_FIRST=c["LOAD_FIRST"],
                           SLICE_K=c["SLICE_K"], FAST_DIV=c["FAST_DIV"], ROWS=c["ROWS"])
-        # (the launch's warps serve both: act_quant's rule for its rows, at least the routing's)
-        num_warps = max(num_warps, quant_launch.num_warps)
+        # (at the routing's FIXED_WARPS, not act_quant's rule: the same codes)
     if align is None:
         align_args = (topk_ids, topk_ids, topk_ids, 0, 0, 0, 0)
     else:
@@ -379,7 +399,6 @@ def triton_route(
         constexprs.update(ALIGN=True, A_BLOCK_M=align_constexprs["BLOCK_M"],
                           PAIRS=align_constexprs["PAIRS"], EXPERTS=align_constexprs["EXPERTS"],
                           FILL=align_constexprs["FILL"])
-        num_warps = max(num_warps, align_warps)
     _route_kernel[(route_programs + quant_programs,)](
         router_logits,
         bias,
