@@ -117,54 +117,14 @@ def _route_kernel(
     small path's work) in place of moe_align's launch."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
-    quantizer = False
     if QUANTIZE:
-        quantizer = pid >= route_programs
-    if quantizer:
-        program = pid - route_programs
-        quantize_rows_program(program // quant_parts, program % quant_parts, x_ptr, q_ptr,
-                              scale_ptr, x_ptr, 0, x_rows, x_cols, stride_xm, stride_qm,
-                              stride_sm, GROUP_K, Q_BLOCK_K, Q_SPLIT_K, False, LOAD_FIRST,
-                              SLICE_K, FAST_DIV, ROWS)
-    else:
-        _route_tokens(pid, logits_ptr, routing_bias_ptr, topk_ids_ptr, topk_weights_ptr,
-                      num_tokens, stride_token, stride_expert, routed_scaling_factor, METHOD,
-                      TOP_K, N_GROUP, GROUP_SIZE, TOPK_GROUP, HAS_BIAS, BLOCK_T, G_PAD,
-                      GS_PAD, K_PAD)
-        if ALIGN:
-            # Every id was written by this program's threads: the barrier orders those global
-            # stores before the dispatch's loads by other threads (as _route_tokens' own read
-            # back of its ids).
-            tl.debug_barrier()
-            align_pairs(0, topk_ids_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
-                        num_padded_ptr, num_tokens * TOP_K, num_local_experts,
-                        local_expert_offset, max_padded, max_blocks, topk_ids_ptr,
-                        sorted_pair_ids_ptr, 1, 0, 0, 1, A_BLOCK_M, PAIRS, EXPERTS, FILL, 0)
-
-
-@triton.jit
-def _route_tokens(
-    pid,
-    logits_ptr,
-    routing_bias_ptr,
-    topk_ids_ptr,
-    topk_weights_ptr,
-    num_tokens,
-    stride_token,
-    stride_expert,
-    routed_scaling_factor,
-    METHOD: tl.constexpr,
-    TOP_K: tl.constexpr,
-    N_GROUP: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    G_PAD: tl.constexpr,
-    GS_PAD: tl.constexpr,
-    K_PAD: tl.constexpr,
-):
-    """Route tokens [pid * BLOCK_T, + BLOCK_T)."""
+        if pid >= route_programs:
+            program = pid - route_programs
+            quantize_rows_program(program // quant_parts, program % quant_parts, x_ptr, q_ptr,
+                                  scale_ptr, x_ptr, 0, x_rows, x_cols, stride_xm, stride_qm,
+                                  stride_sm, GROUP_K, Q_BLOCK_K, Q_SPLIT_K, False, LOAD_FIRST,
+                                  SLICE_K, FAST_DIV, ROWS)
+            return
     # int64 from the start: token * stride overflows int32 for large batches.
     tokens = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_mask = tokens < num_tokens
@@ -265,6 +225,15 @@ def _route_tokens(
         weights = chosen
 
     tl.store(topk_weights_ptr + out_offsets, weights, mask=out_mask)
+
+    if ALIGN:
+        # Every id was written by this program's threads: the barrier orders those global
+        # stores before the dispatch's loads by other threads (as the read back above).
+        tl.debug_barrier()
+        align_pairs(0, topk_ids_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
+                    num_tokens * TOP_K, num_local_experts, local_expert_offset, max_padded,
+                    max_blocks, topk_ids_ptr, sorted_pair_ids_ptr, 1, 0, 0, 1, A_BLOCK_M, PAIRS,
+                    EXPERTS, FILL, 0)
 
 
 # Target experts-per-program tile (BLOCK_T * G_PAD * GS_PAD elements): 2048 keeps the int64 key
